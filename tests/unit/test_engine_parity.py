@@ -1,0 +1,87 @@
+"""Greedy output of the engine equals transformers' generate, token for token (fp32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.engine_helpers import MAX_NEW_TOKENS, hf_greedy, random_prompts
+from workers.engine import LLMEngine, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0)
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def make_engine(model_dir: str, **kwargs) -> LLMEngine:
+    kwargs.setdefault("num_kv_blocks", 512)
+    return LLMEngine(model_dir, load_progress=False, **kwargs)
+
+
+def assert_matches_hf(model_dir: str, prompts: list[list[int]], outs) -> None:
+    for prompt, out in zip(prompts, outs, strict=True):
+        expected = hf_greedy(model_dir, tuple(prompt))
+        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
+        assert out.finish_reason == ("length" if len(expected) == MAX_NEW_TOKENS else "stop")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_single_prompt(tiny_model_dirs, arch):
+    model_dir = tiny_model_dirs[arch]
+    engine = make_engine(model_dir)
+    prompt = random_prompts((45,), seed=1)
+    assert_matches_hf(model_dir, prompt, engine.generate(prompt, GREEDY))
+    engine.block_manager.check_idle()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        pytest.param({"enable_prefix_caching": True}, id="prefix-cache-on"),
+        pytest.param({"enable_prefix_caching": False}, id="prefix-cache-off"),
+        pytest.param({"max_num_batched_tokens": 32}, id="chunked-prefill-32"),
+        pytest.param({"num_kv_blocks": 40}, id="preemption-40-blocks"),
+    ],
+)
+def test_batch_of_prompts(tiny_model_dirs, arch, engine_kwargs):
+    model_dir = tiny_model_dirs[arch]
+    engine = make_engine(model_dir, **engine_kwargs)
+    prompts = random_prompts()
+    outs = engine.generate(prompts, GREEDY)
+    assert_matches_hf(model_dir, prompts, outs)
+    if "num_kv_blocks" in engine_kwargs:
+        # 8 prompts of up to 364 tokens cannot all fit in 40 x 16 = 640 tokens
+        assert engine.scheduler.num_preemptions > 0
+    engine.block_manager.check_idle()
+
+
+def test_preemption_with_prefix_caching_off_still_exact(tiny_llama):
+    engine = make_engine(tiny_llama, num_kv_blocks=40, enable_prefix_caching=False, max_num_batched_tokens=64)
+    prompts = random_prompts(seed=3)
+    assert_matches_hf(tiny_llama, prompts, engine.generate(prompts, GREEDY))
+    assert engine.scheduler.num_preemptions > 0
+    engine.block_manager.check_idle()
+
+
+def test_shared_prefix_is_served_from_cache(tiny_llama):
+    engine = make_engine(tiny_llama)
+    prefix = random_prompts((200,), seed=7)[0]
+    first = prefix + [11, 12, 13]
+    second = prefix + [21, 22, 23, 24, 25]
+    out1 = engine.generate([first], GREEDY)[0]
+    out2 = engine.generate([second], GREEDY)[0]
+    assert out1.num_cached_tokens == 0
+    assert out2.num_cached_tokens >= 192
+    cold = make_engine(tiny_llama).generate([second], GREEDY)[0]
+    assert cold.num_cached_tokens == 0
+    assert out2.token_ids == cold.token_ids == hf_greedy(tiny_llama, tuple(second))
+    engine.block_manager.check_idle()
+
+
+def test_identical_prompt_reuses_all_but_the_last_token(tiny_llama):
+    engine = make_engine(tiny_llama)
+    prompt = random_prompts((64,), seed=9)[0]  # exactly 4 blocks
+    a = engine.generate([prompt], GREEDY)[0]
+    b = engine.generate([prompt], GREEDY)[0]
+    assert b.num_cached_tokens == 48  # the last block is recomputed for its logits
+    assert a.token_ids == b.token_ids
+    engine.block_manager.check_idle()

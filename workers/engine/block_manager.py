@@ -1,0 +1,213 @@
+"""Paged KV block accounting: ref counts, an LRU free queue, and the prefix cache.
+
+Invariants (checked by ``check_idle``):
+- A block is either referenced (ref_count > 0, held by one or more sequences' block tables) or
+  in the free queue (ref_count == 0). Never both, never neither.
+- A free block may still carry a hash: it is *cached* and can be revived by a prefix hit until
+  the free queue hands it out again, which evicts it (``BlockRemoved``).
+- ``hash -> block`` maps only full, computed blocks; every hit is verified against the block's
+  token ids, so a hash collision can cost a miss but never a wrong answer.
+- Only the block manager frees blocks. A sequence's blocks are freed exactly once, by ``free``.
+
+The block manager emits ``BlockStored`` / ``BlockRemoved`` events and never imports Redis; the
+worker drains them with ``take_events`` and hands them to the index publisher.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvstore.hashing import ROOT_PARENT_HASH, BlockHash, hash_prompt_blocks
+from workers.engine.sequence import Sequence
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] = ()  # the tokens whose KV the block holds, kept for hit checks
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """Leading blocks of a sequence found in the prefix cache (not yet referenced)."""
+
+    blocks: tuple[KVBlock, ...] = ()
+    num_tokens: int = 0
+
+
+@dataclass(slots=True)
+class BlockStats:
+    prefix_queries: int = 0  # prompt tokens looked up (counted by the scheduler on admission)
+    prefix_hits: int = 0  # prompt tokens found cached
+    evictions: int = 0
+    events: list[KVEvent] = field(default_factory=list)
+
+
+class BlockManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, model_key: str, enable_prefix_caching: bool = True
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.model_key = model_key
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Front is evicted first. Freed chains are appended tail-first, so a chain's last block
+        # goes before its first: the shared head of many prompts survives longest.
+        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[BlockHash, KVBlock] = {}
+        self.stats = BlockStats()
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash this worker can serve (for republishing to a fresh index)."""
+        return list(self._cached)
+
+    def block_hashes(self, seq: Sequence) -> list[BlockHash]:
+        """The sequence's chained hashes over its full blocks, extended as it grows."""
+        hashes = seq.block_hashes
+        num_full = seq.num_tokens // self.block_size
+        if len(hashes) < num_full:
+            parent = hashes[-1] if hashes else ROOT_PARENT_HASH
+            hashes.extend(
+                hash_prompt_blocks(
+                    seq.token_ids[: num_full * self.block_size],
+                    self.block_size,
+                    self.model_key,
+                    seq.cache_salt,
+                    parent_hash=parent,
+                    start_block=len(hashes),
+                )
+            )
+        return hashes
+
+    def find_cached_prefix(self, seq: Sequence) -> CachedPrefix:
+        """Longest run of the sequence's leading blocks held in the cache, verified by tokens.
+
+        At least one token is always left to compute: the last prompt position's logits are
+        needed to sample, and a block holds no logits.
+        """
+        if not self.enable_prefix_caching:
+            return CachedPrefix()
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for i, block_hash in enumerate(self.block_hashes(seq)[:max_blocks]):
+            block = self._cached.get(block_hash)
+            start = i * self.block_size
+            if block is None or block.token_ids != tuple(seq.token_ids[start : start + self.block_size]):
+                break
+            hits.append(block)
+        return CachedPrefix(tuple(hits), len(hits) * self.block_size)
+
+    # ------------------------------------------------------------- allocation
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, cached: CachedPrefix = CachedPrefix()
+    ) -> bool:
+        """Make ``seq.block_table`` cover its computed tokens, ``cached`` and ``num_new_tokens``.
+
+        Either every block is taken or nothing changes (returns False): the scheduler then
+        preempts or waits. ``cached`` blocks are referenced first so that the allocation cannot
+        evict them.
+        """
+        num_tokens = seq.num_computed_tokens + cached.num_tokens + num_new_tokens
+        num_needed = -(-num_tokens // self.block_size) - len(seq.block_table) - len(cached.blocks)
+        num_revived = sum(1 for b in cached.blocks if b.ref_count == 0)
+        if max(num_needed, 0) + num_revived > len(self._free):
+            return False
+        for block in cached.blocks:
+            if block.ref_count == 0:
+                del self._free[block.block_id]
+            block.ref_count += 1
+            seq.block_table.append(block.block_id)
+        for _ in range(max(num_needed, 0)):
+            block = self._pop_free()
+            block.ref_count = 1
+            seq.block_table.append(block.block_id)
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's newly computed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_computed_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if num_computed_full <= seq.num_cached_blocks:
+            return
+        hashes = self.block_hashes(seq)
+        stored: list[BlockHash] = []
+        first = -1
+        for i in range(seq.num_cached_blocks, num_computed_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.block_hash is not None:
+                continue  # revived from the cache: already registered
+            if hashes[i] in self._cached:
+                continue  # computed twice concurrently: the first copy stays the cached one
+            start = i * self.block_size
+            block.block_hash = hashes[i]
+            block.token_ids = tuple(seq.token_ids[start : start + self.block_size])
+            self._cached[hashes[i]] = block
+            stored.append(hashes[i])
+            first = i if first < 0 else first
+        if stored:
+            self.stats.events.append(
+                BlockStored(tuple(stored), hashes[first - 1] if first > 0 else None)
+            )
+        seq.num_cached_blocks = num_computed_full
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; its cached blocks stay revivable until evicted."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = block
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)  # nothing to keep: reuse first
+        seq.block_table.clear()
+        seq.num_cached_blocks = 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (only when no block is referenced)."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash, block.token_ids = None, ()
+        self._cached.clear()
+        self.stats.events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVEvent]:
+        events, self.stats.events = self.stats.events, []
+        return events
+
+    def check_idle(self) -> None:
+        """Raise if accounting is off while no sequence holds blocks (a leak or double free)."""
+        leaked = [b.block_id for b in self.blocks if b.ref_count != 0]
+        if leaked or len(self._free) != self.num_blocks:
+            raise AssertionError(
+                f"block accounting: {len(self._free)} free of {self.num_blocks}, "
+                f"referenced while idle: {leaked[:16]}"
+            )
+
+    # --------------------------------------------------------------- internal
+    def _pop_free(self) -> KVBlock:
+        _, block = self._free.popitem(last=False)
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            self.stats.events.append(BlockRemoved((block.block_hash,)))
+            self.stats.evictions += 1
+            block.block_hash, block.token_ids = None, ()
+        return block

@@ -1,0 +1,51 @@
+"""Engine configuration: frozen, validated once, derived values as properties."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model_dir: str
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: size the cache from kv_cache_memory_gib / GPU memory
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_num_seqs: int = 128  # sequences running at once
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    device: str = "cpu"
+    dtype: str | None = None  # None/"auto": fp32 on CPU, the checkpoint's half type on CUDA
+    kv_cache_memory_gib: float = 1.0  # CPU: memory for the KV cache when num_kv_blocks is None
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of the GPU for weights + KV cache
+    model_key: str | None = None  # namespaces block hashes; None: derived from the model dir
+    seed: int = 0  # generator for requests that give no seed
+    load_progress: bool = True
+
+    def __post_init__(self) -> None:
+        checks = {
+            "block_size": (self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+                           "must be a positive power of two (16 is the default)"),
+            "num_kv_blocks": (self.num_kv_blocks is None or self.num_kv_blocks > 0, "must be positive"),
+            "max_num_batched_tokens": (self.max_num_batched_tokens > 0, "must be positive"),
+            "max_num_seqs": (self.max_num_seqs > 0, "must be positive"),
+            "max_model_len": (self.max_model_len is None or self.max_model_len > 1, "must be > 1"),
+            "kv_cache_memory_gib": (self.kv_cache_memory_gib > 0, "must be positive"),
+            "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
+        }
+        for name, (ok, problem) in checks.items():
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} {problem}")
+        if not Path(self.model_dir).is_dir():
+            raise FileNotFoundError(f"model_dir {self.model_dir!r} is not a directory")
+
+    @property
+    def resolved_model_key(self) -> str:
+        """Directory name plus a digest of config.json: two different models never share hashes."""
+        if self.model_key:
+            return self.model_key
+        path = Path(self.model_dir).resolve()
+        digest = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()[:12]
+        return f"{path.name}-{digest}"

@@ -1,0 +1,64 @@
+"""Incremental detokenization that never emits half a character.
+
+Byte-level BPE tokens can end inside a multi-byte UTF-8 character; decoding such a prefix gives
+U+FFFD. Text is emitted only up to a point where decoding is stable: a short window of tokens
+before the read offset is re-decoded each step, and nothing is emitted while the window's
+decoding ends in U+FFFD. Stop strings are matched on the emitted text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_WINDOW = 6  # tokens of left context re-decoded with each new token (handles merges at the seam)
+
+
+@dataclass(slots=True)
+class IncrementalDetokenizer:
+    tokenizer: object
+    prompt_token_ids: list[int]
+    skip_special_tokens: bool = True
+    text: str = ""
+    _ids: list[int] = field(default_factory=list)
+    _prefix_offset: int = 0
+    _read_offset: int = 0
+
+    def __post_init__(self) -> None:
+        # Seed the window with the prompt's tail so the first output token decodes in context
+        # (a leading-space token after a prompt renders as a space, not stripped).
+        tail = self.prompt_token_ids[-_WINDOW:]
+        self._ids = list(tail)
+        self._prefix_offset = 0
+        self._read_offset = len(tail)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the newly stable text (possibly empty)."""
+        self._ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self.skip_special_tokens)
+        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=self.skip_special_tokens)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # mid-character (or nothing visible yet): wait for more bytes
+        delta = full[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        # tokens before the prefix offset are never decoded again: keep the list short
+        if self._prefix_offset > _WINDOW * 4:
+            drop = self._prefix_offset
+            del self._ids[:drop]
+            self._prefix_offset -= drop
+            self._read_offset -= drop
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end of a sequence, emit whatever is pending (a dangling partial character)."""
+        if self._read_offset >= len(self._ids):
+            return ""
+        decode = self.tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self.skip_special_tokens)
+        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=self.skip_special_tokens)
+        delta = full[len(prefix) :] if len(full) > len(prefix) else ""
+        self._read_offset = len(self._ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,58 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Logprobs are those of the model's distribution (log-softmax of the raw logits), as vLLM and
+OpenAI report them, whatever the sampling transforms did.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequence import Sequence, TokenLogprob
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """One token per row of ``logits`` ([N, V], fp32) for the matching sequence."""
+    tokens = torch.empty(len(seqs), dtype=torch.long)
+    greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]
+    if greedy_rows:
+        rows = torch.tensor(greedy_rows)
+        tokens[rows] = logits[rows.to(logits.device)].argmax(dim=-1).cpu()
+    for i, seq in enumerate(seqs):
+        if not seq.params.greedy:
+            tokens[i] = _sample_row(logits[i], seq.params, seq.generator)
+    token_list = tokens.tolist()
+
+    logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    if want:
+        log_probs = torch.log_softmax(logits[torch.tensor(want, device=logits.device)], dim=-1).cpu()
+        for row, i in enumerate(want):
+            n = seqs[i].params.logprobs
+            top: tuple[tuple[int, float], ...] = ()
+            if n:
+                values, ids = log_probs[row].topk(n)
+                top = tuple(zip(ids.tolist(), values.tolist()))
+            logprobs[i] = TokenLogprob(token_list[i], log_probs[row, token_list[i]].item(), top)
+    return token_list, logprobs
+
+
+def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        cumulative = sorted_probs.cumsum(-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = cumulative - sorted_probs >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    if generator is not None and generator.device != probs.device:
+        probs = probs.to(generator.device)
+    return int(torch.multinomial(probs, 1, generator=generator).item())

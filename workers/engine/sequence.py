@@ -1,0 +1,85 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstore.hashing import BlockHash
+from workers.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Prompt + generated tokens, the KV blocks that hold them, and progress through them.
+
+    ``num_computed_tokens`` counts tokens whose KV is in ``block_table``; the next step computes
+    ``token_ids[num_computed_tokens:]`` (or a chunk of it). A step that reaches the end samples
+    one new token. Preemption frees the blocks and sets it back to 0: the same loop recomputes.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    cache_salt: str | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+    generator: torch.Generator | None = None
+
+    output_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(init=False)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_blocks: int = 0  # leading full blocks already registered in the prefix cache
+    num_cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
+    num_preemptions: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)

@@ -1,0 +1,107 @@
+"""Load a Hugging Face model directory into ``LlamaForCausalLM``.
+
+Reads ``model.safetensors`` or the shards named by ``model.safetensors.index.json`` (or every
+``*.safetensors`` in the directory), tensor by tensor, straight into the parameters on the target
+device, with a progress bar. Missing or unexpected weights fail the load with their names.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from workers.models.config import ModelConfig
+from workers.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_dtype(cfg: ModelConfig, device: torch.device, dtype: str | None) -> torch.dtype:
+    """fp32 on CPU; on CUDA the checkpoint's half type (bf16 when it says fp32 or nothing)."""
+    if dtype not in (None, "auto"):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r}: choose one of auto, {', '.join(_DTYPES)}")
+        return _DTYPES[dtype]
+    if device.type != "cuda":
+        return torch.float32
+    return torch.float16 if cfg.torch_dtype == "float16" else torch.bfloat16
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def load_model(
+    model_dir: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: str | None = None,
+    max_positions: int | None = None,
+    progress: bool = True,
+) -> LlamaForCausalLM:
+    model_dir = Path(model_dir)
+    device = torch.device(device)
+    cfg = ModelConfig.from_dir(model_dir)
+    torch_dtype = resolve_dtype(cfg, device, dtype)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions)
+    model = model.to(torch_dtype).to_empty(device=device)
+    model.model.rotary_emb.build(device)  # fp32 tables, computed for real on the device
+
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    files = weight_files(model_dir)
+    total = 0
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            total += len(list(f.keys()))
+    bar = tqdm(total=total, desc=f"Loading {model_dir.name}", unit="tensor", disable=not progress)
+    with torch.no_grad():
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    bar.update(1)
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    if cfg.tie_word_embeddings and name == "lm_head.weight":
+                        continue  # tied: the embedding serves as the head
+                    param = params.get(name)
+                    if param is None:
+                        unexpected.append(name)
+                        continue
+                    tensor = f.get_tensor(name)
+                    if tensor.shape != param.shape:
+                        raise ValueError(
+                            f"{path.name}: {name} has shape {tuple(tensor.shape)}, "
+                            f"the config implies {tuple(param.shape)}"
+                        )
+                    param.copy_(tensor.to(torch_dtype))
+                    loaded.add(name)
+    bar.close()
+    missing = sorted(set(params) - loaded)
+    if missing or unexpected:
+        raise ValueError(
+            f"weights in {model_dir} do not fit {cfg.architecture}: "
+            f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+        )
+    logger.info(
+        "loaded %s (%s, %.1fM params) from %s onto %s as %s",
+        model_dir.name, cfg.architecture, cfg.num_params / 1e6, model_dir, device, torch_dtype,
+    )
+    return model.eval()
