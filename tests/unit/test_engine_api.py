@@ -114,7 +114,7 @@ def test_bad_requests_are_refused_with_the_reason(engine):
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     engine.add_request("dup", [5, 6], SamplingParams(max_tokens=1))
-    with pytest.raises(ValueError, match="already running"):
+    with pytest.raises(ValueError, match="already in use"):
         engine.add_request("dup", [5, 6], SamplingParams(max_tokens=1))
     engine.abort("dup")
 

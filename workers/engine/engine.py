@@ -28,6 +28,17 @@ from workers.models.loader import load_model, resolve_dtype
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class KVReservation:
+    block_ids: list[int]  # the sequence's block table over its prompt
+    num_cached_blocks: int  # leading blocks already valid locally; the rest must be received
+    num_cached_tokens: int
+
+    @property
+    def missing_block_ids(self) -> list[int]:
+        return self.block_ids[self.num_cached_blocks :]
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
@@ -85,7 +96,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) or frozenset(
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         )
-        self._requests: dict[str, Sequence] = {}
+        self._requests: dict[str, Sequence] = {}  # queued or running
+        self._awaiting_kv: dict[str, Sequence] = {}  # decode side: blocks reserved, KV in flight
+        self._held: dict[str, Sequence] = {}  # prefill side: finished, blocks kept for the decode side
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._default_generator = torch.Generator(self.device).manual_seed(cfg.seed)
         self._ids = itertools.count()
@@ -101,9 +114,103 @@ class LLMEngine:
         prompt: str | Seq[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        hold_kv: bool = False,
     ) -> Sequence:
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already running")
+        """Queue a request. With ``hold_kv`` (a prefill worker's use) the finished sequence keeps
+        its blocks referenced until ``release_kv``: the decode side pulls them meanwhile."""
+        seq = self._new_sequence(request_id, prompt, params, cache_salt)
+        seq.hold_kv = hold_kv
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is (queued, running, awaiting KV, or holding KV)."""
+        seq = self._requests.pop(request_id, None) or self._awaiting_kv.pop(request_id, None)
+        if seq is None:
+            return self.release_kv(request_id)
+        self.scheduler.remove(seq)
+        self._detokenizers.pop(request_id, None)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
+        return True
+
+    # ----------------------------------------------- disaggregation (KV moves)
+    def held_block_ids(self, request_id: str) -> list[int] | None:
+        seq = self._held.get(request_id)
+        return None if seq is None else list(seq.block_table)
+
+    def release_kv(self, request_id: str) -> bool:
+        """Prefill side: the decode side has the KV (or never will): free the held blocks."""
+        seq = self._held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.block_manager.free(seq)
+        return True
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def reserve_remote_kv(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        first_token_id: int,
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> KVReservation | None:
+        """Decode side: allocate blocks for a prompt whose KV another worker computed.
+
+        Full blocks found in the local prefix cache are reused; the rest (``missing``) must be
+        filled by a transfer before ``commit_remote_kv``. Returns None when the blocks are not
+        free now (the caller retries later or goes elsewhere).
+        """
+        seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt, first_token_id)
+        cached = self.block_manager.find_cached_prefix(seq)
+        num_prompt = seq.num_prompt_tokens
+        if not self.block_manager.allocate_slots(seq, num_prompt - cached.num_tokens, cached):
+            self._requests.pop(request_id)
+            self._detokenizers.pop(request_id, None)
+            return None
+        stats = self.block_manager.stats
+        stats.prefix_queries += num_prompt
+        stats.prefix_hits += cached.num_tokens
+        seq.num_cached_tokens = cached.num_tokens
+        del self._requests[request_id]
+        self._awaiting_kv[request_id] = seq
+        return KVReservation(
+            block_ids=list(seq.block_table),
+            num_cached_blocks=len(cached.blocks),
+            num_cached_tokens=cached.num_tokens,
+        )
+
+    def commit_remote_kv(self, request_id: str, recompute: bool = False) -> None:
+        """Decode side: the reserved blocks now hold the prompt's KV; join the running batch.
+
+        With ``recompute`` (the transfer failed) the blocks are dropped and the prompt is
+        computed here instead; the output is the same.
+        """
+        seq = self._awaiting_kv.pop(request_id)
+        self._requests[request_id] = seq
+        if recompute:
+            self.block_manager.free(seq)
+            self.scheduler.add(seq)
+            return
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.cache_full_blocks(seq)
+        seq.status = SequenceStatus.RUNNING
+        seq.first_scheduled_time = time.monotonic()
+        self.scheduler.running.append(seq)
+
+    def _new_sequence(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+        first_token_id: int | None = None,
+    ) -> Sequence:
+        if request_id in self._requests or request_id in self._awaiting_kv or request_id in self._held:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise ValueError("prompt is empty: give at least one token")
@@ -118,32 +225,22 @@ class LLMEngine:
         generator = None
         if not params.greedy:
             generator = (
-                torch.Generator(self.device).manual_seed(params.seed)
-                if params.seed is not None
-                else self._default_generator
+                torch.Generator(self.device) if params.seed is not None else self._default_generator
             )
         seq = Sequence(
             request_id=request_id, prompt_token_ids=token_ids, params=params,
             arrival_time=time.monotonic(), cache_salt=cache_salt,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             generator=generator,
+            output_token_ids=[] if first_token_id is None else [first_token_id],
         )
         self._requests[request_id] = seq
         if params.detokenize:
-            self._detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, token_ids, params.skip_special_tokens
-            )
-        self.scheduler.add(seq)
+            detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+            if first_token_id is not None:
+                detok.add(first_token_id)
+            self._detokenizers[request_id] = detok
         return seq
-
-    def abort(self, request_id: str) -> bool:
-        seq = self._requests.pop(request_id, None)
-        if seq is None:
-            return False
-        self.scheduler.remove(seq)
-        self._detokenizers.pop(request_id, None)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
-        return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
@@ -172,9 +269,13 @@ class LLMEngine:
             new_text = self._check_stop(seq, token)
             outputs.append(self._output(seq, [token], new_text))
             if seq.is_finished:
-                self.scheduler.remove(seq)
                 self._requests.pop(seq.request_id, None)
                 self._detokenizers.pop(seq.request_id, None)
+                if seq.hold_kv:
+                    self.scheduler.running.remove(seq)
+                    self._held[seq.request_id] = seq
+                else:
+                    self.scheduler.remove(seq)
         return outputs
 
     def generate(

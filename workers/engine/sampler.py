@@ -21,6 +21,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
         tokens[rows] = logits[rows.to(logits.device)].argmax(dim=-1).cpu()
     for i, seq in enumerate(seqs):
         if not seq.params.greedy:
+            if seq.params.seed is not None:
+                # A pure function of (seed, output position): the same tokens whichever worker
+                # samples them, after a preemption, or when prefill and decode are split.
+                seq.generator.manual_seed(_position_seed(seq.params.seed, seq.num_output_tokens))
             tokens[i] = _sample_row(logits[i], seq.params, seq.generator)
     token_list = tokens.tolist()
 
@@ -36,6 +40,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
                 top = tuple(zip(ids.tolist(), values.tolist()))
             logprobs[i] = TokenLogprob(token_list[i], log_probs[row, token_list[i]].item(), top)
     return token_list, logprobs
+
+
+def _position_seed(seed: int, position: int) -> int:
+    return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % (2**63)
 
 
 def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

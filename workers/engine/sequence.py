@@ -57,6 +57,7 @@ class Sequence:
     num_cached_blocks: int = 0  # leading full blocks already registered in the prefix cache
     num_cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
     num_preemptions: int = 0
+    hold_kv: bool = False  # prefill worker: keep the blocks after finishing, for a transfer
     logprobs: list[TokenLogprob] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
