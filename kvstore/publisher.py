@@ -1,0 +1,357 @@
+"""Worker side of the Redis prefix index: publish one worker's block events and heartbeats.
+
+Wiring (one publisher per worker start):
+
+    publisher = IndexPublisher(config, WorkerSpec(...))
+    await publisher.start()                 # on the worker's event loop; may raise
+                                            # IncompatibleWorkerError or IndexAuthError
+    block_manager.on_events = publisher.submit          # engine thread, never blocks
+    publisher.set_load(free_blocks, num_running, num_waiting)   # after each engine step
+    await publisher.stop()                  # orderly leave (deregister=False: as if killed)
+
+Threading: ``submit`` and ``set_load`` may be called from any thread; they touch only
+in-memory state under a short lock. Everything that talks to Redis runs in one background task
+on the loop that called ``start`` (and in ``flush``/``stop``), serialized by an asyncio lock so
+batches reach Redis in submission order.
+
+Recovery: the publisher keeps the set of hashes the worker currently holds. Whenever what Redis
+has may differ from it — the worker record vanished (Redis restarted empty, or the record
+expired), the server's run id changed, or buffered events were dropped — it re-registers and
+republishes that whole set instead of replaying events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from kvstore import lua
+from kvstore.compat import IncompatibleWorkerError, PoolCompat
+from kvstore.config import IndexConfig, WorkerSpec
+from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvstore.hashing import HASH_ALGORITHM_VERSION, BlockHash
+from kvstore.index import PrefixIndex
+from kvstore.keys import IndexKeys
+from kvstore.link import IndexAuthError, IndexUnavailableError, RedisLink
+from kvstore.record import WorkerLoad, WorkerRecord
+
+log = logging.getLogger(__name__)
+
+REPUBLISH_CHUNK = 2048  # hashes per script call when republishing (bounds Redis stalls)
+
+
+class IndexPublisher:
+    """Publishes one worker start's block events, load and liveness (see the module docstring)."""
+
+    def __init__(self, config: IndexConfig, worker: WorkerSpec) -> None:
+        self.config = config
+        self.worker = worker
+        self.keys = IndexKeys(config.model_key)
+        self.generation = f"{secrets.randbits(64):016x}"  # new for every worker start
+        self.started_at = time.time()
+        self.link = RedisLink(config, name=f"publisher of worker {worker.worker_id}")
+        self.index = PrefixIndex(config, link=self.link)  # for the dead-worker sweep
+        client = self.link.client
+        self._register_script = client.register_script(lua.REGISTER)
+        self._heartbeat_script = client.register_script(lua.HEARTBEAT)
+        self._apply_script = client.register_script(lua.APPLY_EVENTS)
+        self._deregister_script = client.register_script(lua.DEREGISTER)
+
+        # Shared with the engine thread, guarded by _lock.
+        self._lock = threading.Lock()
+        self._queue: deque[KVEvent] = deque()
+        self._held: set[BlockHash] = set()
+        self._needs_resync = False  # events were dropped: Redis must be rebuilt from _held
+        self._dropped_events = 0
+        self._stopped = False
+        self._load = WorkerLoad(free_blocks=worker.total_blocks)  # replaced whole, never mutated
+
+        # Owned by the event loop.
+        self._io_lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self._registered = False
+        self._disabled = False  # superseded by a newer start, or incompatible with the pool
+        self._run_id: str | None = None
+        self._seen_reconnects = 0
+        self._next_heartbeat = 0.0
+        self._next_purge = 0.0
+
+    # ---- called by the worker, from any thread -------------------------------------------
+
+    def submit(self, events: Iterable[KVEvent]) -> None:
+        """Record block events and queue them for Redis. Never blocks on I/O, never raises."""
+        with self._lock:
+            if self._stopped:
+                return
+            for event in events:
+                if isinstance(event, BlockStored):
+                    self._held.update(event.block_hashes)
+                elif isinstance(event, BlockRemoved):
+                    self._held.difference_update(event.block_hashes)
+                elif isinstance(event, AllBlocksCleared):
+                    self._held.clear()
+                    self._queue.clear()  # everything queued before is superseded
+                self._queue.append(event)
+            overflow = len(self._queue) - self.config.max_buffered_events
+            if overflow > 0:
+                self._drop_oldest(overflow)
+
+    def set_load(self, free_blocks: int, num_running: int = 0, num_waiting: int = 0) -> None:
+        """Latest load; written to the worker record with the next heartbeat."""
+        self._load = WorkerLoad(free_blocks, num_running, num_waiting)
+
+    @property
+    def dropped_events(self) -> int:
+        return self._dropped_events
+
+    @property
+    def buffered_events(self) -> int:
+        return len(self._queue)
+
+    @property
+    def registered(self) -> bool:
+        return self._registered
+
+    def held_blocks(self) -> frozenset[BlockHash]:
+        with self._lock:
+            return frozenset(self._held)
+
+    # ---- lifecycle, on the worker's event loop ---------------------------------------------
+
+    async def start(self) -> None:
+        """Register and start the background task.
+
+        Raises IncompatibleWorkerError if the pool uses other block settings, IndexAuthError if
+        Redis refuses the URL's credentials. An unreachable Redis is not an error: the worker
+        registers when it comes back.
+        """
+        try:
+            async with self._io_lock:
+                await self._register()
+        except (IncompatibleWorkerError, IndexAuthError):
+            await self.link.aclose()
+            raise
+        except IndexUnavailableError:
+            log.warning("worker %s will register in the prefix index when Redis is back",
+                        self.worker.worker_id)
+        self._next_purge = time.monotonic() + self._purge_delay()
+        self._task = asyncio.create_task(self._run(), name=f"index-publisher-{self.worker.worker_id}")
+
+    async def flush(self) -> bool:
+        """Publish everything queued now; True if Redis is up to date with this worker."""
+        async with self._io_lock:
+            with contextlib.suppress(IndexUnavailableError):
+                await self._sync()
+        return (self._registered and not self._disabled and not self._queue
+                and not self._needs_resync)
+
+    async def stop(self, deregister: bool = True) -> None:
+        """Stop publishing. ``deregister`` removes this worker's entries now; without it the
+        record expires after ``ttl_s`` and a sweep purges the entries (as if the worker died)."""
+        with self._lock:
+            self._stopped = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if deregister and not self._disabled:
+            try:
+                async with self._io_lock:
+                    await self._deregister()
+            except IndexUnavailableError:
+                log.warning("worker %s could not leave the prefix index; its record expires in %.1fs",
+                            self.worker.worker_id, self.config.ttl_s)
+        await self.link.aclose()
+
+    # ---- background task ------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while not self._disabled:
+            try:
+                async with self._io_lock:
+                    await self._sync()
+                    if time.monotonic() >= self._next_purge and self._registered:
+                        self._next_purge = time.monotonic() + self._purge_delay()
+                        await self.index.purge_dead_workers()
+            except IndexUnavailableError:
+                pass  # the link logged the state change; wait out its backoff
+            except IncompatibleWorkerError as exc:
+                log.error("worker %s stops publishing to the prefix index: %s",
+                          self.worker.worker_id, exc)
+                self._disabled = True
+            except Exception:  # a bug must not kill publishing silently
+                log.exception("worker %s: prefix index publisher step failed", self.worker.worker_id)
+            await asyncio.sleep(max(self.config.flush_interval_s, self.link.seconds_until_retry()))
+
+    async def _sync(self) -> None:
+        """Bring Redis up to date: re-register if it may have lost us, heartbeat, flush events."""
+        if self._disabled:
+            return
+        if self.link.reconnects != self._seen_reconnects and self._registered:
+            self._seen_reconnects = self.link.reconnects
+            if await self.link.server_run_id() != self._run_id:
+                self._registered = False
+        if not self._registered or self._needs_resync:
+            await self._register()
+        if time.monotonic() >= self._next_heartbeat:
+            await self._heartbeat()
+            if not self._registered:
+                await self._register()
+        await self._flush_queue()
+
+    async def _register(self) -> None:
+        """Check compatibility, write a fresh record and republish every held block."""
+        spec = self.worker
+        compat = PoolCompat(self.config.model_key, spec.block_size, spec.kv_cache_dtype,
+                            HASH_ALGORITHM_VERSION)
+        pool = await self.link.call(
+            lambda: self.link.client.set(self.keys.compat, compat.to_json(), nx=True, get=True,
+                                         px=self.config.ttl_ms),
+            self.config.write_timeout_s,
+        )
+        if pool is not None:
+            compat.check_joins(PoolCompat.from_json(pool))
+        run_id = await self.link.server_run_id()
+        first = self._run_id is None
+        with self._lock:
+            held = list(self._held)
+            self._queue.clear()  # every queued event is already reflected in _held
+            self._needs_resync = False
+            load = self._load
+        record = WorkerRecord(
+            worker_id=spec.worker_id, role=spec.role, address=spec.address,
+            generation=self.generation, total_blocks=spec.total_blocks,
+            free_blocks=load.free_blocks, num_running=load.num_running,
+            num_waiting=load.num_waiting, block_size=spec.block_size,
+            kv_cache_dtype=spec.kv_cache_dtype, hash_algorithm_version=HASH_ALGORITHM_VERSION,
+            started_at=self.started_at,
+        )
+        fields = [x for pair in record.to_fields().items() for x in pair]
+        self._registered = False
+        await self.link.call(
+            lambda: self._register_script(
+                keys=[self.keys.registry, self.keys.worker(spec.worker_id),
+                      self.keys.wblocks(spec.worker_id)],
+                args=[self.keys.blk_prefix, spec.worker_id, self.generation, self.config.ttl_ms,
+                      *fields],
+            ),
+            self.config.write_timeout_s,
+        )
+        self._registered = True  # the fenced republish below needs the record just written
+        try:
+            for start in range(0, len(held), REPUBLISH_CHUNK):
+                await self._apply((BlockStored(tuple(held[start : start + REPUBLISH_CHUNK]), None),))
+        except IndexUnavailableError:
+            self._registered = False
+            raise
+        if not self._registered:  # the record vanished again meanwhile; the next step retries
+            return
+        self._run_id = run_id
+        self._seen_reconnects = self.link.reconnects
+        self._next_heartbeat = time.monotonic() + self.config.heartbeat_interval_s
+        if first:
+            log.info("worker %s (%s) joined the prefix index of %s, generation %s",
+                     spec.worker_id, spec.role, self.config.model_key, self.generation)
+        else:
+            log.info("worker %s re-registered in the prefix index, %d blocks republished",
+                     spec.worker_id, len(held))
+
+    async def _heartbeat(self) -> None:
+        load = self._load
+        state = await self.link.call(
+            lambda: self._heartbeat_script(
+                keys=[self.keys.worker(self.worker.worker_id), self.keys.compat],
+                args=[self.generation, self.config.ttl_ms, "free_blocks", load.free_blocks,
+                      "num_running", load.num_running, "num_waiting", load.num_waiting],
+            ),
+            self.config.write_timeout_s,
+        )
+        self._next_heartbeat = time.monotonic() + self.config.heartbeat_interval_s
+        self._on_record_state(state)
+
+    async def _flush_queue(self) -> None:
+        while self._registered and not self._disabled:
+            with self._lock:
+                if self._needs_resync:
+                    return
+                batch = [self._queue.popleft()
+                         for _ in range(min(len(self._queue), self.config.max_batch_events))]
+            if not batch:
+                return
+            try:
+                await self._apply(batch)
+            except IndexUnavailableError:
+                with self._lock:  # put the batch back in front; its commands are idempotent
+                    self._queue.extendleft(reversed(batch))
+                    overflow = len(self._queue) - self.config.max_buffered_events
+                    if overflow > 0:
+                        self._drop_oldest(overflow)
+                raise
+
+    async def _apply(self, batch: Iterable[KVEvent]) -> None:
+        """Apply events in one fenced script call (raises IndexUnavailableError)."""
+        args: list[str] = [self.keys.blk_prefix, self.worker.worker_id, self.generation]
+        for event in batch:
+            if isinstance(event, AllBlocksCleared):
+                args += ("clear", "")
+            elif event.block_hashes:
+                op = "+" if isinstance(event, BlockStored) else "-"
+                args += (op, b"".join(event.block_hashes).hex())
+        if len(args) == 3:
+            return
+        worker_id = self.worker.worker_id
+        state = await self.link.call(
+            lambda: self._apply_script(
+                keys=[self.keys.worker(worker_id), self.keys.wblocks(worker_id)], args=args),
+            self.config.write_timeout_s,
+        )
+        self._on_record_state(state)
+
+    def _on_record_state(self, state: int) -> None:
+        """React to what a fenced script found: 1 ok, 0 record gone, 2 superseded."""
+        if state == 0 and self._registered:
+            log.warning("worker %s: record gone from the prefix index (expired or Redis "
+                        "restarted); re-registering", self.worker.worker_id)
+            self._registered = False
+        elif state == 2 and not self._disabled:
+            log.error("worker %s: a newer start of this worker id took over the prefix index "
+                      "record; this process stops publishing", self.worker.worker_id)
+            self._disabled = True
+            self._registered = False
+
+    async def _deregister(self) -> None:
+        await self._flush_queue()
+        worker_id = self.worker.worker_id
+        await self.link.call(
+            lambda: self._deregister_script(
+                keys=[self.keys.registry, self.keys.worker(worker_id), self.keys.wblocks(worker_id)],
+                args=[self.keys.blk_prefix, worker_id, self.generation],
+            ),
+            self.config.write_timeout_s,
+        )
+        self._registered = False
+        log.info("worker %s left the prefix index", worker_id)
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _drop_oldest(self, count: int) -> None:
+        """Caller holds _lock. Dropped events are recovered by republishing the held set."""
+        for _ in range(count):
+            self._queue.popleft()
+        if not self._needs_resync:
+            log.warning("worker %s: prefix index buffer full (%d events); dropping the oldest "
+                        "and republishing all held blocks once Redis answers",
+                        self.worker.worker_id, self.config.max_buffered_events)
+        self._dropped_events += count
+        self._needs_resync = True
+
+    def _purge_delay(self) -> float:
+        # Jittered so that many workers do not sweep at the same moment.
+        return self.config.purge_interval_s * random.uniform(0.5, 1.5)
