@@ -1,0 +1,149 @@
+"""Drives an ``LLMEngine`` from one dedicated thread and exposes it to asyncio.
+
+The engine is not thread-safe; every call into it runs on the engine thread, between steps:
+``call`` runs a function there and awaits its result, ``generate`` streams a request's outputs.
+The event loop never blocks on the engine: outputs cross back by ``call_soon_threadsafe``.
+
+Lifetime: a request's stream ends when it finishes or is aborted; a consumer that stops
+iterating (client disconnect, cancellation) aborts the request in the engine, which frees its
+blocks. ``shutdown`` aborts everything still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from workers.engine.engine import LLMEngine, RequestOutput
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_IDLE_WAIT_S = 0.05
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine], None] | None = None) -> None:
+        self.engine = engine
+        self._on_step = on_step  # runs on the engine thread after each step (events, metrics)
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ asyncio API
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        return await asyncio.wrap_future(self.call_future(fn))
+
+    def call_future(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future:
+        if self._error is not None or self._stopped.is_set():
+            raise EngineDeadError(f"engine loop is stopped: {self._error!r}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((lambda: fn(self.engine), future))
+        return future
+
+    async def generate(self, request_id: str, start: Callable[[LLMEngine], Any]) -> AsyncIterator[RequestOutput]:
+        """Register a stream for ``request_id``, run ``start(engine)`` (which adds the request),
+        and yield the request's outputs until it finishes. Leaving early aborts it."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, outputs)
+        finished = False
+        try:
+            await self.call(start)
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and not self._stopped.is_set():
+                self.call_future(lambda engine: engine.abort(request_id))
+
+    def attach(self, request_id: str) -> asyncio.Queue:
+        """Register a stream for a request that another call will add (e.g. after a transfer)."""
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), outputs)
+        return outputs
+
+    def detach(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._stopped.set()
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    # ----------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopped.is_set():
+                self._drain_commands(block=not engine.has_unfinished())
+                if engine.has_unfinished():
+                    for output in engine.step():
+                        self._deliver(output.request_id, output)
+                    if self._on_step is not None:
+                        self._on_step(engine)
+        except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish
+            logger.exception("engine loop died")
+            self._error = exc
+            for request_id in list(self._streams):
+                self._deliver(request_id, EngineDeadError(f"engine failed: {exc!r}"))
+        finally:
+            self._stopped.set()
+            self._fail_pending_commands()
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            fn, future = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            if block and self._on_step is not None:
+                self._on_step(self.engine)  # idle tick: flush events, refresh gauges
+            return
+        while True:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as exc:  # noqa: BLE001 - delivered to the caller
+                    future.set_exception(exc)
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, outputs = stream
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, item)
+            except RuntimeError:  # the consumer's loop is closed: nobody is listening
+                pass
+
+    def _fail_pending_commands(self) -> None:
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineDeadError("engine loop stopped"))
