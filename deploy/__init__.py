@@ -1,0 +1,1 @@
+"""pdserve deployment: Ray Serve application, routers and the CLI."""

@@ -1,0 +1,1 @@
+"""pdserve workers: the engine, models, KV transfer and the prefill/decode workers."""
