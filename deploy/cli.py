@@ -80,7 +80,60 @@ def _run_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_tiny_model_parser,)
+def default_model_dir() -> str:
+    """The embedded default: a tiny llama written once under the user's cache directory."""
+    import os
+    from pathlib import Path
+
+    from workers.models.tiny import make_tiny_model
+
+    root = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+    path = root / "models" / "tiny-llama"
+    if not (path / "config.json").is_file():
+        make_tiny_model(path, arch="llama", seed=0)
+    return str(path)
+
+
+def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate from a model with the engine in this process (no Ray, no Redis)",
+        description="Run the engine on a few prompts and print the completions. Without --model "
+                    "it uses the embedded default, a generated tiny llama (random weights).",
+    )
+    parser.add_argument("prompts", nargs="*", default=["Hello, my name is", "The capital of France is"])
+    parser.add_argument("--model", default=None, help="Hugging Face model directory")
+    parser.add_argument("--max-tokens", type=_positive_int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16, float16")
+    parser.add_argument("--block-size", type=_positive_int, default=16)
+    parser.set_defaults(handler=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    import time
+
+    from workers.engine import LLMEngine, SamplingParams
+
+    model = args.model or default_model_dir()
+    engine = LLMEngine(model, block_size=args.block_size, device=args.device, dtype=args.dtype)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    start = time.perf_counter()
+    outputs = engine.generate(args.prompts, params)
+    elapsed = time.perf_counter() - start
+    for prompt, out in zip(args.prompts, outputs):
+        print(f"--- {prompt!r}\n{out.text!r}  [{len(out.token_ids)} tokens, {out.finish_reason}]")
+    total = sum(len(o.token_ids) for o in outputs)
+    print(f"{total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tok/s) from {model} on {engine.device}")
+    return 0
+
+
+_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_tiny_model_parser,
+    _add_generate_parser,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
