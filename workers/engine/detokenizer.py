@@ -62,3 +62,19 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self.text += delta
         return delta
+
+
+def find_stop_cut(text: str, num_new_chars: int, stops: tuple[str, ...], include_stop: bool) -> int | None:
+    """Where to cut ``text`` if a stop string ends in its last ``num_new_chars`` characters.
+
+    A stop string may straddle the old text and the new piece, so the search starts
+    ``len(stop) - 1`` characters before the new piece. Returns None when no stop string occurs.
+    """
+    if not stops or not num_new_chars:
+        return None
+    start = max(0, len(text) - num_new_chars - max(map(len, stops)) + 1)
+    hits = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
+    if not hits:
+        return None
+    index, stop = min(hits)
+    return index + len(stop) if include_stop else index

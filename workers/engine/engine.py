@@ -15,7 +15,7 @@ import torch
 
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
-from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.detokenizer import IncrementalDetokenizer, find_stop_cut
 from workers.engine.kv_cache import allocate_kv_cache, plan_num_blocks
 from workers.engine.model_runner import ModelRunner
 from workers.engine.sampler import sample
@@ -307,19 +307,13 @@ class LLMEngine:
             reason = FinishReason.STOP
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
-        if detok and params.stop and new_text:
-            # a stop string may straddle the previous text and the new piece
-            window_start = max(0, len(detok.text) - len(new_text) - max(map(len, params.stop)) + 1)
-            hits = [(detok.text.find(s, window_start), s) for s in params.stop]
-            hits = [(i, s) for i, s in hits if i >= 0]
-            if hits:
-                index, stop = min(hits)
-                cut = index + len(stop) if params.include_stop_str_in_output else index
-                emitted_before = len(detok.text) - len(new_text)
-                detok.text = detok.text[:cut]
-                new_text = detok.text[emitted_before:] if cut > emitted_before else ""
-                reason = FinishReason.STOP
-                cut_at_stop_string = True
+        cut = find_stop_cut(detok.text, len(new_text), params.stop, params.include_stop_str_in_output) if detok else None
+        if cut is not None:
+            emitted_before = len(detok.text) - len(new_text)
+            detok.text = detok.text[:cut]
+            new_text = detok.text[emitted_before:] if cut > emitted_before else ""
+            reason = FinishReason.STOP
+            cut_at_stop_string = True
         if reason is not None:
             if detok and not cut_at_stop_string:
                 new_text += detok.flush()  # a trailing partial character, as decode() shows it
