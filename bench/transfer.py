@@ -1,0 +1,250 @@
+"""KV transfer benchmark: pulling scattered blocks between two processes, side by side with
+(a) raw process-group send/recv of one contiguous tensor of the same size, (b) a local memcpy
+(``dst.copy_(src)``), and (c) the Ray object-store fallback, all measured in one run.
+
+    python bench/transfer.py                              # CPU: gloo over loopback
+    python bench/transfer.py --device cuda                # NCCL (2 GPUs) or gloo_staged (1 GPU)
+    python bench/transfer.py --sizes-mib 1 16 --reps 3 --no-object-store
+
+Each figure is the median of --reps timed repetitions after one warm-up, timed on the receiver
+from dispatching the request (one pipe hop, the same for the raw baseline) until the data is in
+place. Blocks are picked at random from a cache 10% larger than the payload, so source and
+destination ids differ and are scattered, as in serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from workers.protocol import KVHandle, KVLayout, TransferAddress, TransferRequest  # noqa: E402
+from workers.transfer import (  # noqa: E402
+    KVTransferClient,
+    KVTransferServer,
+    TransferConfig,
+    Transport,
+)
+
+MIB = 1 << 20
+
+
+def make_caches(layout: KVLayout, num_blocks: int, device: str) -> list[torch.Tensor]:
+    shape = (2, num_blocks) + layout.block_shape[1:]
+    return [torch.randn(shape, device=device).to(getattr(torch, layout.dtype))
+            for _ in range(layout.num_layers)]
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def raw_group(host: str, port: int, rank: int, backend: str, device: str):
+    """A plain 2-rank group for the baseline (its store hosted by the sender): no gather, no scatter."""
+    store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        with torch.cuda.device(torch.device(device)):
+            return dist.ProcessGroupNCCL(dist.PrefixStore("raw", store), rank, 2, options), store
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=60)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, 2, options), store
+
+
+def raw_tensor(nbytes: int, backend: str, device: str) -> torch.Tensor:
+    if backend == "nccl":
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.startswith("cuda"))
+
+
+# ---------------------------------------------------------------- sender process (prefill)
+
+def sender_main(conn, cfg: dict) -> None:
+    layout = KVLayout(**cfg["layout"])
+    device = cfg["sender_device"]
+    caches = make_caches(layout, cfg["num_blocks"], device)
+    server = KVTransferServer("bench-prefill", TransferConfig(transport=cfg["transport"]), device=device)
+    raw_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    conn.send({"address": server.address.to_dict(), "raw_port": raw_store.port})
+    pg, raw_src = None, None
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "stop":
+            server.close()
+            return
+        if cmd == "raw_init":
+            pg, _ = raw_group("127.0.0.1", raw_store.port, 0, cfg["raw_backend"], device)
+            raw_src = raw_tensor(arg, cfg["raw_backend"], device).random_(0, 255)
+        elif cmd == "raw":
+            pg.send([raw_src[:arg]], 1, 0).wait()
+            sync(device)
+        elif cmd == "kv":
+            server.send(TransferRequest.from_dict(arg), caches, timeout_s=120)
+
+
+class ObjectStorePrefill:
+    """The sender as a Ray actor, for the object-store fallback."""
+
+    def __init__(self, cfg: dict) -> None:
+        self.layout = KVLayout(**cfg["layout"])
+        self.caches = make_caches(self.layout, cfg["num_blocks"], cfg["sender_device"])
+        self.server = KVTransferServer("bench-prefill-ray", TransferConfig(transport="object_store"),
+                                       device=cfg["sender_device"])
+
+    def address(self) -> dict:
+        return self.server.address.to_dict()
+
+    def send(self, request: TransferRequest):
+        return self.server.send(request, self.caches, timeout_s=120)
+
+
+# ---------------------------------------------------------------- receiver (this process)
+
+def timed(fn, reps: int, device: str) -> float:
+    fn()  # warm-up: pair groups, buffers, page faults
+    sync(device)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def pick_transport(args) -> tuple[str, str, str]:
+    """(transport, sender device, raw baseline backend)."""
+    if args.device == "cpu":
+        return "gloo", "cpu", "gloo"
+    if torch.cuda.device_count() >= 2 and args.transport != "gloo_staged":
+        return "nccl", "cuda:1", "nccl"
+    return "gloo_staged", "cuda:0", "gloo"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--transport", choices=["auto", "gloo_staged"], default="auto",
+                        help="on CUDA: auto = NCCL across two GPUs, gloo_staged on one")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--no-object-store", action="store_true")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+
+    layout = KVLayout(args.layers, args.block_size, args.kv_heads, args.head_dim, args.dtype)
+    for size in args.sizes_mib:
+        if size * MIB % layout.bytes_per_block:
+            parser.error(f"{size} MiB is not a whole number of {layout.bytes_per_block}-byte blocks")
+    max_blocks = max(args.sizes_mib) * MIB // layout.bytes_per_block
+    num_blocks = max_blocks + max(max_blocks // 10, 4)
+    transport, sender_device, raw_backend = pick_transport(args)
+    receiver_device = "cuda:0" if args.device == "cuda" else "cpu"
+    cfg = {"layout": layout.to_dict(), "num_blocks": num_blocks, "transport": transport,
+           "sender_device": sender_device, "raw_backend": raw_backend}
+
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    sender = ctx.Process(target=sender_main, args=(child_conn, cfg), daemon=True)
+    sender.start()
+    hello = conn.recv()
+    address = TransferAddress.from_dict(hello["address"])
+    caches = make_caches(layout, num_blocks, receiver_device)
+    client = KVTransferClient("bench-decode", TransferConfig(transport=transport), device=receiver_device)
+    rng = random.Random(0)
+
+    conn.send(("raw_init", max(args.sizes_mib) * MIB))
+    raw_pg, _ = raw_group("127.0.0.1", hello["raw_port"], 1, raw_backend, receiver_device)
+    raw_dst = raw_tensor(max(args.sizes_mib) * MIB, raw_backend, receiver_device)
+
+    rows = []
+    for size in args.sizes_mib:
+        nbytes = size * MIB
+        n = nbytes // layout.bytes_per_block
+        src = rng.sample(range(num_blocks), n)
+        dst = rng.sample(range(num_blocks), n)
+        handle = KVHandle(f"bench-{size}", "bench-prefill", address, tuple(src), n * layout.block_size,
+                          (), layout, time.time() + 3600)
+        memcpy_src = torch.empty(nbytes, dtype=torch.uint8, device=receiver_device).random_(0, 255)
+        memcpy_dst = torch.empty_like(memcpy_src)
+
+        def raw() -> None:
+            conn.send(("raw", nbytes))
+            raw_pg.recv([raw_dst[:nbytes]], 0, 0).wait()
+
+        def kv() -> None:
+            client.pull(handle, caches, dst, lambda req: conn.send(("kv", req.to_dict())), timeout_s=120)
+
+        row = {"size_mib": size, "blocks": n,
+               "memcpy_s": timed(lambda: memcpy_dst.copy_(memcpy_src), args.reps, receiver_device),
+               "raw_s": timed(raw, args.reps, receiver_device),
+               "kv_s": timed(kv, args.reps, receiver_device)}
+        rows.append(row)
+        print(f"  measured {size} MiB", file=sys.stderr, flush=True)
+    conn.send(("stop", None))
+    sender.join(30)
+
+    if not args.no_object_store:
+        import ray
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+        actor = ray.remote(ObjectStorePrefill).remote(cfg)
+        obj_address = TransferAddress.from_dict(ray.get(actor.address.remote()))
+        obj_client = KVTransferClient("bench-decode-ray", TransferConfig(transport=Transport.OBJECT_STORE),
+                                      device=receiver_device)
+        for row in rows:
+            n = row["blocks"]
+            src, dst = rng.sample(range(num_blocks), n), rng.sample(range(num_blocks), n)
+            handle = KVHandle(f"bench-obj-{n}", "bench-prefill-ray", obj_address, tuple(src),
+                              n * layout.block_size, (), layout, time.time() + 3600)
+            row["object_store_s"] = timed(
+                lambda: obj_client.pull(handle, caches, dst, lambda req: actor.send.remote(req), timeout_s=120),
+                args.reps, receiver_device)
+        ray.shutdown()
+
+    print(f"\ncommand: python {' '.join(sys.argv)}")
+    print(f"host: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; "
+          f"device {args.device}, transport {transport}, raw baseline {raw_backend}; layout {layout} "
+          f"({layout.bytes_per_block // 1024} KiB/block); median of {args.reps} after 1 warm-up\n")
+    header = f"{'MiB':>5} {'blocks':>6} {'memcpy GB/s':>12} {'raw GB/s':>9} {'kv GB/s':>8} {'kv/raw':>7} {'kv/memcpy':>9}"
+    if not args.no_object_store:
+        header += f" {'objstore GB/s':>14} {'obj/raw':>8}"
+    print(header)
+    for row in rows:
+        gbps = {k: row["size_mib"] * MIB / row[f"{k}_s"] / 1e9 for k in ("memcpy", "raw", "kv", "object_store")
+                if f"{k}_s" in row}
+        line = (f"{row['size_mib']:>5} {row['blocks']:>6} {gbps['memcpy']:>12.2f} {gbps['raw']:>9.2f} "
+                f"{gbps['kv']:>8.2f} {gbps['kv'] / gbps['raw']:>7.2f} {gbps['kv'] / gbps['memcpy']:>9.2f}")
+        if "object_store" in gbps:
+            line += f" {gbps['object_store']:>14.2f} {gbps['object_store'] / gbps['raw']:>8.2f}"
+        print(line)
+        row.update({f"{k}_gbps": v for k, v in gbps.items()})
+    if args.json:
+        args.json.write_text(json.dumps({"command": sys.argv, "transport": transport, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

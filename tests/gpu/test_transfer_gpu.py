@@ -1,0 +1,91 @@
+"""KV transfer between two processes with CUDA KV caches: NCCL across two GPUs, gloo staged
+through pinned host memory when both ranks share one GPU (NCCL refuses that). Same exact-bytes,
+stall and kill checks as tests/integration/test_transfer.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.integration.transfer_peers import (
+    LAYOUTS,
+    NUM_BLOCKS,
+    await_address,
+    block_digest,
+    make_handle,
+    make_kv_caches,
+    relay_pull,
+    start_peer,
+)
+from workers.protocol import TransferStats
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+MARGIN_S = 2.0
+
+# (prefill device, decode device, transport AUTO must pick)
+CASES = {
+    "nccl_two_gpus": ("cuda:0", "cuda:1", "nccl"),
+    "gloo_staged_one_gpu": ("cuda:0", "cuda:0", "gloo_staged"),
+}
+
+
+@pytest.fixture(params=list(CASES))
+def gpu_peers(request):
+    prefill_device, decode_device, transport = CASES[request.param]
+    if max(int(prefill_device[-1]), int(decode_device[-1])) >= torch.cuda.device_count():
+        pytest.skip(f"{request.param} needs {int(decode_device[-1]) + 1} GPUs")
+    prefill = start_peer("prefill", f"gpu-prefill-{request.param}", 1, device=prefill_device)
+    decode = start_peer("decode", f"gpu-decode-{request.param}", 2, device=decode_device)
+    doomed = start_peer("prefill", f"gpu-doomed-{request.param}", 4, device=prefill_device)
+    for peer in (prefill, doomed):
+        await_address(peer, timeout_s=120)
+    yield prefill, decode, doomed, transport
+    for peer in (decode, prefill, doomed):
+        peer.stop()
+
+
+def check_exact(outcome, sender, seed, src, dst, transport, dtype="float32") -> TransferStats:
+    kind, result = outcome
+    assert kind == "pulled", result
+    assert sender is not None and sender[0] == "sent", sender
+    assert result["digest"] == block_digest(make_kv_caches(LAYOUTS[dtype], NUM_BLOCKS, seed), src)
+    assert result["others_untouched"] and result["num_free"] == NUM_BLOCKS
+    stats = TransferStats.from_dict(result["stats"])
+    assert stats.transport == transport
+    return stats
+
+
+def test_gpu_transfer_exact_then_survives_stall_and_kill(gpu_peers):
+    prefill, decode, doomed, transport = gpu_peers
+    sets = [(list(range(10, 42)), list(range(500, 532))),
+            ([3, 77, 5, 900, 42, 1099, 0], [1000, 2, 640, 11, 12, 300, 7]),
+            ([17], [1099]),
+            (list(range(1000)), list(range(1099, 99, -1)))]
+    for i, (src, dst) in enumerate(sets):
+        outcome, sender = relay_pull(prefill, decode, make_handle(prefill, f"g{i}", src), dst, timeout_s=60)
+        check_exact(outcome, sender, 1, src, dst, transport)
+    src, dst = [9, 1, 700, 33], [4, 1098, 250, 60]
+    outcome, sender = relay_pull(prefill, decode, make_handle(prefill, "g-bf16", src, "bfloat16"), dst,
+                                 timeout_s=60)
+    live_epoch = check_exact(outcome, sender, 1, src, dst, transport, "bfloat16").epoch
+
+    timeout_s = 2.0
+    (kind, result), sender = relay_pull(prefill, decode, make_handle(prefill, "g-stall", src), dst,
+                                        timeout_s=timeout_s, stall_s=timeout_s + 1.0)
+    assert kind == "pull_failed", result
+    assert result["elapsed"] < timeout_s + MARGIN_S and result["num_free"] == NUM_BLOCKS
+    outcome, sender = relay_pull(prefill, decode, make_handle(prefill, "g-after-stall", src), dst,
+                                 timeout_s=60)
+    assert check_exact(outcome, sender, 1, src, dst, transport).epoch > live_epoch
+
+    (kind, result), _ = relay_pull(doomed, decode, make_handle(doomed, "g-doomed", src), dst,
+                                   timeout_s=timeout_s, prefill_cmd="connect_then_die", wait_sender=False)
+    assert kind == "pull_failed", result
+    assert result["elapsed"] < timeout_s + MARGIN_S and result["freed"] == dst
+    outcome, sender = relay_pull(prefill, decode, make_handle(prefill, "g-after-kill", src), dst,
+                                 timeout_s=60)
+    check_exact(outcome, sender, 1, src, dst, transport)

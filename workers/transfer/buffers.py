@@ -1,0 +1,93 @@
+"""Gathering blocks of all layers into one contiguous buffer, and scattering it back.
+
+The wire format of one transfer is a single tensor ``[num_layers, 2, n, block_size, heads, dim]``
+holding the requested blocks in request order: row ``i`` of every layer is block ``ids[i]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from workers.protocol import KVLayout
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def layout_of(kv_caches: Sequence[torch.Tensor]) -> KVLayout:
+    """The layout of an engine's KV cache, checking every layer agrees."""
+    if not kv_caches:
+        raise ValueError("kv_caches is empty: pass one tensor per layer")
+    first = kv_caches[0]
+    if first.dim() != 5 or first.shape[0] != 2:
+        raise ValueError(
+            f"KV cache layer 0 has shape {tuple(first.shape)}; expected "
+            "[2, num_blocks, block_size, num_kv_heads, head_dim]"
+        )
+    for i, layer in enumerate(kv_caches):
+        if layer.shape != first.shape or layer.dtype != first.dtype or layer.device != first.device:
+            raise ValueError(
+                f"KV cache layer {i} is {tuple(layer.shape)} {layer.dtype} on {layer.device} but "
+                f"layer 0 is {tuple(first.shape)} {first.dtype} on {first.device}"
+            )
+        if not layer.is_contiguous():
+            raise ValueError(f"KV cache layer {i} is not contiguous; allocate each layer in one piece")
+    _, _, block_size, heads, head_dim = first.shape
+    return KVLayout(len(kv_caches), block_size, heads, head_dim, dtype_name(first.dtype))
+
+
+def check_block_ids(block_ids: Sequence[int], num_blocks: int, what: str,
+                    unique: bool = False) -> None:
+    """Reject empty lists, non-ints and ids outside ``[0, num_blocks)`` before any traffic."""
+    if len(block_ids) == 0:
+        raise ValueError(f"{what} is empty: a transfer moves at least one block")
+    bad = [b for b in block_ids if not isinstance(b, int) or isinstance(b, bool)
+           or not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"{what} has ids outside [0, {num_blocks}): {bad[:8]}")
+    if unique and len(set(block_ids)) != len(block_ids):
+        raise ValueError(f"{what} names a block twice; each destination block is written once")
+
+
+def buffer_shape(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
+    return (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+
+
+def gather_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
+                  out: torch.Tensor) -> torch.Tensor:
+    """Copy ``block_ids`` of every layer into ``out`` (one copy, no per-layer temporaries)."""
+    index = torch.as_tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
+    for layer, cache in enumerate(kv_caches):
+        torch.index_select(cache, 1, index, out=out[layer])
+    return out
+
+
+def _as_wide_rows(blocks: torch.Tensor) -> torch.Tensor:
+    """View ``[2, n, block_size, heads, dim]`` as ``[2, n, row]`` of the widest element that
+    tiles a block exactly.
+
+    ``index_copy_`` moves one element at a time; moving 16-byte elements instead of 2-byte ones
+    makes the scatter up to 2x faster on CPU. Only bytes are copied, never converted, so the
+    result is bit-exact whatever the KV dtype.
+    """
+    rows = blocks.view(blocks.shape[0], blocks.shape[1], -1)
+    row_bytes = rows.shape[-1] * rows.element_size()
+    offset_bytes = rows.storage_offset() * rows.element_size()
+    for wide in (torch.complex128, torch.int64):
+        if row_bytes % wide.itemsize == 0 and offset_bytes % wide.itemsize == 0:
+            return rows.view(wide)
+    return rows
+
+
+def scatter_blocks(buf: torch.Tensor, kv_caches: Sequence[torch.Tensor],
+                   block_ids: Sequence[int]) -> None:
+    """Write row ``i`` of every layer of ``buf`` into block ``block_ids[i]``.
+
+    Needs contiguous cache layers (the engine allocates them so).
+    """
+    index = torch.as_tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
+    for layer, cache in enumerate(kv_caches):
+        _as_wide_rows(cache).index_copy_(1, index, _as_wide_rows(buf[layer]))

@@ -1,0 +1,210 @@
+"""Decode side of KV transfer: pulls a request's blocks from the prefill worker in its KVHandle.
+
+The decode side paces each pair: it holds the pair's lock from dispatching the request to the
+prefill side until its recv has completed, so at most one transfer per pair is in flight and
+both sides see transfers in the same order. It also owns the epoch: a new group always gets a
+new epoch (counting up from the wall clock in microseconds, so a restarted worker with the same
+id never reuses spent store keys), and the epoch travels in the ``TransferRequest``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from workers.protocol import KVHandle, TransferAddress, TransferRequest, TransferStats
+from workers.transfer import object_store
+from workers.transfer.buffers import check_block_ids, layout_of, scatter_blocks
+from workers.transfer.config import TransferConfig, Transport
+from workers.transfer.device import device_address, resolve_transport
+from workers.transfer.errors import KVTransferError
+from workers.transfer.pair import DECODE_RANK, PairGroup, PairSlot, acquire
+
+logger = logging.getLogger(__name__)
+
+RequestSend = Callable[[TransferRequest], Any]
+RequestConnect = Callable[[str, int, str], Any]
+
+
+def transfer_tag(request_id: str) -> int:
+    """The message tag both sides use for one request (non-negative int32)."""
+    return zlib.crc32(request_id.encode()) & 0x7FFFFFFF
+
+
+class KVTransferClient:
+    """Pulls KV blocks from any number of prefill workers, one pair group per prefill worker.
+
+    Thread-safe; ``pull``/``connect`` block up to their deadline, so call them from a thread,
+    never inside ``async def``.
+    """
+
+    def __init__(self, worker_id: str, config: TransferConfig | None = None,
+                 device: str | torch.device = "cpu") -> None:
+        self.worker_id = worker_id
+        self.config = config or TransferConfig()
+        self.device = torch.device(device)
+        self.identity = device_address(self.config.host, 0, worker_id, self.config.node_id, self.device)
+        self._slots: dict[str, PairSlot] = {}
+        self._slots_lock = threading.Lock()
+        self._epochs = itertools.count(time.time_ns() // 1000)
+
+    def _slot(self, prefill_worker_id: str) -> PairSlot:
+        with self._slots_lock:
+            return self._slots.setdefault(prefill_worker_id, PairSlot())
+
+    def _next_epoch(self) -> int:
+        with self._slots_lock:
+            return next(self._epochs)
+
+    def _create_group(self, slot: PairSlot, address: TransferAddress, epoch: int,
+                      transport: Transport, deadline: float) -> PairGroup:
+        group = PairGroup.create(
+            store_host=address.host, store_port=address.port, bind_host=self.config.host,
+            peer_id=address.worker_id, decode_worker_id=self.worker_id, epoch=epoch,
+            rank=DECODE_RANK, transport=transport, device=self.device, deadline=deadline,
+            buffer_cache_bytes=self.config.buffer_cache_bytes)
+        slot.group = group
+        slot.last_epoch = epoch
+        logger.info("pair group %s -> %s epoch %d created (%s)", address.worker_id,
+                    self.worker_id, epoch, transport.value)
+        return group
+
+    def connect(self, address: TransferAddress, request_connect: RequestConnect,
+                timeout_s: float | None = None) -> int | None:
+        """Create the pair group with a prefill worker ahead of the first transfer.
+
+        ``request_connect(decode_worker_id, epoch, transport)`` must make the prefill worker call
+        ``KVTransferServer.connect`` with those arguments, without waiting for it to return.
+        Returns the live epoch (None for the object store, which has no group).
+        """
+        transport = resolve_transport(self.config.transport, self.identity, address)
+        if transport is Transport.OBJECT_STORE:
+            return None
+        deadline = time.monotonic() + (timeout_s or self.config.connect_timeout_s)
+        slot = self._slot(address.worker_id)
+        if not acquire(slot.lock, deadline):
+            raise KVTransferError(f"pair with {address.worker_id} stayed busy past the deadline",
+                                  peer_id=address.worker_id)
+        try:
+            if slot.group is not None and slot.group.transport is transport:
+                return slot.group.epoch
+            slot.tear_down("reconnecting")
+            epoch = self._next_epoch()
+            request_connect(self.worker_id, epoch, transport.value)
+            return self._create_group(slot, address, epoch, transport, deadline).epoch
+        except Exception as exc:
+            slot.tear_down(f"connect failed: {exc}")
+            raise KVTransferError(f"pair group with {address.worker_id} failed: {exc}",
+                                  peer_id=address.worker_id) from exc
+        finally:
+            slot.lock.release()
+
+    def pull(self, handle: KVHandle, kv_caches: Sequence[torch.Tensor],
+             dst_block_ids: Sequence[int], request_send: RequestSend, *,
+             src_block_ids: Sequence[int] | None = None,
+             timeout_s: float | None = None) -> TransferStats:
+        """Copy ``src_block_ids`` (default: all of the handle's blocks) into ``dst_block_ids``.
+
+        ``request_send(request)`` must dispatch ``KVTransferServer.send(request, ...)`` on the
+        prefill worker named in the handle and return without waiting for it (the send cannot
+        finish before this side receives). Its return value is used only by ``object_store``:
+        the sender's ``SendResult``, its ``object_ref``, or a Ray ref to either.
+
+        Raises ValueError for bad arguments (checked before any traffic) and KVTransferError
+        when the transfer fails or misses its deadline. On KVTransferError the destination
+        blocks may be partly written; the caller still owns them and must free them.
+        """
+        start = time.monotonic()
+        deadline = start + (timeout_s or self.config.transfer_timeout_s)
+        src = tuple(handle.block_ids if src_block_ids is None else src_block_ids)
+        dst = tuple(dst_block_ids)
+        self._validate(handle, kv_caches, src, dst)
+        peer = handle.prefill_worker_id
+        if handle.lease_expires_at < time.time():
+            raise KVTransferError(f"lease on {handle.request_id} at {peer} has expired",
+                                  peer_id=peer, request_id=handle.request_id)
+        transport = resolve_transport(self.config.transport, self.identity, handle.address)
+
+        def request_for(epoch: int) -> TransferRequest:
+            return TransferRequest(handle.request_id, self.worker_id, epoch, src, handle.layout,
+                                   transport.value, transfer_tag(handle.request_id))
+
+        def stats(epoch: int, nbytes: int, created: bool) -> TransferStats:
+            return TransferStats(handle.request_id, peer, transport.value, epoch, len(src),
+                                 nbytes, time.monotonic() - start, created)
+
+        if transport is Transport.OBJECT_STORE:
+            return self._pull_object(handle, kv_caches, dst, request_send, request_for(0),
+                                     deadline, stats)
+
+        slot = self._slot(peer)
+        if not acquire(slot.lock, deadline):
+            raise KVTransferError(f"pair with {peer} stayed busy past the deadline",
+                                  peer_id=peer, request_id=handle.request_id)
+        try:
+            group = slot.group
+            if group is not None and group.transport is not transport:
+                slot.tear_down(f"transport changed to {transport.value}")
+                group = None
+            epoch = group.epoch if group is not None else self._next_epoch()
+            request = request_for(epoch)
+            request_send(request)
+            created = group is None
+            if created:
+                group = self._create_group(slot, handle.address, epoch, transport, deadline)
+            nbytes = group.recv(kv_caches, dst, handle.layout, request.tag, deadline)
+            return stats(epoch, nbytes, created)
+        except Exception as exc:
+            slot.tear_down(f"pull of {handle.request_id} failed")
+            logger.warning("KV pull %s <- %s failed after %.2fs: %s", handle.request_id, peer,
+                           time.monotonic() - start, exc)
+            raise KVTransferError(f"pulling {handle.request_id} from {peer} failed: {exc}",
+                                  peer_id=peer, request_id=handle.request_id) from exc
+        finally:
+            slot.lock.release()
+
+    def _pull_object(self, handle, kv_caches, dst, request_send, request, deadline, stats):
+        try:
+            payload = request_send(request)
+            buf = object_store.fetch_blocks(payload, handle.layout, len(dst), kv_caches[0].dtype,
+                                            deadline)
+            scatter_blocks(buf.to(kv_caches[0].device), kv_caches, dst)
+            return stats(0, buf.nbytes, False)
+        except Exception as exc:
+            raise KVTransferError(f"object-store pull of {handle.request_id} failed: {exc}",
+                                  peer_id=handle.prefill_worker_id,
+                                  request_id=handle.request_id) from exc
+
+    def _validate(self, handle: KVHandle, kv_caches: Sequence[torch.Tensor],
+                  src: tuple[int, ...], dst: tuple[int, ...]) -> None:
+        layout_of(kv_caches).check_matches(handle.layout)
+        if kv_caches[0].device.type != self.device.type:
+            raise ValueError(f"kv_caches are on {kv_caches[0].device} but this client was built "
+                             f"for {self.device}")
+        if len(src) != len(dst):
+            raise ValueError(f"{len(src)} source blocks but {len(dst)} destination blocks: "
+                             "allocate one destination block per block pulled")
+        stray = sorted(set(src) - set(handle.block_ids))
+        if stray:
+            raise ValueError(f"src_block_ids {stray[:8]} are not in the KVHandle of {handle.request_id}")
+        check_block_ids(dst, kv_caches[0].shape[1], "dst_block_ids", unique=True)
+
+    def close_pair(self, prefill_worker_id: str) -> None:
+        """Tear down the group with a prefill worker that left."""
+        slot = self._slot(prefill_worker_id)
+        with slot.lock:
+            slot.tear_down("closed")
+
+    def close(self) -> None:
+        with self._slots_lock:
+            slots = list(self._slots.values())
+        for slot in slots:
+            with slot.lock:
+                slot.tear_down("client closed")

@@ -1,0 +1,215 @@
+"""A 2-rank process group between one prefill worker (rank 0) and one decode worker (rank 1).
+
+Lifetime: a group is created by both sides at once (the constructor rendezvous blocks until the
+peer arrives), used for any number of transfers, and torn down on the first failure: ``close()``
+aborts it and it is never reused. The next transfer creates a new group under a new epoch, so its
+store keys (``pair/{decode_worker_id}/{epoch}/...``) are fresh.
+
+Locking: a group is used only under its ``PairSlot.lock``; the slot outlives the groups it holds.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from workers.protocol import KVLayout
+from workers.transfer.buffers import buffer_shape, gather_blocks, scatter_blocks
+from workers.transfer.config import Transport
+
+logger = logging.getLogger(__name__)
+
+PREFILL_RANK = 0
+DECODE_RANK = 1
+
+
+def remaining_s(deadline: float) -> float:
+    """Seconds left before a ``time.monotonic()`` deadline; TimeoutError once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    return left
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def backend_of(transport: Transport) -> str:
+    return "nccl" if transport is Transport.NCCL else "gloo"
+
+
+class PairGroup:
+    """One live process group with one peer, plus the scratch buffers its transfers reuse."""
+
+    def __init__(self, pg, store, *, peer_id: str, epoch: int, transport: Transport, rank: int,
+                 device: torch.device, buffer_cache_bytes: int) -> None:
+        self.pg = pg
+        self._store = store  # NCCL creates communicators lazily through it: keep it alive
+        self.peer_id = peer_id
+        self.epoch = epoch
+        self.transport = transport
+        self.rank = rank
+        self.device = device
+        self._buffer_cache_bytes = buffer_cache_bytes
+        self._scratch: torch.Tensor | None = None
+        self.closed = False
+
+    @property
+    def backend(self) -> str:
+        return backend_of(self.transport)
+
+    @classmethod
+    def create(cls, *, store_host: str, store_port: int, bind_host: str, peer_id: str,
+               decode_worker_id: str, epoch: int, rank: int, transport: Transport,
+               device: torch.device, deadline: float, buffer_cache_bytes: int) -> PairGroup:
+        """Rendezvous with the peer, which must be calling ``create`` with the other rank now."""
+        # Each group gets its own store connection: a blocked rendezvous for one peer then cannot
+        # hold up the store client that another pair's rendezvous is using.
+        store = dist.TCPStore(store_host, store_port, is_master=False,
+                              timeout=_td(remaining_s(deadline)), wait_for_workers=False)
+        prefixed = dist.PrefixStore(f"pair/{decode_worker_id}/{epoch}", store)
+        timeout = _td(remaining_s(deadline))
+        if transport is Transport.NCCL:
+            # On a timeout, abort the communicator but keep the worker alive (the default mode
+            # kills the process); read by each ProcessGroupNCCL when it is constructed.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            with torch.cuda.device(device):
+                pg = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+        else:
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+            pg = dist.ProcessGroupGloo(prefixed, rank, 2, options)
+        group = cls(pg, store, peer_id=peer_id, epoch=epoch, transport=transport, rank=rank,
+                    device=device, buffer_cache_bytes=buffer_cache_bytes)
+        if transport is Transport.NCCL:
+            group._warm_up_nccl(deadline)  # NCCL connects on first use: do it inside this deadline
+        return group
+
+    def _warm_up_nccl(self, deadline: float) -> None:
+        with torch.cuda.device(self.device):
+            probe = torch.zeros(1, device=self.device)
+            if self.rank == PREFILL_RANK:
+                self._wait(self.pg.send([probe], DECODE_RANK, 0), deadline)
+            else:
+                self._wait(self.pg.recv([probe], PREFILL_RANK, 0), deadline)
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _wait(self, work, deadline: float) -> None:
+        work.wait(_td(remaining_s(deadline)))
+
+    def _host_buffer(self, layout: KVLayout, num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
+        """A CPU buffer for one transfer; reused across transfers up to ``buffer_cache_bytes``."""
+        shape = buffer_shape(layout, num_blocks)
+        nbytes = layout.bytes_per_block * num_blocks
+        pinned = self.transport is Transport.GLOO_STAGED
+        if nbytes > self._buffer_cache_bytes:
+            return torch.empty(shape, dtype=dtype, pin_memory=pinned)
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = None
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        return self._scratch[:nbytes].view(dtype).view(shape)
+
+    def send(self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], layout: KVLayout,
+             tag: int, deadline: float) -> int:
+        """Gather ``block_ids`` of all layers and send them as one message; returns bytes sent."""
+        dtype = kv_caches[0].dtype
+        if self.transport is Transport.GLOO:
+            buf = gather_blocks(kv_caches, block_ids, self._host_buffer(layout, len(block_ids), dtype))
+            self._wait(self.pg.send([buf], DECODE_RANK, tag), deadline)
+            return buf.nbytes
+        with torch.cuda.device(self.device):
+            staged = torch.empty(buffer_shape(layout, len(block_ids)), dtype=dtype, device=self.device)
+            gather_blocks(kv_caches, block_ids, staged)
+            if self.transport is Transport.GLOO_STAGED:
+                host = self._host_buffer(layout, len(block_ids), dtype)
+                host.copy_(staged, non_blocking=True)
+                torch.cuda.current_stream(self.device).synchronize()
+                self._wait(self.pg.send([host], DECODE_RANK, tag), deadline)
+            else:
+                # ProcessGroupNCCL orders its stream after the current one (the gather) and
+                # keeps ``staged`` alive until the send kernel is done.
+                self._wait(self.pg.send([staged], DECODE_RANK, tag), deadline)
+                torch.cuda.current_stream(self.device).synchronize()
+            return staged.nbytes
+
+    def recv(self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], layout: KVLayout,
+             tag: int, deadline: float) -> int:
+        """Receive one message and scatter it into ``block_ids``; returns bytes received.
+
+        Returns only once the blocks are written (device synchronized), so the caller may
+        schedule them at once.
+        """
+        dtype = kv_caches[0].dtype
+        if self.transport is Transport.GLOO:
+            buf = self._host_buffer(layout, len(block_ids), dtype)
+            self._wait(self.pg.recv([buf], PREFILL_RANK, tag), deadline)
+            scatter_blocks(buf, kv_caches, block_ids)
+            return buf.nbytes
+        with torch.cuda.device(self.device):
+            if self.transport is Transport.GLOO_STAGED:
+                host = self._host_buffer(layout, len(block_ids), dtype)
+                self._wait(self.pg.recv([host], PREFILL_RANK, tag), deadline)
+                staged = host.to(self.device, non_blocking=True)
+            else:
+                staged = torch.empty(buffer_shape(layout, len(block_ids)), dtype=dtype,
+                                     device=self.device)
+                # wait() makes the current stream wait for the recv kernel, then the scatter.
+                self._wait(self.pg.recv([staged], PREFILL_RANK, tag), deadline)
+            scatter_blocks(staged, kv_caches, block_ids)
+            torch.cuda.current_stream(self.device).synchronize()
+            return staged.nbytes
+
+    def close(self) -> None:
+        """Abort the group (pending ops fail, sockets close) and drop its buffers; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for method in ("abort", "shutdown"):
+            fn = getattr(self.pg, method, None)
+            if fn is not None:
+                try:
+                    fn()
+                    break
+                except Exception:  # noqa: BLE001 - a broken group may refuse; it is dropped anyway
+                    continue
+        self._scratch = None
+        self._store = None
+
+
+@dataclass
+class PairSlot:
+    """Per-peer state. ``lock`` serializes every transfer with this peer, across epochs.
+
+    ``last_epoch`` is the newest epoch this side has created (or tried to create) a group for;
+    an epoch is never used twice, since its store keys are already spent.
+    """
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    group: PairGroup | None = None
+    last_epoch: int = -1
+
+    def tear_down(self, reason: str) -> None:
+        if self.group is None:
+            return
+        group, self.group = self.group, None
+        group.close()
+        logger.info("pair group with %s epoch %d torn down: %s", group.peer_id, group.epoch, reason)
+
+
+def acquire(lock: threading.Lock, deadline: float) -> bool:
+    try:
+        return lock.acquire(timeout=remaining_s(deadline))
+    except TimeoutError:
+        return False
