@@ -1,0 +1,1 @@
+"""Benchmarks: engine, prefix index, KV transfer and serving (``bench/serve.py``)."""
