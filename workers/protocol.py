@@ -213,6 +213,8 @@ class PrefillResult:
     num_cached_tokens: int
     finish_reason: str | None = None
     first_token_logprob: float | None = None
+    first_token_top_logprobs: tuple[tuple[int, float], ...] = ()
+    timing: dict[str, float] | None = None  # prefill_queue_s, prefill_s
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -260,3 +262,46 @@ class TransferStats:
     def from_dict(cls, data: dict[str, Any]) -> TransferStats:
         _require(data, cls)
         return cls(**{f.name: data[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """Ingress -> worker: one sequence to generate (one choice of an OpenAI request).
+
+    ``sampling`` holds ``SamplingParams`` fields as plain data. ``block_hashes`` (hex) are the
+    prompt's chained block hashes, computed once by the ingress for routing. ``target_replica``
+    pins the call to one replica (used for calls that must reach the worker holding a lease).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: dict[str, Any]
+    cache_salt: str | None = None
+    block_hashes: tuple[str, ...] = ()
+    arrival_time: float = 0.0  # wall clock at the ingress, for queue-time metrics
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
+            "sampling": dict(self.sampling), "cache_salt": self.cache_salt,
+            "block_hashes": list(self.block_hashes), "arrival_time": self.arrival_time,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """Worker -> ingress: tokens generated since the last chunk of one sequence."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    timing: dict[str, float] | None = None  # set on the last chunk: per-request phases

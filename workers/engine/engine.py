@@ -51,6 +51,8 @@ class RequestOutput:
     finish_reason: str | None
     num_cached_tokens: int
     logprobs: list[TokenLogprob] | None = None
+    timing: dict[str, float] | None = None  # on the final output: queue_s, prefill_s, decode_s
+
 
 
 class LLMEngine:
@@ -115,10 +117,13 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         hold_kv: bool = False,
+        first_token_id: int | None = None,
     ) -> Sequence:
         """Queue a request. With ``hold_kv`` (a prefill worker's use) the finished sequence keeps
-        its blocks referenced until ``release_kv``: the decode side pulls them meanwhile."""
-        seq = self._new_sequence(request_id, prompt, params, cache_salt)
+        its blocks referenced until ``release_kv``: the decode side pulls them meanwhile.
+        ``first_token_id`` continues a request whose first token was sampled elsewhere (a
+        decode worker computing the prompt itself when no KV could be pulled)."""
+        seq = self._new_sequence(request_id, prompt, params, cache_salt, first_token_id)
         seq.hold_kv = hold_kv
         self.scheduler.add(seq)
         return seq
@@ -334,7 +339,20 @@ class LLMEngine:
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             num_cached_tokens=seq.num_cached_tokens or 0,
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            timing=_timing(seq) if seq.is_finished else None,
         )
+
+
+def _timing(seq: Sequence) -> dict[str, float]:
+    """Phases of a finished request in seconds (monotonic clock of this process)."""
+    now = time.monotonic()
+    scheduled = seq.first_scheduled_time or now
+    first = seq.first_token_time or now
+    return {
+        "queue_s": scheduled - seq.arrival_time,
+        "prefill_s": max(0.0, first - scheduled),
+        "decode_s": max(0.0, now - first),
+    }
 
 
 def _load_tokenizer(model_dir: str):

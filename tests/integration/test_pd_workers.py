@@ -1,0 +1,117 @@
+"""Prefill and decode workers wired directly (no Ray): KV moves over a real gloo pair group,
+decoding continues on the decode worker, and the output equals transformers' greedy output."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kvstore.hashing import hash_prompt_blocks
+from tests.unit.engine_helpers import hf_greedy, random_prompts
+from workers.decode import DecodeWorker
+from workers.engine import LLMEngine, SamplingParams
+from workers.prefill import PrefillWorker
+from workers.protocol import GenerateRequest
+from workers.transfer import TransferConfig
+
+
+def request(rid: str, prompt: list[int], max_tokens: int = 64, **sampling) -> GenerateRequest:
+    params = {"max_tokens": max_tokens, "temperature": 0.0, **sampling}
+    hashes = tuple(h.hex() for h in hash_prompt_blocks(prompt, 16, "m"))
+    return GenerateRequest(rid, tuple(prompt), params, None, hashes, time.time())
+
+
+@pytest.fixture
+async def pd(tiny_llama):
+    cfg = TransferConfig(transfer_timeout_s=5.0, connect_timeout_s=5.0)
+    prefill = PrefillWorker(LLMEngine(tiny_llama, num_kv_blocks=128, load_progress=False), "prefill-0",
+                            cfg, lease_ttl_s=2.0)
+
+    async def send(transfer, prefill_id):
+        assert prefill_id == "prefill-0"
+        return await prefill.send_kv(transfer)
+
+    async def release(request_id, prefill_id):
+        return await prefill.release(request_id)
+
+    decode = DecodeWorker(LLMEngine(tiny_llama, num_kv_blocks=128, load_progress=False), "decode-0",
+                          send, release, cfg)
+    yield prefill, decode
+    for worker in (prefill, decode):
+        await worker.loop.call(lambda e: e.block_manager.check_idle())
+        await worker.shutdown()
+
+
+async def run(prefill: PrefillWorker, decode: DecodeWorker, req: GenerateRequest) -> list[int]:
+    result = await prefill.prefill(req)
+    tokens = [result.first_token_id]
+    if result.finish_reason:
+        return tokens
+    async for chunk in decode.generate(req, result):
+        tokens.extend(chunk.token_ids)
+    return tokens
+
+
+async def wait_idle(worker) -> None:
+    for _ in range(200):
+        if await worker.loop.call(lambda e: not e.has_unfinished() and e.num_held == 0):
+            return
+        await asyncio.sleep(0.02)
+
+
+async def test_disaggregated_output_matches_transformers(pd, tiny_llama):
+    prefill, decode = pd
+    prompts = random_prompts((3, 40, 130), seed=41)
+    results = await asyncio.gather(*(run(prefill, decode, request(f"r{i}", p)) for i, p in enumerate(prompts)))
+    for prompt, tokens in zip(prompts, results):
+        assert tokens == hf_greedy(tiny_llama, tuple(prompt))
+    assert decode.stats.transfers == 3 and decode.stats.transfer_bytes > 0
+    assert prefill.stats.transfers == 3
+    await wait_idle(prefill)
+
+
+async def test_decode_cache_hit_moves_only_missing_blocks(pd, tiny_llama):
+    prefill, decode = pd
+    prefix = random_prompts((64,), seed=42)[0]
+    await run(prefill, decode, request("a", prefix + [1, 2, 3]))
+    bytes_before = decode.stats.transfer_bytes
+    tokens = await run(prefill, decode, request("b", prefix + list(range(100, 120))))
+    assert tokens == hf_greedy(tiny_llama, tuple(prefix + list(range(100, 120))))
+    per_block = decode.stats.transfer_bytes - bytes_before
+    assert per_block == 2 * (bytes_before // 5)  # 2 of 6 blocks moved the 2nd time, 5 the first
+    await wait_idle(prefill)
+
+
+async def test_failed_transfer_recomputes_same_output(pd, tiny_llama):
+    prefill, decode = pd
+    prompt = random_prompts((50,), seed=43)[0]
+    req = request("x", prompt)
+    result = await prefill.prefill(req)
+    assert await prefill.release("x")  # blocks gone: the send will be refused
+    tokens = [result.first_token_id]
+    async for chunk in decode.generate(req, result):
+        tokens.extend(chunk.token_ids)
+    assert tokens == hf_greedy(tiny_llama, tuple(prompt))
+    assert decode.stats.transfer_failures == 1 and decode.stats.recomputed_prefills == 1
+
+
+async def test_unclaimed_lease_expires_and_frees(pd):
+    prefill, _ = pd
+    result = await prefill.prefill(request("y", random_prompts((70,), seed=44)[0]))
+    assert result.kv_handle is not None
+    held = await prefill.loop.call(lambda e: e.num_held)
+    assert held == 1
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        if await prefill.loop.call(lambda e: e.num_held) == 0:
+            break
+    assert prefill.stats.leases_expired == 1
+
+
+async def test_request_that_ends_at_first_token_needs_no_decode(pd):
+    prefill, _ = pd
+    result = await prefill.prefill(request("z", [5, 6, 7], max_tokens=1))
+    assert result.kv_handle is None and result.finish_reason == "length"
+    assert await prefill.loop.call(lambda e: e.num_held) == 0

@@ -1,0 +1,175 @@
+"""Decode worker (and the colocated worker it builds on): continuous-batch decoding, with the
+prompt's KV pulled from the prefill worker named in the KVHandle.
+
+Block lifetime on this side: ``reserve_remote_kv`` allocates the prompt's blocks (reusing what
+this worker's prefix cache holds); the pull fills the missing ones; ``commit_remote_kv`` joins
+the batch, or recomputes the prompt when the pull failed. Leaving the stream early (client
+gone) aborts the request, which frees its blocks wherever it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+from workers.engine import LLMEngine, RequestOutput, SamplingParams
+from workers.engine_loop import EngineLoop
+from workers.protocol import GenerateRequest, PrefillResult, TokenChunk, TokenLogprobs, TransferRequest
+from workers.transfer import KVTransferClient, KVTransferError, TransferConfig, Transport
+from workers.worker_stats import WorkerStats
+
+logger = logging.getLogger(__name__)
+
+RequestSend = Callable[[TransferRequest, str], Awaitable[Any]]  # (request, prefill worker id)
+RequestRelease = Callable[[str, str], Awaitable[Any]]  # (request id, prefill worker id)
+
+
+def worker_params(request: GenerateRequest) -> SamplingParams:
+    """Workers produce token ids; text and stop strings are the ingress's job."""
+    return replace(SamplingParams(**request.sampling), stop=(), detokenize=False)
+
+
+def to_chunk(output: RequestOutput, extra_timing: dict[str, float] | None = None) -> TokenChunk:
+    logprobs = None
+    if output.logprobs is not None:
+        new = output.logprobs[len(output.logprobs) - len(output.new_token_ids):]
+        logprobs = tuple(TokenLogprobs(lp.token_id, lp.logprob, tuple(lp.top)) for lp in new)
+    timing = None
+    if output.timing is not None:
+        timing = {f"decode_{k}": v for k, v in output.timing.items()} | (extra_timing or {})
+    return TokenChunk(
+        request_id=output.request_id, token_ids=tuple(output.new_token_ids), logprobs=logprobs,
+        finish_reason=output.finish_reason, num_cached_tokens=output.num_cached_tokens, timing=timing,
+    )
+
+
+class ColocatedWorker:
+    """One engine doing prefill and decode: the baseline, and the fast path for a decode worker
+    that already holds nearly all of a prompt."""
+
+    def __init__(self, engine: LLMEngine, worker_id: str, role: str = "colocated", on_step=None) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.stats = WorkerStats(role)
+        self.loop = EngineLoop(engine, on_step=on_step)
+
+    async def generate_local(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        rid = request.request_id
+        params = worker_params(request)
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(request.prompt_token_ids)
+        async for output in self.loop.generate(
+            rid, lambda e: e.add_request(rid, list(request.prompt_token_ids), params, request.cache_salt)
+        ):
+            self.stats.generated_tokens += len(output.new_token_ids)
+            if output.finished:
+                self.stats.cached_prompt_tokens += output.num_cached_tokens
+            yield to_chunk(output)
+
+    async def shutdown(self) -> None:
+        self.loop.shutdown()
+
+
+class DecodeWorker(ColocatedWorker):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        worker_id: str,
+        request_send: RequestSend,
+        request_release: RequestRelease,
+        transfer_config: TransferConfig | None = None,
+        on_step=None,
+    ) -> None:
+        super().__init__(engine, worker_id, role="decode", on_step=on_step)
+        self.transfer_config = transfer_config or TransferConfig()
+        self.client = KVTransferClient(worker_id, self.transfer_config, device=engine.device)
+        self._request_send = request_send
+        self._request_release = request_release
+        self._receivers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-recv")
+
+    async def generate(self, request: GenerateRequest, prefill: PrefillResult) -> AsyncIterator[TokenChunk]:
+        """Continue a prefilled request: pull its KV (or recompute), then stream its tokens."""
+        rid, handle = request.request_id, prefill.kv_handle
+        prompt = list(request.prompt_token_ids)
+        params = worker_params(request)
+        outputs = self.loop.attach(rid)
+        finished = False
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(prompt)
+        extra: dict[str, float] = {}
+        try:
+            reservation = await self.loop.call(
+                lambda e: e.reserve_remote_kv(rid, prompt, prefill.first_token_id, params, request.cache_salt)
+            )
+            if reservation is None:
+                # No room for the prompt now: queue it here as a recompute; blocks free up as
+                # other sequences finish. The prefill worker's copy is not needed.
+                self._release_remote(rid, handle.prefill_worker_id)
+                self.stats.recomputed_prefills += 1
+                await self.loop.call(lambda e: e.add_request(
+                    rid, prompt, params, request.cache_salt, first_token_id=prefill.first_token_id))
+            else:
+                self.stats.cached_prompt_tokens += reservation.num_cached_tokens
+                recompute = False
+                if reservation.missing_block_ids:
+                    try:
+                        stats = await self._pull(handle, reservation)
+                        extra = {"transfer_s": stats.seconds, "transfer_bytes": float(stats.num_bytes)}
+                    except (KVTransferError, ValueError) as exc:
+                        logger.warning("KV pull of %s from %s failed, recomputing here: %s",
+                                       rid, handle.prefill_worker_id, exc)
+                        self.stats.transfer_failures += 1
+                        self.stats.recomputed_prefills += 1
+                        recompute = True
+                else:
+                    self._release_remote(rid, handle.prefill_worker_id)  # we hold every block
+                await self.loop.call(lambda e: e.commit_remote_kv(rid, recompute=recompute))
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                self.stats.generated_tokens += len(item.new_token_ids)
+                finished = item.finished
+                yield to_chunk(item, extra)
+                if finished:
+                    return
+        finally:
+            self.loop.detach(rid)
+            if not finished:
+                self.loop.call_future(lambda e: e.abort(rid))
+
+    async def _pull(self, handle, reservation):
+        loop = asyncio.get_running_loop()
+        src = handle.block_ids[reservation.num_cached_blocks:]
+        timeout_s = self.transfer_config.transfer_timeout_s
+        blocking = self.transfer_config.transport is Transport.OBJECT_STORE
+
+        def request_send(transfer: TransferRequest):
+            # Runs on the pull thread: dispatch the prefill side's send on the event loop. For
+            # a pair group the send completes only once we receive, so do not wait for it.
+            future = asyncio.run_coroutine_threadsafe(
+                self._request_send(transfer, handle.prefill_worker_id), loop)
+            return future.result(timeout_s) if blocking else None
+
+        stats = await loop.run_in_executor(
+            self._receivers,
+            lambda: self.client.pull(handle, self.engine.kv_caches, reservation.missing_block_ids,
+                                     request_send, src_block_ids=src, timeout_s=timeout_s),
+        )
+        self.stats.transfers += 1
+        self.stats.transfer_bytes += stats.num_bytes
+        self.stats.transfer_seconds += stats.seconds
+        return stats
+
+    def _release_remote(self, request_id: str, prefill_worker_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._request_release(request_id, prefill_worker_id))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # advisory: lease covers it
+
+    async def shutdown(self) -> None:
+        self._receivers.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
+        await super().shutdown()

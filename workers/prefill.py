@@ -1,0 +1,135 @@
+"""Prefill worker: runs prompts to their first token, keeps the KV blocks under a lease, and
+sends them to the decode worker that claims them.
+
+Block lifetime on this side: a finished prefill holds its blocks (``hold_kv``) and gets a lease.
+Exactly one of these frees them: ``send_kv`` after sending (claimed), ``release`` (the decode
+side already had every block), or the lease expiring (no decode worker came). Cached full
+blocks stay in the prefix cache after being freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+from workers.engine import LLMEngine, SamplingParams
+from workers.engine_loop import EngineLoop
+from workers.protocol import GenerateRequest, KVHandle, KVLayout, PrefillResult, TransferRequest
+from workers.transfer import KVTransferError, KVTransferServer, LeaseTable, SendResult, TransferConfig
+from workers.worker_stats import WorkerStats, kv_layout_of
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillWorker:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        worker_id: str,
+        transfer_config: TransferConfig | None = None,
+        lease_ttl_s: float = 30.0,
+        on_step=None,
+    ) -> None:
+        self.worker_id = worker_id
+        self.engine = engine
+        self.stats = WorkerStats("prefill")
+        self.loop = EngineLoop(engine, on_step=on_step)
+        self.transfer_config = transfer_config or TransferConfig()
+        self.server = KVTransferServer(worker_id, self.transfer_config, device=engine.device)
+        self.layout: KVLayout = kv_layout_of(engine)
+        self.lease_ttl_s = lease_ttl_s
+        self.leases = LeaseTable()
+        self.leases.start(interval_s=min(1.0, lease_ttl_s / 4))
+        # Sends block until the decode side receives: a pool, so they never block the event loop.
+        self._senders = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-send")
+
+    async def prefill(self, request: GenerateRequest) -> PrefillResult:
+        """Compute the prompt's KV and first token; return where to pull the KV from."""
+        params = SamplingParams(**request.sampling)
+        needs_decode = params.max_tokens > 1
+        first_only = replace(params, max_tokens=1, stop=(), detokenize=False)
+        rid = request.request_id
+        final = None
+        async for output in self.loop.generate(
+            rid,
+            lambda e: e.add_request(rid, list(request.prompt_token_ids), first_only, request.cache_salt,
+                                    hold_kv=needs_decode),
+        ):
+            final = output
+        first = final.token_ids[0]
+        finish = final.finish_reason if final.finish_reason == "stop" or not needs_decode else None
+        if finish is None and len(request.prompt_token_ids) + 1 >= self.engine.max_model_len:
+            finish = "length"
+        lp = final.logprobs[0] if final.logprobs else None
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(request.prompt_token_ids)
+        self.stats.cached_prompt_tokens += final.num_cached_tokens
+        result = PrefillResult(
+            request_id=rid, first_token_id=first, prompt_token_ids=tuple(request.prompt_token_ids),
+            kv_handle=None, num_cached_tokens=final.num_cached_tokens, finish_reason=finish,
+            first_token_logprob=lp.logprob if lp else None,
+            first_token_top_logprobs=tuple(lp.top) if lp else (),
+            timing={"prefill_queue_s": final.timing["queue_s"], "prefill_s": final.timing["prefill_s"]},
+        )
+        if not needs_decode:
+            return result
+        if finish is not None:
+            await self.loop.call(lambda e: e.release_kv(rid))
+            return result
+        block_ids = await self.loop.call(lambda e: e.held_block_ids(rid))
+        self.leases.grant(rid, self.lease_ttl_s, self._on_lease_end)
+        handle = KVHandle(
+            request_id=rid, prefill_worker_id=self.worker_id, address=self.server.address,
+            block_ids=tuple(block_ids), num_tokens=len(request.prompt_token_ids),
+            block_hashes=tuple(request.block_hashes), layout=self.layout,
+            lease_expires_at=time.time() + self.lease_ttl_s,
+        )
+        return replace(result, kv_handle=handle)
+
+    async def send_kv(self, request: TransferRequest) -> SendResult:
+        """Send the requested blocks to the decode worker that asked, then free them."""
+        rid = request.request_id
+        if not self.leases.claim(rid):
+            raise KVTransferError(f"no live lease for {rid} on {self.worker_id} (expired or already sent)",
+                                  peer_id=request.decode_worker_id, request_id=rid)
+        loop = asyncio.get_running_loop()
+        try:
+            result = await loop.run_in_executor(
+                self._senders, self.server.send, request, self.engine.kv_caches,
+                self.transfer_config.transfer_timeout_s,
+            )
+            self.stats.transfers += 1
+            self.stats.transfer_bytes += result.stats.num_bytes
+            self.stats.transfer_seconds += result.stats.seconds
+            return result
+        except Exception:
+            self.stats.transfer_failures += 1
+            raise
+        finally:
+            # The object store holds its own copy; a pair group has delivered or failed.
+            self.loop.call_future(lambda e: e.release_kv(rid))
+
+    def connect(self, decode_worker_id: str, epoch: int, transport: str) -> None:
+        self.server.connect(decode_worker_id, epoch, transport)
+
+    async def release(self, request_id: str) -> bool:
+        """The decode side needs none of the blocks (it had them all): free them now."""
+        if not self.leases.release(request_id):
+            return False
+        return await self.loop.call(lambda e: e.release_kv(request_id))
+
+    def _on_lease_end(self, request_id: str, reason: str) -> None:
+        if reason == "expired":
+            self.stats.leases_expired += 1
+            logger.warning("lease on %s expired on %s: freeing its blocks", request_id, self.worker_id)
+            self.loop.call_future(lambda e: e.release_kv(request_id))
+        # "claimed": send_kv frees after sending; "released": release() frees.
+
+    async def shutdown(self) -> None:
+        self.leases.close()
+        self._senders.shutdown(wait=False, cancel_futures=True)
+        self.server.close()
+        self.loop.shutdown()
