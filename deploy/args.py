@@ -1,0 +1,111 @@
+"""The application's arguments: one pydantic model, validated across fields, shared by the
+builder (``build_app``), the Serve config YAMLs (``args:``) and ``pdserve up``."""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class Mode(str, enum.Enum):
+    DISAGGREGATED = "disaggregated"
+    COLOCATED = "colocated"
+
+
+class PoolArgs(BaseModel):
+    """One worker pool (prefill, decode or colocated): replicas and what each one needs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    replicas: int = Field(default=1, ge=1, description="replicas of this pool")
+    num_cpus: float = Field(default=1.0, ge=0, description="CPUs per replica")
+    num_gpus: float = Field(default=0.0, ge=0, description="GPUs per replica (1 on GPU clusters)")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom resources per replica, e.g. {'prefill': 1} to pin a node type"
+    )
+    max_ongoing_requests: int = Field(default=64, ge=1, description="requests queued or running per replica")
+
+
+class PDServeArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="Hugging Face model directory, the same path on every node")
+    served_model_name: str | None = Field(default=None, description="id in /v1/models (default: dir name)")
+    mode: Mode = Field(default=Mode.DISAGGREGATED)
+    prefill: PoolArgs = Field(default_factory=PoolArgs)
+    decode: PoolArgs = Field(default_factory=PoolArgs)
+    colocated: PoolArgs = Field(default_factory=PoolArgs)
+    ingress_replicas: int = Field(default=1, ge=1)
+    device: str = Field(default="auto", description="auto (cuda when the replica has a GPU), cpu, cuda")
+    dtype: str | None = Field(default=None, description="auto, float32, bfloat16, float16")
+    block_size: int = Field(default=16, description="tokens per KV block; must match across pools")
+    num_kv_blocks: int | None = Field(default=None, ge=1, description="KV blocks per replica (default: from memory)")
+    kv_cache_memory_gib: float = Field(default=1.0, gt=0, description="CPU replicas: KV cache size")
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=16)
+    max_num_seqs: int = Field(default=128, ge=1)
+    max_model_len: int | None = Field(default=None, ge=2)
+    enable_prefix_caching: bool = True
+    redis_url: str | None = Field(default=None, description="Redis for the prefix index; None: route by load")
+    transport: str = Field(default="auto", description="auto, gloo, nccl, gloo_staged, object_store")
+    transfer_timeout_s: float = Field(default=30.0, gt=0)
+    lease_ttl_s: float = Field(default=30.0, gt=0, description="prefill blocks wait this long for decode")
+    min_prefix_match_blocks: int = Field(default=2, ge=1, description="shorter matches route by load")
+    prefix_imbalance_threshold: int = Field(default=8, ge=0, description="queue-length gap that overrides a prefix match")
+    api_keys: tuple[str, ...] = Field(default=(), description="accepted Bearer keys; empty: no auth")
+    max_request_bytes: int = Field(default=1 << 20, ge=1024, description="larger bodies get 413")
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    log_level: str = "INFO"
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size(cls, v: int) -> int:
+        if v <= 0 or v & (v - 1):
+            raise ValueError(f"block_size {v} must be a power of two (16 is the default)")
+        return v
+
+    @field_validator("transport")
+    @classmethod
+    def _transport(cls, v: str) -> str:
+        allowed = ("auto", "gloo", "nccl", "gloo_staged", "object_store")
+        if v not in allowed:
+            raise ValueError(f"transport {v!r}: choose one of {', '.join(allowed)}")
+        return v
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str) -> str:
+        if not (Path(v) / "config.json").is_file():
+            raise ValueError(f"model {v!r} has no config.json: give a Hugging Face model directory")
+        return str(Path(v).resolve())
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "PDServeArgs":
+        if self.mode is Mode.DISAGGREGATED and self.transport == "nccl" and self.decode.num_gpus == 0:
+            raise ValueError("transport nccl needs GPU replicas: set decode.num_gpus and prefill.num_gpus")
+        if self.device == "cuda" and self.mode is Mode.DISAGGREGATED and (
+            self.prefill.num_gpus == 0 or self.decode.num_gpus == 0
+        ):
+            raise ValueError("device cuda needs num_gpus > 0 on both the prefill and decode pools")
+        if self.max_model_len and self.num_kv_blocks and self.max_model_len > self.num_kv_blocks * self.block_size:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} does not fit in num_kv_blocks {self.num_kv_blocks} "
+                f"x block_size {self.block_size}: raise num_kv_blocks or lower max_model_len"
+            )
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+    def engine_kwargs(self, device: str) -> dict[str, Any]:
+        """Keyword arguments for ``LLMEngine`` on a replica whose device is resolved."""
+        return dict(
+            block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, device=device, dtype=self.dtype,
+            kv_cache_memory_gib=self.kv_cache_memory_gib, gpu_memory_utilization=self.gpu_memory_utilization,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
+        )

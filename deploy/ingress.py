@@ -1,0 +1,207 @@
+"""The OpenAI-compatible ingress: a Serve deployment with a FastAPI app.
+
+Validates (pydantic, 400 with the parameter named), applies the chat template, tokenizes,
+hashes the prompt's blocks for routing, and runs each choice through the worker pools:
+disaggregated (prefill pool -> first token, streamed at once; decode pool -> the rest) or
+colocated (one pool). Text, stop strings and logprobs are assembled here (``deploy.output``).
+"""
+
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+
+from deploy.args import Mode, PDServeArgs
+from deploy.http_errors import install_error_handlers
+from deploy.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from deploy.output import ChoiceAssembler
+from deploy.responses import ResponseBuilder
+from deploy.worker_calls import WorkerCalls
+from kvstore.hashing import hash_prompt_blocks
+from workers.engine.config import EngineConfig
+from workers.models.config import ModelConfig
+from workers.protocol import GenerateRequest
+
+logger = logging.getLogger("pdserve")
+
+app = FastAPI(title="pdserve", description="OpenAI-compatible disaggregated LLM serving")
+install_error_handlers(app)
+
+
+@serve.deployment(name="ingress", max_ongoing_requests=1024)
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, args: dict, prefill=None, decode=None, colocated=None) -> None:
+        from transformers import AutoTokenizer
+
+        self.args = PDServeArgs.model_validate(args)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.args.model)
+        self.model_config = ModelConfig.from_dir(self.args.model)
+        self.model_key = EngineConfig(model_dir=self.args.model).resolved_model_key
+        self.max_model_len = self.args.max_model_len or self.model_config.max_position_embeddings
+        if self.model_config.sliding_window:
+            self.max_model_len = min(self.max_model_len, self.model_config.sliding_window)
+        self.workers = WorkerCalls(self.args.mode, prefill=prefill, decode=decode, colocated=colocated)
+        app.state.api_keys = frozenset(self.args.api_keys)
+        app.state.max_request_bytes = self.args.max_request_bytes
+        logger.info("ingress ready: model %s (%s mode)", self.args.model_name, self.args.mode.value)
+
+    # ------------------------------------------------------------------ routes
+    @app.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{
+            "id": self.args.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+            "max_model_len": self.max_model_len,
+        }]}
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, raw: Request):
+        self._check_model(body.model)
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = list(prompt)
+        return await self._serve(body, prompt_ids, body.max_tokens, body.logprobs, chat=False, raw=raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, raw: Request):
+        self._check_model(body.model)
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
+                    for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt, tokenize=False)
+        except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
+            raise RequestError(f"messages do not fit the model's chat template: {exc}", "messages") from exc
+        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        top = body.top_logprobs or 0
+        return await self._serve(body, prompt_ids, body.requested_max_tokens,
+                                 top if body.logprobs else None, chat=True, raw=raw)
+
+    # --------------------------------------------------------------- internals
+    def _check_model(self, model: str) -> None:
+        if model != self.args.model_name:
+            raise RequestError(f"The model `{model}` does not exist. Available: {self.args.model_name}",
+                               "model", status=404, code="model_not_found")
+
+    def _sampling(self, body, max_tokens: int, logprobs: int | None, choice: int) -> dict[str, Any]:
+        seed = None if body.seed is None else body.seed + choice
+        return {
+            "max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+            "top_k": body.top_k, "min_p": body.min_p, "seed": seed,
+            "stop_token_ids": tuple(body.stop_token_ids or ()), "ignore_eos": body.ignore_eos,
+            "logprobs": logprobs,
+        }
+
+    def _validate_prompt(self, prompt_ids: list[int], max_tokens: int | None) -> int:
+        if not prompt_ids:
+            raise RequestError("prompt is empty", "prompt")
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in prompt_ids):
+            raise RequestError(f"prompt has token ids outside the vocabulary [0, {vocab})", "prompt")
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(prompt_ids)} tokens. Shorten the prompt.", "prompt", code="context_length_exceeded")
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
+                f"{max_tokens} for the completion). Reduce the prompt or max_tokens.",
+                "max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    async def _serve(self, body, prompt_ids: list[int], max_tokens: int | None, logprobs: int | None,
+                     chat: bool, raw: Request):
+        max_tokens = self._validate_prompt(prompt_ids, max_tokens)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        hashes = tuple(h.hex() for h in hash_prompt_blocks(
+            prompt_ids, self.args.block_size, self.model_key, body.cache_salt))
+        arrival = time.time()
+        choices = [
+            GenerateRequest(f"{request_id}-{i}", tuple(prompt_ids), self._sampling(body, max_tokens, logprobs, i),
+                            body.cache_salt, hashes, arrival)
+            for i in range(body.n)
+        ]
+        assemblers = [
+            ChoiceAssembler(self.tokenizer, prompt_ids, tuple(body.stop), body.include_stop_str_in_output,
+                            body.skip_special_tokens)
+            for _ in range(body.n)
+        ]
+        builder = ResponseBuilder(request_id, self.args.model_name, self.tokenizer, chat, len(prompt_ids),
+                                  body.return_timing)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                self._stream(choices, assemblers, builder, include_usage), media_type="text/event-stream")
+        await asyncio.gather(*(self._drain(c, a) for c, a in zip(choices, assemblers)))
+        return JSONResponse(builder.final(assemblers))
+
+    async def _drain(self, choice: GenerateRequest, assembler: ChoiceAssembler) -> None:
+        async for _ in self._choice_deltas(choice, assembler):
+            pass
+
+    async def _choice_deltas(self, choice: GenerateRequest, assembler: ChoiceAssembler):
+        """Deltas of one choice; stops the workers' stream when a stop string ends it."""
+        stream = self.workers.generate(choice)
+        try:
+            async for chunk in stream:
+                delta = assembler.add(chunk.token_ids, chunk.logprobs, chunk.finish_reason)
+                assembler.num_cached_tokens = max(assembler.num_cached_tokens, chunk.num_cached_tokens)
+                if chunk.timing:
+                    assembler.timing.update(chunk.timing)
+                yield delta
+                if assembler.finish_reason is not None:
+                    return
+        finally:
+            await stream.aclose()
+
+    async def _stream(self, choices, assemblers, builder: ResponseBuilder, include_usage: bool):
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            try:
+                async for delta in self._choice_deltas(choices[index], assemblers[index]):
+                    await queue.put((index, delta))
+            except Exception as exc:  # noqa: BLE001 - reported in-stream, then the stream ends
+                await queue.put((index, exc))
+            finally:
+                await queue.put((index, None))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(choices))]
+        try:
+            yield builder.sse(builder.first_chunk(len(choices)))
+            open_choices = len(choices)
+            while open_choices:
+                index, item = await queue.get()
+                if item is None:
+                    open_choices -= 1
+                elif isinstance(item, Exception):
+                    logger.warning("request %s choice %d failed: %s", builder.request_id, index, item)
+                    yield builder.sse(builder.error_event(item))
+                    return
+                elif item.text or item.finish_reason or item.logprobs:
+                    yield builder.sse(builder.chunk(index, item, assemblers[index]))
+            if include_usage:
+                yield builder.sse(builder.usage_chunk(assemblers))
+            yield "data: [DONE]\n\n"
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

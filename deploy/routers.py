@@ -1,0 +1,154 @@
+"""Serve request routers for the worker pools.
+
+``PrefixAwareRouter`` (prefill and colocated pools): asks the Redis prefix index how many
+leading blocks of the prompt each live replica holds and prefers the longest match, unless the
+match is short or that replica's queue is longer than the shortest by more than the imbalance
+threshold; then it falls back to power-of-two-choices, so one hot prefix cannot pile every
+request onto one replica.
+
+``DecodeRouter`` (decode pool): the replica with the most free KV blocks, preferring one whose
+own cache already holds the prefix (then only the missing blocks move).
+
+Both honour ``target_replica=<replica id>`` in a call's kwargs: a call that must reach the
+replica holding a lease (send_kv, release_kv) goes there and nowhere else. The routing policy is
+in pure functions (``rank_by_prefix``, ``rank_for_decode``) kept apart from Serve's machinery.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+logger = logging.getLogger("pdserve")
+
+
+def power_of_two(replicas: Sequence[Any], queue_len: dict[Any, int], rng=random) -> list[list[Any]]:
+    """Two random replicas, shorter queue first; the rest after them."""
+    if len(replicas) <= 2:
+        return [sorted(replicas, key=lambda r: queue_len.get(r, 0))]
+    a, b = rng.sample(list(replicas), 2)
+    pair = sorted((a, b), key=lambda r: queue_len.get(r, 0))
+    return [pair, [r for r in replicas if r is not a and r is not b]]
+
+
+def rank_by_prefix(
+    replicas: Sequence[Any],
+    matched_blocks: dict[Any, int] | None,
+    queue_len: dict[Any, int],
+    min_match_blocks: int,
+    imbalance_threshold: int,
+    rng=random,
+) -> tuple[list[list[Any]], bool]:
+    """Ranks of replicas, and whether the prefix decided (False: load alone)."""
+    if matched_blocks:
+        best = max(replicas, key=lambda r: (matched_blocks.get(r, 0), -queue_len.get(r, 0)))
+        shortest = min(queue_len.get(r, 0) for r in replicas)
+        if (matched_blocks.get(best, 0) >= min_match_blocks
+                and queue_len.get(best, 0) - shortest <= imbalance_threshold):
+            rest = [r for r in replicas if r is not best]
+            return [[best]] + (power_of_two(rest, queue_len, rng) if rest else []), True
+    return power_of_two(replicas, queue_len, rng), False
+
+
+def rank_for_decode(
+    replicas: Sequence[Any],
+    matched_blocks: dict[Any, int] | None,
+    free_blocks: dict[Any, int],
+    blocks_needed: int,
+) -> list[list[Any]]:
+    """Replicas that can hold the request, prefix holders first, then by free blocks."""
+    matched_blocks = matched_blocks or {}
+
+    def key(r):
+        fits = free_blocks.get(r, 0) + matched_blocks.get(r, 0) >= blocks_needed
+        return (fits, matched_blocks.get(r, 0) if fits else 0, free_blocks.get(r, 0))
+
+    ordered = sorted(replicas, key=key, reverse=True)
+    return [[r] for r in ordered]
+
+
+class _IndexRouter(FIFOMixin, RequestRouter):
+    def initialize_state(
+        self,
+        redis_url: str | None = None,
+        model_key: str = "",
+        role: str = "prefill",
+        min_match_blocks: int = 2,
+        imbalance_threshold: int = 8,
+        block_size: int = 16,
+    ) -> None:
+        self._redis_url, self._model_key, self._role = redis_url, model_key, role
+        self._min_match_blocks, self._imbalance_threshold = min_match_blocks, imbalance_threshold
+        self._block_size = block_size
+        self._index = None
+        self.decisions = {"prefix": 0, "load": 0, "pinned": 0}
+
+    async def _lookup(self, request: Any) -> dict[str, int] | None:
+        hashes = getattr(request, "block_hashes", ()) if request is not None else ()
+        if not self._redis_url or not hashes:
+            return None
+        if self._index is None:
+            from kvstore import IndexConfig, PrefixIndex
+
+            self._index = PrefixIndex(IndexConfig(redis_url=self._redis_url, model_key=self._model_key))
+            await self._index.start()
+        return await self._index.longest_prefix([bytes.fromhex(h) for h in hashes], role=self._role)
+
+    def _queue_lens(self, replicas: Sequence[RunningReplica]) -> dict[RunningReplica, int]:
+        cache = self._replica_queue_len_cache
+        return {r: cache.get(r.replica_id) or 0 for r in replicas}
+
+    @staticmethod
+    def _pinned(pending: PendingRequest | None, replicas: Sequence[RunningReplica]):
+        target = pending.kwargs.get("target_replica") if pending is not None else None
+        if target is None:
+            return None
+        return [r for r in replicas if r.replica_id.unique_id == target]
+
+    @staticmethod
+    def _request(pending: PendingRequest | None) -> Any:
+        if pending is None or not pending.args:
+            return None
+        return pending.args[0]
+
+
+class PrefixAwareRouter(_IndexRouter):
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        pinned = self._pinned(pending_request, candidate_replicas)
+        if pinned is not None:
+            self.decisions["pinned"] += 1
+            return [pinned] if pinned else []
+        matches = await self._lookup(self._request(pending_request))
+        by_replica = None
+        if matches:
+            by_replica = {r: matches.get(r.replica_id.unique_id, 0) for r in candidate_replicas}
+        ranks, by_prefix = rank_by_prefix(
+            candidate_replicas, by_replica, self._queue_lens(candidate_replicas),
+            self._min_match_blocks, self._imbalance_threshold,
+        )
+        self.decisions["prefix" if by_prefix else "load"] += 1
+        return ranks
+
+
+class DecodeRouter(_IndexRouter):
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        pinned = self._pinned(pending_request, candidate_replicas)
+        if pinned is not None:
+            return [pinned] if pinned else []
+        request = self._request(pending_request)
+        matches = await self._lookup(request)
+        by_replica = None
+        if matches:
+            by_replica = {r: matches.get(r.replica_id.unique_id, 0) for r in candidate_replicas}
+        free = {r: int(r.routing_stats.get("free_blocks", 0)) for r in candidate_replicas}
+        num_tokens = len(getattr(request, "prompt_token_ids", ())) + 1
+        needed = -(-num_tokens // self._block_size)
+        return rank_for_decode(candidate_replicas, by_replica, free, needed)

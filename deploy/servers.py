@@ -1,0 +1,169 @@
+"""The worker pools as Ray Serve deployments: prefill, decode and colocated.
+
+Each replica runs one engine (``workers/``) and, when a Redis URL is configured, publishes its
+block events and load to the prefix index. A replica's worker id is its Serve replica id, so
+routers map index entries straight onto replicas. Calls that must reach one particular replica
+(a decode replica asking the prefill replica that holds a lease to send) carry
+``target_replica=<id>``, which the pool's router honours.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import torch
+from ray import serve
+
+from deploy.args import PDServeArgs
+from kvstore import IndexConfig, IndexPublisher, WorkerSpec
+from workers.decode import ColocatedWorker, DecodeWorker
+from workers.engine import LLMEngine
+from workers.prefill import PrefillWorker
+from workers.protocol import GenerateRequest, PrefillResult, TokenChunk, TransferRequest
+from workers.transfer import SendResult, TransferConfig
+
+logger = logging.getLogger("pdserve")
+
+
+def resolve_device(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+def transfer_config(args: PDServeArgs) -> TransferConfig:
+    import ray
+
+    return TransferConfig(
+        transport=args.transport, host=ray.util.get_node_ip_address(),
+        node_id=ray.get_runtime_context().get_node_id(),
+        connect_timeout_s=args.transfer_timeout_s, transfer_timeout_s=args.transfer_timeout_s,
+    )
+
+
+class _WorkerServer:
+    """What every pool's replica shares: engine construction, index publishing, stats."""
+
+    role = "worker"
+
+    def _setup(self, args: dict) -> LLMEngine:
+        self.args = PDServeArgs.model_validate(args)
+        logging.getLogger("pdserve").setLevel(self.args.log_level)
+        self.worker_id = serve.get_replica_context().replica_id.unique_id
+        self.device = resolve_device(self.args.device)
+        engine = LLMEngine(self.args.model, load_progress=True, **self.args.engine_kwargs(self.device))
+        self.publisher: IndexPublisher | None = None
+        self._load = {"free_blocks": engine.num_kv_blocks, "total_blocks": engine.num_kv_blocks,
+                      "num_running": 0, "num_waiting": 0}
+        logger.info("%s replica %s ready: %d KV blocks on %s", self.role, self.worker_id,
+                    engine.num_kv_blocks, self.device)
+        return engine
+
+    async def _start_publisher(self, engine: LLMEngine, address: str) -> None:
+        if not self.args.redis_url:
+            return
+        config = IndexConfig(redis_url=self.args.redis_url, model_key=engine.model_key)
+        spec = WorkerSpec(
+            worker_id=self.worker_id, role=self.role, address=address, total_blocks=engine.num_kv_blocks,
+            block_size=engine.config.block_size, kv_cache_dtype=str(engine.dtype).removeprefix("torch."),
+        )
+        self.publisher = IndexPublisher(config, spec)
+        await self.publisher.start()  # raises IncompatibleWorkerError for a mismatched pool
+
+    def _on_step(self, engine: LLMEngine) -> None:
+        """Engine thread, after each step and on idle ticks: events out, load refreshed."""
+        bm, sched = engine.block_manager, engine.scheduler
+        self._load = {"free_blocks": bm.num_free_blocks, "total_blocks": bm.num_blocks,
+                      "num_running": len(sched.running), "num_waiting": len(sched.waiting)}
+        events = bm.take_events()
+        if self.publisher is not None:
+            if events:
+                self.publisher.submit(events)
+            self.publisher.set_load(bm.num_free_blocks, len(sched.running), len(sched.waiting))
+
+    def record_routing_stats(self) -> dict:
+        return dict(self._load)
+
+    async def stats(self) -> dict:
+        worker = self.worker
+        snapshot = await worker.loop.call(lambda e: worker.stats.snapshot(e))
+        index = None
+        if self.publisher is not None:
+            index = {"registered": self.publisher.registered, "buffered_events": self.publisher.buffered_events,
+                     "dropped_events": self.publisher.dropped_events}
+        return {"worker_id": self.worker_id, "role": self.role, "device": self.device, "index": index, **snapshot}
+
+    def check_health(self) -> None:
+        if not self.worker.loop.alive:
+            raise RuntimeError(f"{self.role} replica {self.worker_id}: engine loop is dead")
+
+    async def __del__(self) -> None:
+        if getattr(self, "publisher", None) is not None:
+            await self.publisher.stop()
+        if getattr(self, "worker", None) is not None:
+            await self.worker.shutdown()
+
+
+@serve.deployment(name="prefill")
+class PrefillServer(_WorkerServer):
+    role = "prefill"
+
+    async def __init__(self, args: dict) -> None:
+        engine = self._setup(args)
+        self.worker = PrefillWorker(engine, self.worker_id, transfer_config(self.args),
+                                    self.args.lease_ttl_s, on_step=self._on_step)
+        address = f"{self.worker.server.address.host}:{self.worker.server.address.port}"
+        await self._start_publisher(engine, address)
+
+    async def prefill(self, request: GenerateRequest) -> PrefillResult:
+        return await self.worker.prefill(request)
+
+    async def send_kv(self, transfer: TransferRequest, target_replica: str | None = None) -> SendResult:
+        return await self.worker.send_kv(transfer)
+
+    async def release_kv(self, request_id: str, target_replica: str | None = None) -> bool:
+        return await self.worker.release(request_id)
+
+
+@serve.deployment(name="decode")
+class DecodeServer(_WorkerServer):
+    role = "decode"
+
+    async def __init__(self, args: dict, prefill) -> None:
+        engine = self._setup(args)
+        self.prefill = prefill
+        self.worker = DecodeWorker(engine, self.worker_id, self._request_send, self._request_release,
+                                   transfer_config(self.args), on_step=self._on_step)
+        await self._start_publisher(engine, self.worker_id)
+
+    async def _request_send(self, transfer: TransferRequest, prefill_worker_id: str):
+        return await self.prefill.send_kv.remote(transfer, target_replica=prefill_worker_id)
+
+    async def _request_release(self, request_id: str, prefill_worker_id: str):
+        return await self.prefill.release_kv.remote(request_id, target_replica=prefill_worker_id)
+
+    async def generate(self, request: GenerateRequest, prefill: PrefillResult,
+                       target_replica: str | None = None) -> AsyncIterator[TokenChunk]:
+        async for chunk in self.worker.generate(request, prefill):
+            yield chunk
+
+    async def generate_local(self, request: GenerateRequest,
+                             target_replica: str | None = None) -> AsyncIterator[TokenChunk]:
+        async for chunk in self.worker.generate_local(request):
+            yield chunk
+
+
+@serve.deployment(name="colocated")
+class ColocatedServer(_WorkerServer):
+    role = "colocated"
+
+    async def __init__(self, args: dict) -> None:
+        engine = self._setup(args)
+        self.worker = ColocatedWorker(engine, self.worker_id, on_step=self._on_step)
+        await self._start_publisher(engine, self.worker_id)
+
+    async def generate_local(self, request: GenerateRequest,
+                             target_replica: str | None = None) -> AsyncIterator[TokenChunk]:
+        async for chunk in self.worker.generate_local(request):
+            yield chunk

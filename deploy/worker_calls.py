@@ -1,0 +1,80 @@
+"""How the ingress calls the worker pools for one choice, and how their failures map to
+client-facing errors."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import ray
+
+from deploy.args import Mode
+from deploy.openai_protocol import RequestError
+from workers.protocol import GenerateRequest, PrefillResult, TokenChunk, TokenLogprobs
+
+logger = logging.getLogger("pdserve")
+
+
+def client_error(exc: BaseException) -> BaseException:
+    """A worker's ValueError is the request's fault (400); anything else stays a server error."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, ValueError):
+        return RequestError(str(cause), "prompt")
+    if isinstance(exc, ValueError):
+        return RequestError(str(exc), "prompt")
+    return exc
+
+
+class WorkerCalls:
+    def __init__(self, mode: Mode, prefill=None, decode=None, colocated=None) -> None:
+        self.mode = mode
+        self.prefill, self.decode, self.colocated = prefill, decode, colocated
+
+    async def generate(self, choice: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        if self.mode is Mode.COLOCATED:
+            stream = self.colocated.options(stream=True).generate_local.remote(choice)
+            async for chunk in self._relay(stream):
+                yield chunk
+            return
+        result = await self._prefill(choice)
+        yield first_chunk(result)
+        if result.finish_reason is not None:
+            return
+        stream = self.decode.options(stream=True).generate.remote(choice, result)
+        async for chunk in self._relay(stream):
+            yield chunk
+
+    async def _prefill(self, choice: GenerateRequest) -> PrefillResult:
+        """Prefill on the routed replica; if that replica dies first, once more on another."""
+        for attempt in (1, 2):
+            try:
+                return await self.prefill.prefill.remote(choice)
+            except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError) as exc:
+                if attempt == 2:
+                    raise
+                logger.warning("prefill replica died during %s, retrying elsewhere: %s", choice.request_id, exc)
+            except ray.exceptions.RayTaskError as exc:
+                raise client_error(exc) from exc
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    async def _relay(stream) -> AsyncIterator[TokenChunk]:
+        try:
+            async for chunk in stream:
+                yield chunk
+        except ray.exceptions.RayTaskError as exc:
+            raise client_error(exc) from exc
+        finally:
+            stream.cancel()  # no-op when it finished; aborts the worker's request otherwise
+
+
+def first_chunk(result: PrefillResult) -> TokenChunk:
+    logprobs = None
+    if result.first_token_logprob is not None:
+        logprobs = (TokenLogprobs(result.first_token_id, result.first_token_logprob,
+                                  tuple(result.first_token_top_logprobs)),)
+    return TokenChunk(
+        request_id=result.request_id, token_ids=(result.first_token_id,), logprobs=logprobs,
+        finish_reason=result.finish_reason, num_cached_tokens=result.num_cached_tokens,
+        timing=result.timing,
+    )
