@@ -1,0 +1,323 @@
+"""The local launcher behind `pdserve up`: a local Ray and a managed redis-server, each started
+only when it is missing.
+
+Ports. Redis and Ray's GCS both default to 6379: `ray start --head` binds its GCS there, while
+`ray.init()` (Ray 2.60) starts a fresh GCS on an OS-chosen free port unless RAY_GCS_SERVER_PORT
+is set. So Ray starts (or is connected to) first, and the managed Redis then takes a free port that
+is neither 6379 nor the GCS port it reports.
+
+Lifetime. `stop()` stops only what `start()` started: the redis-server child is terminated (then
+killed) and its temp dir removed; a Ray this launcher started is shut down, one it connected to is
+only disconnected. `stop()` also runs from an atexit hook and on SIGTERM (a handler that raises
+SystemExit, installed while running when SIGTERM had its default action), so Ctrl-C, SIGTERM and a
+normal exit leave no redis-server behind. The child stays in our process group, so a Ctrl-C or
+`kill -- -PGID` aimed at the group reaches it too; only a SIGKILL of this process alone can orphan
+it (it then holds a 127.0.0.1 port and an empty temp dir, nothing else).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from urllib.parse import urlsplit, urlunsplit
+
+logger = logging.getLogger(__name__)
+
+# `ray start --head`'s default GCS port, and Redis' own default: a managed Redis never takes it.
+RAY_DEFAULT_GCS_PORT = 6379
+_REDIS_START_ATTEMPTS = 3  # an auto-picked port can be taken between the probe and redis' bind
+
+
+def find_free_port(exclude: frozenset[int] | set[int] = frozenset({RAY_DEFAULT_GCS_PORT})) -> int:
+    """A TCP port on 127.0.0.1 that is free now and not in `exclude` (the OS picks from its
+    ephemeral range, so Ray's worker port range 10002-19999 is not touched either)."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in exclude:
+            return port
+    raise RuntimeError(f"no free port outside {sorted(exclude)} after 100 tries")
+
+
+def redact_url(url: str) -> str:
+    """The URL with its password replaced by '***', for logs and error messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    netloc = f"{user}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _answers_ping(url: str, timeout_s: float = 0.5) -> bool:
+    import redis  # the client library; imported here so `pdserve --help` stays fast
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    try:
+        return bool(client.ping())
+    except (redis.RedisError, OSError):
+        return False
+    finally:
+        client.close()
+
+
+def wait_for_redis(url: str, timeout_s: float = 10.0) -> None:
+    """Return once the Redis at `url` answers PING; raise TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if _answers_ping(url, timeout_s=min(0.5, max(timeout_s, 0.05))):
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"Redis at {redact_url(url)} did not answer PING within {timeout_s:g}s")
+        time.sleep(0.05)
+
+
+class LocalCluster:
+    """Ray plus a Redis for the prefix index, started where missing. Use as a context manager
+    or call `start()` / `stop()`.
+
+    redis_url: a Redis to use as is (never started or stopped here); None starts a managed
+        redis-server on 127.0.0.1 (`redis_port`, or a free port; never 6379 nor the GCS port).
+    ray_address: an existing Ray cluster to connect to (RAY_ADDRESS is read when None); with
+        neither, a local Ray is started with `num_cpus` (None: all cores).
+    start_ray: False leaves Ray alone entirely (tests, or a caller that manages Ray itself).
+    """
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        ray_address: str | None = None,
+        num_cpus: int | None = None,
+        redis_port: int | None = None,
+        start_ray: bool = True,
+        redis_start_timeout_s: float = 10.0,
+    ) -> None:
+        if redis_url is not None and redis_port is not None:
+            raise ValueError("give redis_url (an existing Redis) or redis_port (a managed one), not both")
+        if redis_port is not None and redis_port == RAY_DEFAULT_GCS_PORT:
+            raise ValueError(
+                f"redis_port {redis_port} is Ray's default GCS port (`ray start --head`): "
+                "pick another port or leave it unset for a free one"
+            )
+        self._given_redis_url = redis_url
+        self._ray_address = ray_address or os.environ.get("RAY_ADDRESS") or None
+        self._num_cpus = num_cpus
+        self._redis_port = redis_port
+        self._start_ray = start_ray
+        self._redis_start_timeout_s = redis_start_timeout_s
+
+        self._redis_proc: subprocess.Popen[bytes] | None = None
+        self._redis_dir: Path | None = None
+        self._managed_redis_url: str | None = None
+        self._ray_initialized_here = False  # we called ray.init (started or connected)
+        self.started_ray = False  # we started a new local Ray instance
+        self.gcs_address: str | None = None
+        self._previous_sigterm: signal.Handlers | None = None
+        self._running = False
+
+    # -- what callers read ---------------------------------------------------------------
+
+    @property
+    def redis_url(self) -> str | None:
+        """The Redis for the prefix index: the given URL, or the managed server's once started."""
+        return self._given_redis_url or self._managed_redis_url
+
+    @property
+    def started_redis(self) -> bool:
+        return self._redis_proc is not None
+
+    @property
+    def redis_pid(self) -> int | None:
+        return self._redis_proc.pid if self._redis_proc is not None else None
+
+    # -- lifetime ------------------------------------------------------------------------
+
+    def start(self) -> LocalCluster:
+        if self._running:
+            return self
+        self._running = True
+        atexit.register(self.stop)
+        self._install_sigterm_handler()
+        try:
+            if self._start_ray:
+                self._start_or_connect_ray()
+            if self._given_redis_url is None:
+                self._start_redis()
+            else:
+                logger.info("prefix index uses the given Redis %s", redact_url(self._given_redis_url))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop what `start()` started; safe to call twice, and from atexit or a signal."""
+        if not self._running:
+            return
+        self._running = False
+        self._stop_redis()
+        if self._ray_initialized_here:
+            import ray
+
+            ray.shutdown()  # ends a Ray we started; only disconnects from one we joined
+            if self.started_ray:
+                logger.info("stopped local Ray (gcs %s)", self.gcs_address)
+            self._ray_initialized_here = False
+            self.started_ray = False
+        self._restore_sigterm_handler()
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- Ray -------------------------------------------------------------------------------
+
+    def _start_or_connect_ray(self) -> None:
+        import ray
+
+        if ray.is_initialized():  # the caller's own Ray: use it, leave it running at stop()
+            self.gcs_address = ray.get_runtime_context().gcs_address
+            logger.info("using the Ray this process is already connected to (gcs %s)", self.gcs_address)
+            return
+        if self._ray_address:
+            ray.init(address=self._ray_address)
+            self._ray_initialized_here = True
+            self.gcs_address = ray.get_runtime_context().gcs_address
+            logger.info("connected to Ray at %s (gcs %s)", self._ray_address, self.gcs_address)
+            if self._given_redis_url is None and sum(1 for n in ray.nodes() if n.get("Alive")) > 1:
+                logger.warning(
+                    "the managed redis-server listens on 127.0.0.1 only: replicas on other nodes "
+                    "of this cluster route by load alone; pass a Redis URL every node can reach"
+                )
+            return
+        # A fresh head: ray.init() binds its GCS to a free port unless RAY_GCS_SERVER_PORT is set.
+        ray.init(num_cpus=self._num_cpus)
+        self._ray_initialized_here = True
+        self.started_ray = True
+        self.gcs_address = ray.get_runtime_context().gcs_address
+        logger.info("started local Ray (gcs %s, %s CPUs)", self.gcs_address,
+                    ray.cluster_resources().get("CPU", 0))
+
+    def _excluded_ports(self) -> set[int]:
+        excluded = {RAY_DEFAULT_GCS_PORT}
+        if self.gcs_address:
+            excluded.add(int(self.gcs_address.rsplit(":", 1)[1]))
+        return excluded
+
+    # -- managed redis-server --------------------------------------------------------------
+
+    def _start_redis(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError(
+                "redis-server not found on PATH: install Redis 7 (e.g. `apt-get install redis-server`) "
+                "or give the URL of an existing Redis"
+            )
+        excluded = self._excluded_ports()
+        if self._redis_port is not None and self._redis_port in excluded:
+            raise ValueError(
+                f"redis_port {self._redis_port} is taken by Ray's GCS ({self.gcs_address}): "
+                "pick another port or leave it unset for a free one"
+            )
+        self._redis_dir = Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
+        attempts = 1 if self._redis_port is not None else _REDIS_START_ATTEMPTS
+        for attempt in range(1, attempts + 1):
+            port = self._redis_port or find_free_port(exclude=excluded)
+            try:
+                self._spawn_redis(binary, port)
+                return
+            except OSError as exc:  # port taken between the probe and redis' bind
+                if attempt == attempts:
+                    raise
+                logger.warning("redis-server could not bind port %d (%s); trying another", port, exc)
+
+    def _spawn_redis(self, binary: str, port: int) -> None:
+        assert self._redis_dir is not None
+        log_file = self._redis_dir / "redis.log"
+        args = [
+            binary, "--port", str(port), "--bind", "127.0.0.1", "--protected-mode", "yes",
+            "--save", "", "--appendonly", "no", "--dir", str(self._redis_dir),
+            "--logfile", str(log_file), "--loglevel", "warning",
+        ]
+        # Same process group as ours (no new session): a Ctrl-C or group kill reaches it too.
+        proc = subprocess.Popen(args, cwd=self._redis_dir, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        url = f"redis://127.0.0.1:{port}/0"
+        deadline = time.monotonic() + self._redis_start_timeout_s
+        while not _answers_ping(url, timeout_s=0.2):
+            if proc.poll() is not None:
+                reason = log_file.read_text(errors="replace").strip() if log_file.exists() else ""
+                raise OSError(f"redis-server exited with {proc.returncode} at start on port {port}: "
+                              f"{reason}")
+            if time.monotonic() >= deadline:
+                _terminate(proc)
+                raise TimeoutError(
+                    f"redis-server on port {port} did not answer PING within {self._redis_start_timeout_s:g}s"
+                )
+            time.sleep(0.02)
+        self._redis_proc = proc
+        self._managed_redis_url = url
+        logger.info("managed redis-server for the prefix index at %s (pid %d)", url, proc.pid)
+
+    def _stop_redis(self) -> None:
+        proc, self._redis_proc = self._redis_proc, None
+        if proc is not None:
+            _terminate(proc)
+            logger.info("stopped managed redis-server at %s (pid %d)", self._managed_redis_url, proc.pid)
+        self._managed_redis_url = None
+        if self._redis_dir is not None:
+            shutil.rmtree(self._redis_dir, ignore_errors=True)
+            self._redis_dir = None
+
+    # -- signals ---------------------------------------------------------------------------
+
+    def _install_sigterm_handler(self) -> None:
+        """SIGTERM's default action skips atexit and `finally`; turn it into SystemExit so both
+        run. Only from the main thread, and only over the default action (never over a
+        handler someone else installed, e.g. Ray's or a server's)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+        self._previous_sigterm = signal.SIG_DFL
+        signal.signal(signal.SIGTERM, _raise_system_exit)
+
+    def _restore_sigterm_handler(self) -> None:
+        if self._previous_sigterm is None:
+            return
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGTERM) is _raise_system_exit:
+                signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
+
+
+def _raise_system_exit(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _terminate(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
+    """SIGTERM (redis exits without saving: no save points), then SIGKILL after `grace_s`."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=grace_s)
+
+
+__all__ = ["LocalCluster", "RAY_DEFAULT_GCS_PORT", "find_free_port", "redact_url", "wait_for_redis"]

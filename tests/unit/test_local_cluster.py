@@ -1,0 +1,102 @@
+"""The local launcher starts a managed redis-server only when no Redis is given, never on 6379,
+and stops exactly what it started. Ray is left out (start_ray=False) to keep this fast."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from cluster.local import RAY_DEFAULT_GCS_PORT, LocalCluster, find_free_port, redact_url, wait_for_redis
+from tests.redis_server import RedisServer, find_redis_server
+
+pytestmark = pytest.mark.skipif(find_redis_server() is None, reason="redis-server not installed")
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is gone for our purposes.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
+
+
+def test_managed_redis_answers_then_is_gone_after_stop() -> None:
+    cluster = LocalCluster(start_ray=False).start()
+    try:
+        assert cluster.started_redis and not cluster.started_ray
+        url = cluster.redis_url
+        assert url is not None and url.startswith("redis://127.0.0.1:")
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        assert port != RAY_DEFAULT_GCS_PORT
+        wait_for_redis(url, timeout_s=2.0)
+        pid = cluster.redis_pid
+        assert pid is not None and _pid_alive(pid)
+    finally:
+        cluster.stop()
+    assert not cluster.started_redis and cluster.redis_url is None
+    assert not _pid_alive(pid)
+    with pytest.raises(TimeoutError, match=f"127.0.0.1:{port}"):
+        wait_for_redis(url, timeout_s=0.2)
+    cluster.stop()  # idempotent
+
+
+def test_given_redis_url_is_used_as_is_and_left_running() -> None:
+    with RedisServer() as server:
+        with LocalCluster(redis_url=server.url, start_ray=False) as cluster:
+            assert cluster.redis_url == server.url
+            assert not cluster.started_redis and cluster.redis_pid is None
+        assert server.running  # stop() leaves alone what it did not start
+        wait_for_redis(server.url, timeout_s=2.0)
+
+
+def test_explicit_redis_port_is_used_and_6379_refused() -> None:
+    port = find_free_port()
+    with LocalCluster(redis_port=port, start_ray=False) as cluster:
+        assert cluster.redis_url == f"redis://127.0.0.1:{port}/0"
+    with pytest.raises(ValueError, match="GCS"):
+        LocalCluster(redis_port=RAY_DEFAULT_GCS_PORT, start_ray=False)
+    with pytest.raises(ValueError, match="not both"):
+        LocalCluster(redis_url="redis://127.0.0.1:1/0", redis_port=port, start_ray=False)
+
+
+def test_find_free_port_honours_exclude() -> None:
+    taken = find_free_port()
+    assert find_free_port(exclude={RAY_DEFAULT_GCS_PORT, taken}) not in {RAY_DEFAULT_GCS_PORT, taken}
+
+
+def test_redact_url_hides_password() -> None:
+    assert redact_url("redis://:s3cret@10.0.0.1:6380/0") == "redis://:***@10.0.0.1:6380/0"
+    assert redact_url("redis://127.0.0.1:6380/0") == "redis://127.0.0.1:6380/0"
+
+
+def test_sigterm_stops_managed_redis(tmp_path: Path) -> None:
+    """A launcher process killed by SIGTERM leaves no redis-server behind."""
+    script = textwrap.dedent("""
+        import sys, time
+        from cluster.local import LocalCluster
+        cluster = LocalCluster(start_ray=False).start()
+        print(cluster.redis_pid, flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        redis_pid = int(proc.stdout.readline())
+        assert _pid_alive(redis_pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not _pid_alive(redis_pid)
