@@ -69,8 +69,7 @@ class KVTransferClient:
             store_host=address.host, store_port=address.port, bind_host=self.config.host,
             peer_id=address.worker_id, decode_worker_id=self.worker_id, epoch=epoch,
             rank=DECODE_RANK, transport=transport, device=self.device, deadline=deadline,
-            buffer_cache_bytes=self.config.buffer_cache_bytes,
-            chunk_bytes=self.config.chunk_bytes)
+            buffer_cache_bytes=self.config.buffer_cache_bytes)
         slot.group = group
         slot.last_epoch = epoch
         logger.info("pair group %s -> %s epoch %d created (%s)", address.worker_id,

@@ -32,11 +32,6 @@ class TransferConfig:
     the node IP. ``node_id`` names the machine (Ray node id; hostname when empty) so ``AUTO`` can
     tell that two ranks share a GPU. CPU gather buffers up to ``buffer_cache_bytes`` are kept per
     pair and reused (fresh pages cost as much as the copy).
-
-    ``chunk_bytes``: a gloo transfer larger than this goes out as several messages of about this
-    size, so gathering, the wire and scattering overlap (two reusable buffers per pair per
-    side); smaller transfers are one message. The decode side's value is used for the whole
-    pair (handed over when the pair group is created).
     """
 
     transport: Transport = Transport.AUTO
@@ -46,7 +41,6 @@ class TransferConfig:
     connect_timeout_s: float = 30.0
     transfer_timeout_s: float = 30.0
     buffer_cache_bytes: int = 512 << 20
-    chunk_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "transport", Transport(self.transport))
@@ -55,7 +49,5 @@ class TransferConfig:
         for name in ("connect_timeout_s", "transfer_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TransferConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.chunk_bytes <= 0:
-            raise ValueError(f"TransferConfig.chunk_bytes must be positive, got {self.chunk_bytes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"TransferConfig.port {self.port} is not a TCP port (0 picks a free one)")

@@ -96,8 +96,7 @@ class KVTransferServer:
             store_host=self.config.host, store_port=self.address.port, bind_host=self.config.host,
             peer_id=decode_worker_id, decode_worker_id=decode_worker_id, epoch=epoch,
             rank=PREFILL_RANK, transport=transport, device=self.device, deadline=deadline,
-            buffer_cache_bytes=self.config.buffer_cache_bytes,
-            chunk_bytes=self.config.chunk_bytes)
+            buffer_cache_bytes=self.config.buffer_cache_bytes)
         slot.group = group
         logger.info("pair group %s -> %s epoch %d created (%s)", self.worker_id,
                     decode_worker_id, epoch, transport.value)
