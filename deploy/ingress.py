@@ -25,6 +25,8 @@ from deploy.openai_protocol import ChatCompletionRequest, CompletionRequest, Req
 from deploy.output import ChoiceAssembler
 from deploy.responses import ResponseBuilder
 from deploy.worker_calls import WorkerCalls
+from deploy.cluster_status import index_status, pool_status
+from deploy.request_stats import RequestStats
 from kvstore.hashing import hash_prompt_blocks
 from workers.engine.config import EngineConfig
 from workers.models.config import ModelConfig
@@ -49,7 +51,15 @@ class OpenAIIngress:
         self.max_model_len = self.args.max_model_len or self.model_config.max_position_embeddings
         if self.model_config.sliding_window:
             self.max_model_len = min(self.max_model_len, self.model_config.sliding_window)
-        self.workers = WorkerCalls(self.args.mode, prefill=prefill, decode=decode, colocated=colocated)
+        self.index = None
+        if self.args.redis_url:
+            from kvstore import IndexConfig, PrefixIndex
+
+            self.index = PrefixIndex(IndexConfig(redis_url=self.args.redis_url, model_key=self.model_key))
+        self.pools = {"prefill": prefill, "decode": decode, "colocated": colocated}
+        self.workers = WorkerCalls(self.args.mode, prefill=prefill, decode=decode, colocated=colocated,
+                                   index=self.index)
+        self.stats = RequestStats()
         app.state.api_keys = frozenset(self.args.api_keys)
         app.state.max_request_bytes = self.args.max_request_bytes
         logger.info("ingress ready: model %s (%s mode)", self.args.model_name, self.args.mode.value)
@@ -58,6 +68,21 @@ class OpenAIIngress:
     @app.get("/health")
     async def health(self) -> dict:
         return {"status": "ok"}
+
+    @app.get("/v1/cluster/status")
+    async def cluster_status(self) -> dict:
+        app_name = serve.get_replica_context().app_name
+        pools = {}
+        for name, handle in self.pools.items():
+            if handle is not None:
+                pools[name] = await pool_status(handle, app_name, name)
+        return {
+            "model": self.args.model_name, "mode": self.args.mode.value, "time": time.time(),
+            "block_size": self.args.block_size, "pools": pools,
+            "index": await index_status(self.index),
+            "requests": self.stats.snapshot(),
+            "routing": {"skipped_prefills": self.workers.skipped_prefills},
+        }
 
     @app.get("/v1/models")
     async def models(self) -> dict:
@@ -160,16 +185,37 @@ class OpenAIIngress:
     async def _choice_deltas(self, choice: GenerateRequest, assembler: ChoiceAssembler):
         """Deltas of one choice; stops the workers' stream when a stop string ends it."""
         stream = self.workers.generate(choice)
+        stats = self.stats
+        stats.started += 1
+        stats.active += 1
+        stats.prompt_tokens += len(choice.prompt_token_ids)
+        last = None
+        ok = False
         try:
             async for chunk in stream:
+                now = time.time()
+                if last is None:
+                    stats.ttft.add(now - choice.arrival_time, now)
+                    stats.cached_prompt_tokens += chunk.num_cached_tokens
+                elif chunk.token_ids:
+                    stats.itl.add((now - last) / len(chunk.token_ids), now)
+                last = now
+                stats.completion_tokens += len(chunk.token_ids)
                 delta = assembler.add(chunk.token_ids, chunk.logprobs, chunk.finish_reason)
                 assembler.num_cached_tokens = max(assembler.num_cached_tokens, chunk.num_cached_tokens)
                 if chunk.timing:
                     assembler.timing.update(chunk.timing)
                 yield delta
                 if assembler.finish_reason is not None:
+                    ok = True
                     return
         finally:
+            stats.active -= 1
+            if ok:
+                stats.finished += 1
+                stats.e2e.add(time.time() - choice.arrival_time)
+            else:
+                stats.failed += 1
             await stream.aclose()
 
     async def _stream(self, choices, assemblers, builder: ResponseBuilder, include_usage: bool):

@@ -85,7 +85,7 @@ class _WorkerServer:
     def record_routing_stats(self) -> dict:
         return dict(self._load)
 
-    async def stats(self) -> dict:
+    async def stats(self, target_replica: str | None = None) -> dict:
         worker = self.worker
         snapshot = await worker.loop.call(lambda e: worker.stats.snapshot(e))
         index = None

@@ -25,14 +25,26 @@ def client_error(exc: BaseException) -> BaseException:
     return exc
 
 
+SKIP_PREFILL_FRACTION = 0.9  # decode holds this much of the prompt: it computes the rest itself
+
+
 class WorkerCalls:
-    def __init__(self, mode: Mode, prefill=None, decode=None, colocated=None) -> None:
+    def __init__(self, mode: Mode, prefill=None, decode=None, colocated=None, index=None) -> None:
         self.mode = mode
         self.prefill, self.decode, self.colocated = prefill, decode, colocated
+        self.index = index  # PrefixIndex or None
+        self.skipped_prefills = 0
 
     async def generate(self, choice: GenerateRequest) -> AsyncIterator[TokenChunk]:
         if self.mode is Mode.COLOCATED:
             stream = self.colocated.options(stream=True).generate_local.remote(choice)
+            async for chunk in self._relay(stream):
+                yield chunk
+            return
+        holder = await self._decode_holding_prompt(choice)
+        if holder is not None:
+            self.skipped_prefills += 1
+            stream = self.decode.options(stream=True).generate_local.remote(choice, target_replica=holder)
             async for chunk in self._relay(stream):
                 yield chunk
             return
@@ -43,6 +55,17 @@ class WorkerCalls:
         stream = self.decode.options(stream=True).generate.remote(choice, result)
         async for chunk in self._relay(stream):
             yield chunk
+
+    async def _decode_holding_prompt(self, choice: GenerateRequest) -> str | None:
+        """A decode replica whose cache holds nearly all of the prompt (e.g. the previous turn
+        of a conversation it generated), or None."""
+        if self.index is None or len(choice.block_hashes) < 2:
+            return None
+        matches = await self.index.longest_prefix([bytes.fromhex(h) for h in choice.block_hashes], role="decode")
+        if not matches:
+            return None
+        replica, blocks = max(matches.items(), key=lambda kv: kv[1])
+        return replica if blocks >= SKIP_PREFILL_FRACTION * len(choice.block_hashes) else None
 
     async def _prefill(self, choice: GenerateRequest) -> PrefillResult:
         """Prefill on the routed replica; if that replica dies first, once more on another."""

@@ -49,3 +49,73 @@ def make_redis_server() -> Iterator[Callable[..., RedisServer]]:
     yield make
     for server in servers:
         server.stop()
+
+
+# ---------------------------------------------------------------- Ray Serve application
+import os  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import httpx  # noqa: E402
+
+from tests.redis_server import free_port  # noqa: E402
+
+
+@dataclass
+class ServeCluster:
+    http_port: int
+    redis: RedisServer
+
+    def url(self, route_prefix: str = "") -> str:
+        return f"http://127.0.0.1:{self.http_port}{route_prefix}"
+
+
+@pytest.fixture(scope="session")
+def serve_cluster() -> Iterator[ServeCluster]:
+    """A local Ray with Serve on a free HTTP port, and a redis-server of its own for the index."""
+    _require_redis_server()
+    import ray
+    from ray import serve
+
+    redis_server = RedisServer()
+    redis_server.start()
+    port = free_port()
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield ServeCluster(port, redis_server)
+    serve.shutdown()
+    ray.shutdown()
+    redis_server.stop()
+
+
+def deploy(cluster: ServeCluster, name: str, route_prefix: str, args: dict) -> str:
+    """Deploy build_app(args) as application ``name``; return its base URL once it answers."""
+    from ray import serve
+
+    from deploy.builder import build_app
+
+    serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False)
+    base = cluster.url(route_prefix if route_prefix != "/" else "")
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}/v1/models", timeout=5).status_code == 200:
+                return base
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"application {name} did not come up")
+
+
+def wait_idle(base: str, timeout_s: float = 30.0) -> dict:
+    """Poll /v1/cluster/status until no replica holds a referenced block; return the status."""
+    deadline = time.time() + timeout_s
+    status = {}
+    while time.time() < deadline:
+        status = httpx.get(f"{base}/v1/cluster/status", timeout=10).json()
+        replicas = [r for pool in status["pools"].values() for r in pool]
+        if replicas and all(r.get("healthy") and r["free_blocks"] == r["total_blocks"] for r in replicas):
+            return status
+        time.sleep(0.2)
+    raise AssertionError(f"blocks still referenced after {timeout_s}s: {status}")

@@ -1,0 +1,174 @@
+"""The product through its front door: real Ray Serve, a real redis-server, real HTTP through
+the ingress with the `openai` client. One disaggregated app (2 prefill + 1 decode replicas) and
+one colocated app, both on the tiny llama."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.conftest import deploy, wait_idle
+from tests.unit.engine_helpers import hf_greedy, random_prompts
+
+pytestmark = pytest.mark.timeout(600)
+MODEL = "llama"
+
+
+def app_args(model_dir: str, redis_url: str, **overrides) -> dict:
+    args = {
+        "model": model_dir, "served_model_name": MODEL, "redis_url": redis_url, "num_kv_blocks": 256,
+        "device": "cpu", "transfer_timeout_s": 10.0, "lease_ttl_s": 10.0,
+        "prefill": {"replicas": 2, "num_cpus": 0.5}, "decode": {"replicas": 1, "num_cpus": 0.5},
+        "colocated": {"replicas": 1, "num_cpus": 0.5},
+    }
+    return {**args, **overrides}
+
+
+@pytest.fixture(scope="module")
+def apps(serve_cluster, tiny_llama):
+    redis_url = serve_cluster.redis.url
+    disagg = deploy(serve_cluster, "pd", "/", app_args(tiny_llama, redis_url))
+    colo = deploy(serve_cluster, "colo", "/colo", app_args(tiny_llama, redis_url, mode="colocated",
+                                                           served_model_name=MODEL))
+    yield {"pd": disagg, "colo": colo}
+    for base in (disagg, colo):
+        wait_idle(base)  # every replica's blocks back to free once traffic stops
+
+
+def client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_models_and_health(apps):
+    models = client(apps["pd"]).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(f"{apps['pd']}/health").json() == {"status": "ok"}
+
+
+def test_completions_match_transformers_and_colocated(apps, tiny_llama):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompts = random_prompts((5, 37, 150), seed=51)
+    for prompt in prompts:
+        expected_ids = hf_greedy(tiny_llama, tuple(prompt), 24)
+        expected = tok.decode(expected_ids, skip_special_tokens=True)
+        for base in (apps["pd"], apps["colo"]):
+            out = client(base).completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+            assert out.choices[0].text == expected
+            assert out.usage.completion_tokens == len(expected_ids)
+            assert out.usage.prompt_tokens == len(prompt)
+
+
+def test_streamed_equals_unstreamed_with_usage_chunk(apps):
+    c = client(apps["pd"])
+    whole = c.completions.create(model=MODEL, prompt="The river runs", max_tokens=20, temperature=0)
+    stream = c.completions.create(model=MODEL, prompt="The river runs", max_tokens=20, temperature=0,
+                                  stream=True, stream_options={"include_usage": True})
+    pieces, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.text)
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].text
+    assert usage.completion_tokens == whole.usage.completion_tokens == 20
+    assert finish == "length"
+
+
+def test_chat_streamed_and_not_agree_across_modes(apps):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
+    texts = []
+    for base in (apps["pd"], apps["colo"]):
+        c = client(base)
+        whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+        assert whole.choices[0].message.role == "assistant"
+        streamed = "".join(
+            (ch.choices[0].delta.content or "")
+            for ch in c.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                stream=True)
+            if ch.choices
+        )
+        assert streamed == whole.choices[0].message.content
+        texts.append(streamed)
+    assert texts[0] == texts[1]
+
+
+def test_n_choices_seeded_sampling_and_stop(apps):
+    c = client(apps["pd"])
+    out = c.completions.create(model=MODEL, prompt="Once", max_tokens=12, temperature=0.8, seed=7, n=3)
+    again = c.completions.create(model=MODEL, prompt="Once", max_tokens=12, temperature=0.8, seed=7, n=3)
+    assert [ch.text for ch in out.choices] == [ch.text for ch in again.choices]
+    assert len({ch.text for ch in out.choices}) > 1
+    colo = client(apps["colo"]).completions.create(model=MODEL, prompt="Once", max_tokens=12, temperature=0.8,
+                                                   seed=7, n=3)
+    assert [ch.text for ch in colo.choices] == [ch.text for ch in out.choices]
+    base = c.completions.create(model=MODEL, prompt="Once", max_tokens=30, temperature=0).choices[0].text
+    stop = base[5:8]
+    cut = c.completions.create(model=MODEL, prompt="Once", max_tokens=30, temperature=0, stop=[stop])
+    assert cut.choices[0].text == base[: base.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_shared_prefix_is_cached(apps):
+    c = client(apps["pd"])
+    prefix = random_prompts((160,), seed=52)[0]
+    c.completions.create(model=MODEL, prompt=prefix + [11, 12], max_tokens=4, temperature=0)
+    second = c.completions.create(model=MODEL, prompt=prefix + [21, 22, 23], max_tokens=4, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= 144
+
+
+def test_requests_sharing_a_prefix_go_to_the_replica_holding_it(apps):
+    base = apps["pd"]
+    c = client(base)
+    prefix = random_prompts((192,), seed=53)[0]  # 12 full blocks
+    c.completions.create(model=MODEL, prompt=prefix + [5], max_tokens=2, temperature=0)
+    time.sleep(0.5)  # the index publisher batches events off the hot path
+    before = {r["worker_id"]: r for r in httpx.get(f"{base}/v1/cluster/status").json()["pools"]["prefill"]}
+    assert len(before) == 2
+    for i in range(6):
+        # 40 new tokens: the decode replica holds 12 of 14 blocks, under the skip-prefill bar
+        suffix = random_prompts((40,), seed=60 + i)[0]
+        out = c.completions.create(model=MODEL, prompt=prefix + suffix, max_tokens=2, temperature=0)
+        assert out.usage.prompt_tokens_details.cached_tokens == 192
+    after = {r["worker_id"]: r for r in httpx.get(f"{base}/v1/cluster/status").json()["pools"]["prefill"]}
+    gained = {wid: after[wid]["requests"] - before[wid]["requests"] for wid in after}
+    hits = {wid: after[wid]["cached_prompt_tokens"] - before[wid]["cached_prompt_tokens"] for wid in after}
+    holder = max(gained, key=gained.get)
+    assert gained[holder] == 6 and hits[holder] == 6 * 192
+    assert sum(gained.values()) == 6
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "temperature": 5}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+        ({"prompt": "hi"}, 400, "model"),
+        ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": [5] * 3000}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
+        ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, None),
+        ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ],
+)
+def test_bad_requests_get_openai_errors(apps, body, status, param):
+    resp = httpx.post(f"{apps['pd']}/v1/completions", json=body, timeout=30)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_malformed_json_and_wrong_types(apps):
+    resp = httpx.post(f"{apps['pd']}/v1/completions", content=b"{not json", timeout=30,
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and "JSON" in resp.json()["error"]["message"]
+    resp = httpx.post(f"{apps['pd']}/v1/chat/completions", json={"model": MODEL, "messages": "hi"}, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
