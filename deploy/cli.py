@@ -130,9 +130,116 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "up",
+        help="serve a model over the OpenAI API on Ray Serve (starts what is missing)",
+        description="Start a local Ray and a managed redis-server when none is given, deploy the "
+                    "pdserve application, print its URL and stay in the foreground until Ctrl-C; "
+                    "then stop what was started. Without --model it serves the embedded tiny model.",
+    )
+    parser.add_argument("--model", default=None, help="Hugging Face model directory")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
+    parser.add_argument("--prefill", type=_positive_int, default=1, help="prefill replicas")
+    parser.add_argument("--decode", type=_positive_int, default=1, help="decode replicas")
+    parser.add_argument("--colocated", type=_positive_int, default=1, help="replicas in colocated mode")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--redis-url", default=None, help="index Redis (default: a managed redis-server)")
+    parser.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start one)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--block-size", type=_positive_int, default=16)
+    parser.add_argument("--num-kv-blocks", type=_positive_int, default=None)
+    parser.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+    parser.add_argument("--transport", default="auto", choices=("auto", "gloo", "nccl", "gloo_staged", "object_store"))
+    parser.add_argument("--gpus-per-replica", type=float, default=0.0)
+    parser.add_argument("--cpus-per-replica", type=float, default=0.5)
+    parser.add_argument("--api-key", action="append", default=[], help="accepted Bearer key (repeatable)")
+    parser.set_defaults(handler=_run_up)
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+    import threading
+
+    from cluster.local import LocalCluster
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model = args.model or default_model_dir()
+    pool = {"num_cpus": args.cpus_per_replica, "num_gpus": args.gpus_per_replica}
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with LocalCluster(redis_url=args.redis_url, ray_address=args.ray_address) as local:
+        from ray import serve
+
+        from deploy.args import PDServeArgs
+        from deploy.builder import build_app
+
+        app_args = PDServeArgs(
+            model=model, served_model_name=args.served_model_name, mode=args.mode,
+            prefill={**pool, "replicas": args.prefill}, decode={**pool, "replicas": args.decode},
+            colocated={**pool, "replicas": args.colocated}, device=args.device, dtype=args.dtype,
+            block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory_gib=args.kv_cache_memory_gib, redis_url=local.redis_url,
+            transport=args.transport, api_keys=tuple(args.api_key),
+        )
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(app_args), name="pdserve", route_prefix="/")
+        url = f"http://{args.host}:{args.port}"
+        print(f"pdserve is up: {url}/v1 (model {app_args.model_name!r}, {args.mode}); "
+              f"dashboard {url}/dashboard; Ctrl-C to stop", flush=True)
+        stop.wait()
+        print("pdserve: shutting down", flush=True)
+        serve.shutdown()
+    return 0
+
+
+def _add_status_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("status", help="print a running deployment's pools and figures")
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the ingress URL")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--json", action="store_true", help="print the raw JSON")
+    parser.set_defaults(handler=_run_status)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    import json
+
+    import httpx
+
+    from deploy.status_table import format_status
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        resp = httpx.get(f"{args.url.rstrip('/')}/v1/cluster/status", headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        print(f"pdserve status: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 1
+    if resp.status_code != 200:
+        print(f"pdserve status: {resp.status_code} {resp.text[:300]}", file=sys.stderr)
+        return 1
+    status = resp.json()
+    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    return 0
+
+
+def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="benchmark any OpenAI-compatible server (see bench/serve.py --help)", add_help=False)
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER)
+    parser.set_defaults(handler=lambda a: __import__("bench.serve", fromlist=["main"]).main(a.bench_args))
+
+
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_tiny_model_parser,
     _add_generate_parser,
+    _add_up_parser,
+    _add_status_parser,
+    _add_bench_parser,
 )
 
 
