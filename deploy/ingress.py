@@ -26,6 +26,7 @@ from deploy.output import ChoiceAssembler
 from deploy.responses import ResponseBuilder
 from deploy.worker_calls import WorkerCalls
 from deploy.cluster_status import index_status, pool_status
+from deploy.metrics import IngressMetrics
 from deploy.request_stats import RequestStats
 from kvstore.hashing import hash_prompt_blocks
 from workers.engine.config import EngineConfig
@@ -60,6 +61,7 @@ class OpenAIIngress:
         self.workers = WorkerCalls(self.args.mode, prefill=prefill, decode=decode, colocated=colocated,
                                    index=self.index)
         self.stats = RequestStats()
+        self.metrics = IngressMetrics(self.args.model_name)
         app.state.api_keys = frozenset(self.args.api_keys)
         app.state.max_request_bytes = self.args.max_request_bytes
         logger.info("ingress ready: model %s (%s mode)", self.args.model_name, self.args.mode.value)
@@ -197,8 +199,12 @@ class OpenAIIngress:
                 if last is None:
                     stats.ttft.add(now - choice.arrival_time, now)
                     stats.cached_prompt_tokens += chunk.num_cached_tokens
+                    self.metrics.first_token(now - choice.arrival_time, len(choice.prompt_token_ids),
+                                             chunk.num_cached_tokens)
                 elif chunk.token_ids:
-                    stats.itl.add((now - last) / len(chunk.token_ids), now)
+                    gap = (now - last) / len(chunk.token_ids)
+                    stats.itl.add(gap, now)
+                    self.metrics.token_gap(gap)
                 last = now
                 stats.completion_tokens += len(chunk.token_ids)
                 delta = assembler.add(chunk.token_ids, chunk.logprobs, chunk.finish_reason)
@@ -214,8 +220,10 @@ class OpenAIIngress:
             if ok:
                 stats.finished += 1
                 stats.e2e.add(time.time() - choice.arrival_time)
+                self.metrics.finished(time.time() - choice.arrival_time, "finished")
             else:
                 stats.failed += 1
+                self.metrics.finished(None, "aborted")
             await stream.aclose()
 
     async def _stream(self, choices, assemblers, builder: ResponseBuilder, include_usage: bool):

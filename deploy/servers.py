@@ -16,6 +16,7 @@ import torch
 from ray import serve
 
 from deploy.args import PDServeArgs
+from deploy.metrics import WorkerMetrics
 from kvstore import IndexConfig, IndexPublisher, WorkerSpec
 from workers.decode import ColocatedWorker, DecodeWorker
 from workers.engine import LLMEngine
@@ -54,6 +55,7 @@ class _WorkerServer:
         self.device = resolve_device(self.args.device)
         engine = LLMEngine(self.args.model, load_progress=True, **self.args.engine_kwargs(self.device))
         self.publisher: IndexPublisher | None = None
+        self.metrics = WorkerMetrics(self.worker_id, self.role, self.args.model_name)
         self._load = {"free_blocks": engine.num_kv_blocks, "total_blocks": engine.num_kv_blocks,
                       "num_running": 0, "num_waiting": 0}
         logger.info("%s replica %s ready: %d KV blocks on %s", self.role, self.worker_id,
@@ -77,6 +79,9 @@ class _WorkerServer:
         self._load = {"free_blocks": bm.num_free_blocks, "total_blocks": bm.num_blocks,
                       "num_running": len(sched.running), "num_waiting": len(sched.waiting)}
         events = bm.take_events()
+        worker = getattr(self, "worker", None)  # idle ticks can start before the worker is assigned
+        if worker is not None and self.metrics.due():
+            self.metrics.refresh(worker.stats.snapshot(engine))
         if self.publisher is not None:
             if events:
                 self.publisher.submit(events)
@@ -117,7 +122,9 @@ class PrefillServer(_WorkerServer):
         await self._start_publisher(engine, address)
 
     async def prefill(self, request: GenerateRequest) -> PrefillResult:
-        return await self.worker.prefill(request)
+        result = await self.worker.prefill(request)
+        self.metrics.request_timing(result.timing)
+        return result
 
     async def send_kv(self, transfer: TransferRequest, target_replica: str | None = None) -> SendResult:
         return await self.worker.send_kv(transfer)
@@ -146,6 +153,8 @@ class DecodeServer(_WorkerServer):
     async def generate(self, request: GenerateRequest, prefill: PrefillResult,
                        target_replica: str | None = None) -> AsyncIterator[TokenChunk]:
         async for chunk in self.worker.generate(request, prefill):
+            if chunk.timing:
+                self.metrics.request_timing(chunk.timing)
             yield chunk
 
     async def generate_local(self, request: GenerateRequest,

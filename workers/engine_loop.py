@@ -101,8 +101,7 @@ class EngineLoop:
                 if engine.has_unfinished():
                     for output in engine.step():
                         self._deliver(output.request_id, output)
-                    if self._on_step is not None:
-                        self._on_step(engine)
+                    self._observe()
         except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish
             logger.exception("engine loop died")
             self._error = exc
@@ -116,8 +115,8 @@ class EngineLoop:
         try:
             fn, future = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
         except queue.Empty:
-            if block and self._on_step is not None:
-                self._on_step(self.engine)  # idle tick: flush events, refresh gauges
+            if block:
+                self._observe()  # idle tick: flush events, refresh gauges
             return
         while True:
             if future.set_running_or_notify_cancel():
@@ -129,6 +128,15 @@ class EngineLoop:
                 fn, future = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _observe(self) -> None:
+        """Run the step observer; its failure is logged, never fatal to the engine."""
+        if self._on_step is None:
+            return
+        try:
+            self._on_step(self.engine)
+        except Exception:  # noqa: BLE001 - metrics/index publishing must not stop generation
+            logger.exception("engine step observer failed")
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)

@@ -36,7 +36,7 @@ class WorkerStats:
             "preemptions": engine.scheduler.num_preemptions,
             "prefix_queries": bm.stats.prefix_queries,
             "prefix_hits": bm.stats.prefix_hits,
-            "cached_blocks": len(bm.cached_hashes()),
+            "cached_blocks": bm.num_cached_blocks,
         }
 
 

@@ -65,6 +65,11 @@ from tests.redis_server import free_port  # noqa: E402
 class ServeCluster:
     http_port: int
     redis: RedisServer
+    metrics_port: int
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def url(self, route_prefix: str = "") -> str:
         return f"http://127.0.0.1:{self.http_port}{route_prefix}"
@@ -79,11 +84,11 @@ def serve_cluster() -> Iterator[ServeCluster]:
 
     redis_server = RedisServer()
     redis_server.start()
-    port = free_port()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+    port, metrics_port = free_port(), free_port()
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield ServeCluster(port, redis_server)
+    yield ServeCluster(port, redis_server, metrics_port)
     serve.shutdown()
     ray.shutdown()
     redis_server.stop()

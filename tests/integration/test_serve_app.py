@@ -172,3 +172,57 @@ def test_malformed_json_and_wrong_types(apps):
     assert resp.status_code == 400 and "JSON" in resp.json()["error"]["message"]
     resp = httpx.post(f"{apps['pd']}/v1/chat/completions", json={"model": MODEL, "messages": "hi"}, timeout=30)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
+
+
+# Those that normal traffic moves; failure counters (transfer failures, recomputes, preemptions)
+# are exported once they first count, and are checked by the reliability tests.
+MOVING_METRICS = (
+    "pdserve_time_to_first_token_seconds", "pdserve_inter_token_latency_seconds",
+    "pdserve_e2e_request_latency_seconds", "pdserve_request_queue_time_seconds",
+    "pdserve_kv_cache_usage_perc", "pdserve_num_requests_running", "pdserve_num_requests_waiting",
+    "pdserve_prefix_cache_queries_total", "pdserve_prefix_cache_hits_total",
+    "pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_seconds",
+)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Sum of every sample per metric name (Ray prefixes names with ``ray_``)."""
+    totals: dict[str, float] = {}
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        if line.startswith("ray_pdserve_"):
+            name = line.split("{")[0].split(" ")[0][len("ray_"):]
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def test_status_and_metrics_move_with_traffic(apps, serve_cluster):
+    base = apps["pd"]
+    before = httpx.get(f"{base}/v1/cluster/status").json()
+    c = client(base)
+    prefix = random_prompts((96,), seed=70)[0]
+    for i in range(3):
+        suffix = random_prompts((40,), seed=71 + i)[0]
+        c.completions.create(model=MODEL, prompt=prefix + suffix, max_tokens=8, temperature=0)
+    after = httpx.get(f"{base}/v1/cluster/status").json()
+    assert after["requests"]["finished"] == before["requests"]["finished"] + 3
+    assert after["requests"]["cached_prompt_tokens"] >= before["requests"]["cached_prompt_tokens"] + 2 * 96
+    decode_before = before["pools"]["decode"][0]
+    decode_after = after["pools"]["decode"][0]
+    assert decode_after["transfer_bytes"] > decode_before["transfer_bytes"]
+    assert decode_after["transfers"] == decode_before["transfers"] + 3
+    assert after["index"]["healthy"] and after["index"]["live_workers"] >= 3
+    assert after["requests"]["ttft_s"]["p50"] is not None
+
+    deadline = time.time() + 60
+    totals: dict[str, float] = {}
+    while time.time() < deadline:  # the metrics agent exports every few seconds
+        totals = scrape(serve_cluster.metrics_url)
+        if all(f"{m}_count" in totals or m in totals for m in MOVING_METRICS) and totals.get(
+                "pdserve_kv_transfer_bytes_total", 0) > 0:
+            break
+        time.sleep(2)
+    missing = [m for m in MOVING_METRICS if f"{m}_count" not in totals and m not in totals]
+    assert not missing, f"not exported: {missing}"
+    assert totals["pdserve_time_to_first_token_seconds_count"] >= 3
+    assert totals["pdserve_prefix_cache_hits_total"] > 0
+    assert totals["pdserve_kv_transfer_bytes_total"] > 0

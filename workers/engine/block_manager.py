@@ -73,6 +73,10 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
     def cached_hashes(self) -> list[BlockHash]:
         """Every hash this worker can serve (for republishing to a fresh index)."""
         return list(self._cached)
