@@ -53,6 +53,8 @@ class PDServeArgs(BaseModel):
     transport: str = Field(default="auto", description="auto, gloo, nccl, gloo_staged, object_store")
     transfer_timeout_s: float = Field(default=30.0, gt=0)
     lease_ttl_s: float = Field(default=30.0, gt=0, description="prefill blocks wait this long for decode")
+    prefill_routing: str = Field(
+        default="cache_aware", description="cache_aware (prefix index + load), power_of_two, round_robin")
     min_prefix_match_blocks: int = Field(default=2, ge=1, description="shorter matches route by load")
     prefix_imbalance_threshold: int = Field(default=8, ge=0, description="queue-length gap that overrides a prefix match")
     api_keys: tuple[str, ...] = Field(default=(), description="accepted Bearer keys; empty: no auth")
@@ -73,6 +75,14 @@ class PDServeArgs(BaseModel):
         allowed = ("auto", "gloo", "nccl", "gloo_staged", "object_store")
         if v not in allowed:
             raise ValueError(f"transport {v!r}: choose one of {', '.join(allowed)}")
+        return v
+
+    @field_validator("prefill_routing")
+    @classmethod
+    def _routing(cls, v: str) -> str:
+        allowed = ("cache_aware", "power_of_two", "round_robin")
+        if v not in allowed:
+            raise ValueError(f"prefill_routing {v!r}: choose one of {', '.join(allowed)}")
         return v
 
     @field_validator("model")

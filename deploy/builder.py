@@ -43,10 +43,11 @@ def build_app(args: dict[str, Any] | PDServeArgs) -> serve.Application:
     ingress = OpenAIIngress.options(num_replicas=parsed.ingress_replicas)
     if parsed.mode is Mode.COLOCATED:
         colocated = ColocatedServer.options(
-            **_pool_options(parsed.colocated, PREFIX_ROUTER, {**router_kwargs, "role": "colocated"})).bind(raw)
+            **_pool_options(parsed.colocated, PREFIX_ROUTER,
+                            {**router_kwargs, "role": "colocated", "policy": parsed.prefill_routing})).bind(raw)
         return ingress.bind(raw, colocated=colocated)
-    prefill = PrefillServer.options(
-        **_pool_options(parsed.prefill, PREFIX_ROUTER, {**router_kwargs, "role": "prefill"})).bind(raw)
+    prefill_kwargs = {**router_kwargs, "role": "prefill", "policy": parsed.prefill_routing}
+    prefill = PrefillServer.options(**_pool_options(parsed.prefill, PREFIX_ROUTER, prefill_kwargs)).bind(raw)
     decode = DecodeServer.options(
         **_pool_options(parsed.decode, DECODE_ROUTER, {**router_kwargs, "role": "decode"})).bind(raw, prefill)
     return ingress.bind(raw, prefill=prefill, decode=decode)

@@ -80,10 +80,13 @@ class _IndexRouter(FIFOMixin, RequestRouter):
         min_match_blocks: int = 2,
         imbalance_threshold: int = 8,
         block_size: int = 16,
+        policy: str = "cache_aware",
     ) -> None:
         self._redis_url, self._model_key, self._role = redis_url, model_key, role
         self._min_match_blocks, self._imbalance_threshold = min_match_blocks, imbalance_threshold
         self._block_size = block_size
+        self._policy = policy
+        self._next = 0  # round-robin position
         self._index = None
         self.decisions = {"prefix": 0, "load": 0, "pinned": 0}
 
@@ -124,7 +127,14 @@ class PrefixAwareRouter(_IndexRouter):
         if pinned is not None:
             self.decisions["pinned"] += 1
             return [pinned] if pinned else []
-        matches = await self._lookup(self._request(pending_request))
+        if self._policy == "round_robin":  # the baseline cache-aware routing is measured against
+            ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+            self._next += 1
+            start = self._next % len(ordered)
+            return [[r] for r in ordered[start:] + ordered[:start]]
+        matches = None
+        if self._policy == "cache_aware":
+            matches = await self._lookup(self._request(pending_request))
         by_replica = None
         if matches:
             by_replica = {r: matches.get(r.replica_id.unique_id, 0) for r in candidate_replicas}
