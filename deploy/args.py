@@ -26,7 +26,10 @@ class PoolArgs(BaseModel):
     resources: dict[str, float] = Field(
         default_factory=dict, description="custom resources per replica, e.g. {'prefill': 1} to pin a node type"
     )
-    max_ongoing_requests: int = Field(default=64, ge=1, description="requests queued or running per replica")
+    max_ongoing_requests: int = Field(default=64, ge=1, description="requests running per replica")
+    max_queued_requests: int = Field(
+        default=256, ge=-1, description="requests waiting for a replica of this pool; beyond it clients get 503 "
+                                        "with Retry-After (-1: unbounded)")
 
 
 class PDServeArgs(BaseModel):
@@ -61,6 +64,10 @@ class PDServeArgs(BaseModel):
     max_request_bytes: int = Field(default=1 << 20, ge=1024, description="larger bodies get 413")
     request_timeout_s: float = Field(default=600.0, gt=0)
     log_level: str = "INFO"
+    fault_injection: dict[str, float] = Field(
+        default_factory=dict,
+        description="testing only: prefill_delay_s (sleep before each prefill), send_stall_s (stall before "
+                    "each KV send) to exercise replica deaths and transfer deadlines")
 
     @field_validator("block_size")
     @classmethod

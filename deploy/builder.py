@@ -21,6 +21,7 @@ def _pool_options(pool: PoolArgs, router: str, router_kwargs: dict[str, Any]) ->
     return dict(
         num_replicas=pool.replicas,
         max_ongoing_requests=pool.max_ongoing_requests,
+        max_queued_requests=pool.max_queued_requests,
         ray_actor_options={"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus, "resources": dict(pool.resources)},
         request_router_config=RequestRouterConfig(
             request_router_class=router, request_router_kwargs=router_kwargs,

@@ -175,8 +175,11 @@ class OpenAIIngress:
                                   body.return_timing)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
-                self._stream(choices, assemblers, builder, include_usage), media_type="text/event-stream")
+            events = self._stream(choices, assemblers, builder, include_usage)
+            # Run until the first token (or failure) before answering: an overloaded pool or a
+            # prompt a worker refuses becomes an HTTP error, not an error inside a 200 stream.
+            first = await anext(events)
+            return StreamingResponse(_prepend(first, events), media_type="text/event-stream")
         await asyncio.gather(*(self._drain(c, a) for c, a in zip(choices, assemblers)))
         return JSONResponse(builder.final(assemblers))
 
@@ -240,10 +243,14 @@ class OpenAIIngress:
 
         tasks = [asyncio.create_task(pump(i)) for i in range(len(choices))]
         try:
+            pending = await queue.get()
+            if isinstance(pending[1], RequestError):
+                raise pending[1]
             yield builder.sse(builder.first_chunk(len(choices)))
             open_choices = len(choices)
             while open_choices:
-                index, item = await queue.get()
+                index, item = pending if pending is not None else await queue.get()
+                pending = None
                 if item is None:
                     open_choices -= 1
                 elif isinstance(item, Exception):
@@ -259,3 +266,9 @@ class OpenAIIngress:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _prepend(first: str, rest):
+    yield first
+    async for item in rest:
+        yield item

@@ -9,6 +9,7 @@ routers map index entries straight onto replicas. Calls that must reach one part
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -122,11 +123,15 @@ class PrefillServer(_WorkerServer):
         await self._start_publisher(engine, address)
 
     async def prefill(self, request: GenerateRequest) -> PrefillResult:
+        if delay := self.args.fault_injection.get("prefill_delay_s"):
+            await asyncio.sleep(delay)
         result = await self.worker.prefill(request)
         self.metrics.request_timing(result.timing)
         return result
 
     async def send_kv(self, transfer: TransferRequest, target_replica: str | None = None) -> SendResult:
+        if stall := self.args.fault_injection.get("send_stall_s"):
+            await asyncio.sleep(stall)
         return await self.worker.send_kv(transfer)
 
     async def release_kv(self, request_id: str, target_replica: str | None = None) -> bool:

@@ -7,6 +7,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import ray
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from deploy.args import Mode
 from deploy.openai_protocol import RequestError
@@ -16,7 +17,11 @@ logger = logging.getLogger("pdserve")
 
 
 def client_error(exc: BaseException) -> BaseException:
-    """A worker's ValueError is the request's fault (400); anything else stays a server error."""
+    """A worker's ValueError is the request's fault (400); a full pool is 503 with Retry-After;
+    anything else stays a server error."""
+    if isinstance(exc, (BackPressureError, DeploymentUnavailableError)):
+        return RequestError(f"the server is at capacity, retry shortly ({type(exc).__name__})", None,
+                            status=503, error_type="server_overloaded", code="overloaded")
     cause = getattr(exc, "cause", None)
     if isinstance(cause, ValueError):
         return RequestError(str(cause), "prompt")
@@ -76,7 +81,7 @@ class WorkerCalls:
                 if attempt == 2:
                     raise
                 logger.warning("prefill replica died during %s, retrying elsewhere: %s", choice.request_id, exc)
-            except ray.exceptions.RayTaskError as exc:
+            except (ray.exceptions.RayTaskError, BackPressureError, DeploymentUnavailableError) as exc:
                 raise client_error(exc) from exc
         raise AssertionError("unreachable")
 
@@ -85,7 +90,7 @@ class WorkerCalls:
         try:
             async for chunk in stream:
                 yield chunk
-        except ray.exceptions.RayTaskError as exc:
+        except (ray.exceptions.RayTaskError, BackPressureError, DeploymentUnavailableError) as exc:
             raise client_error(exc) from exc
         finally:
             stream.cancel()  # no-op when it finished; aborts the worker's request otherwise

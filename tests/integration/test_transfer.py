@@ -157,7 +157,9 @@ def test_object_store_fallback_moves_exact_bytes():
     from tests.integration.transfer_peers import ObjectStorePrefill, Peer
     from workers.transfer import KVTransferClient, TransferConfig
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    started = not ray.is_initialized()  # the Serve tests' session cluster may already be up
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         prefill = ray.remote(ObjectStorePrefill).remote("prefill-ray", PREFILL_SEED)
         address = ray.get(prefill.address.remote(), timeout=120)
@@ -172,4 +174,5 @@ def test_object_store_fallback_moves_exact_bytes():
         assert block_digest(kv, dst) == expected_digest(PREFILL_SEED, src)
         assert block_digest(kv, others) == before
     finally:
-        ray.shutdown()
+        if started:
+            ray.shutdown()
