@@ -20,6 +20,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from deploy.args import Mode, PDServeArgs
+from deploy import http_errors
+from deploy.dashboard import install_dashboard
 from deploy.http_errors import install_error_handlers
 from deploy.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from deploy.output import ChoiceAssembler
@@ -35,8 +37,16 @@ from workers.protocol import GenerateRequest
 
 logger = logging.getLogger("pdserve")
 
+async def _prepend(first: str, rest):
+    """Module-level and above the class: Serve pickles the ingress class when it is decorated."""
+    yield first
+    async for item in rest:
+        yield item
+
+
 app = FastAPI(title="pdserve", description="OpenAI-compatible disaggregated LLM serving")
 install_error_handlers(app)
+install_dashboard(app)  # before @serve.ingress: Serve freezes a copy of the app there
 
 
 @serve.deployment(name="ingress", max_ongoing_requests=1024)
@@ -62,8 +72,8 @@ class OpenAIIngress:
                                    index=self.index)
         self.stats = RequestStats()
         self.metrics = IngressMetrics(self.args.model_name)
-        app.state.api_keys = frozenset(self.args.api_keys)
-        app.state.max_request_bytes = self.args.max_request_bytes
+        http_errors.SETTINGS.api_keys = frozenset(self.args.api_keys)
+        http_errors.SETTINGS.max_request_bytes = self.args.max_request_bytes
         logger.info("ingress ready: model %s (%s mode)", self.args.model_name, self.args.mode.value)
 
     # ------------------------------------------------------------------ routes
@@ -267,8 +277,3 @@ class OpenAIIngress:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-
-async def _prepend(first: str, rest):
-    yield first
-    async for item in rest:
-        yield item

@@ -39,4 +39,13 @@ if ! command -v redis-server >/dev/null 2>&1; then
         echo "bootstrap: redis-server not found; install it (e.g. apt-get install redis-server)" >&2
     fi
 fi
+# The dashboard's browser test drives Debian's Chromium (Playwright never downloads a browser here).
+if [ "$EXTRAS" = test ] && ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
+        && command -v apt-get >/dev/null 2>&1; then
+    echo "bootstrap: installing Debian's chromium for the browser test"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null \
+        || { apt-get update -q >/dev/null \
+             && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null; } \
+        || echo "bootstrap: chromium could not be installed; the browser test will be skipped" >&2
+fi
 export PATH="$VENV/bin:$PATH"

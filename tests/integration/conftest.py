@@ -105,7 +105,7 @@ def deploy(cluster: ServeCluster, name: str, route_prefix: str, args: dict) -> s
     deadline = time.time() + 240
     while time.time() < deadline:
         try:
-            if httpx.get(f"{base}/v1/models", timeout=5).status_code == 200:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
                 return base
         except httpx.HTTPError:
             pass
@@ -113,12 +113,12 @@ def deploy(cluster: ServeCluster, name: str, route_prefix: str, args: dict) -> s
     raise TimeoutError(f"application {name} did not come up")
 
 
-def wait_idle(base: str, timeout_s: float = 30.0) -> dict:
+def wait_idle(base: str, timeout_s: float = 30.0, headers: dict | None = None) -> dict:
     """Poll /v1/cluster/status until no replica holds a referenced block; return the status."""
     deadline = time.time() + timeout_s
     status = {}
     while time.time() < deadline:
-        status = httpx.get(f"{base}/v1/cluster/status", timeout=10).json()
+        status = httpx.get(f"{base}/v1/cluster/status", timeout=10, headers=headers).json()
         replicas = [r for pool in status["pools"].values() for r in pool]
         if replicas and all(r.get("healthy") and r["free_blocks"] == r["total_blocks"] for r in replicas):
             return status

@@ -100,7 +100,9 @@ def test_dashboard_follows_live_traffic(dash):
             assert page.get_by_test_id("requests-finished").inner_text() == "0"
             assert page.get_by_test_id("cluster-hit-rate").inner_text() == "0.0%"
             assert page.get_by_test_id("index-health").inner_text() == "healthy"
-            assert page.get_by_test_id("index-live-workers").inner_text() == "2"
+            # other apps of this test session serve the same model and share its index namespace
+            assert page.get_by_test_id("index-live-workers").inner_text() == str(status["index"]["live_workers"])
+            assert status["index"]["live_workers"] >= 2
             assert page.get_by_test_id("chart-ttft").get_attribute("data-points") == "0"
 
             # two prompts sharing a 96-token prefix (6 blocks), then two unrelated ones

@@ -15,6 +15,7 @@ from tests.unit.engine_helpers import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "llama"
+API_KEY = "test-key"  # the colocated app requires it; the disaggregated app has no keys
 
 
 def app_args(model_dir: str, redis_url: str, **overrides) -> dict:
@@ -32,14 +33,14 @@ def apps(serve_cluster, tiny_llama):
     redis_url = serve_cluster.redis.url
     disagg = deploy(serve_cluster, "pd", "/", app_args(tiny_llama, redis_url))
     colo = deploy(serve_cluster, "colo", "/colo", app_args(tiny_llama, redis_url, mode="colocated",
-                                                           served_model_name=MODEL))
+                                                           api_keys=[API_KEY], max_request_bytes=4096))
     yield {"pd": disagg, "colo": colo}
     for base in (disagg, colo):
-        wait_idle(base)  # every replica's blocks back to free once traffic stops
+        wait_idle(base, headers={"Authorization": f"Bearer {API_KEY}"})  # every replica's blocks back to free once traffic stops
 
 
 def client(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 def test_models_and_health(apps):
@@ -226,3 +227,18 @@ def test_status_and_metrics_move_with_traffic(apps, serve_cluster):
     assert totals["pdserve_time_to_first_token_seconds_count"] >= 3
     assert totals["pdserve_prefix_cache_hits_total"] > 0
     assert totals["pdserve_kv_transfer_bytes_total"] > 0
+
+
+def test_api_keys_and_body_limit(apps):
+    base = apps["colo"]
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    assert httpx.post(f"{base}/v1/completions", json=body).status_code == 401
+    wrong = httpx.post(f"{base}/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    for path in ("/v1/models", "/v1/cluster/status"):
+        assert httpx.get(f"{base}{path}").status_code == 401
+    assert httpx.get(f"{base}/health").status_code == 200
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.post(f"{base}/v1/completions", json=body, headers=auth).status_code == 200
+    big = httpx.post(f"{base}/v1/completions", json={**body, "prompt": "x" * 5000}, headers=auth)
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
