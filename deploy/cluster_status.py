@@ -17,18 +17,25 @@ REPLICA_PREFIX = "SERVE_REPLICA::"
 
 def replica_ids(app_name: str, deployment: str) -> list[str]:
     """Ids of the live replicas of one deployment (Serve names each replica actor
-    ``SERVE_REPLICA::<app>#<deployment>#<id>``)."""
+    ``SERVE_REPLICA::<app>#<deployment>#<id>``). Blocking: call from a thread."""
     prefix = f"{REPLICA_PREFIX}{app_name}#{deployment}#"
-    names = ray.util.list_named_actors(all_namespaces=True)
-    return sorted(n["name"][len(prefix):] for n in names if n["name"].startswith(prefix))
+    ids = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"]
+        if not name.startswith(prefix):
+            continue
+        ids.append(name[len(prefix):])
+    return sorted(ids)
 
 
-async def pool_status(handle, app_name: str, deployment: str, timeout_s: float = 2.0) -> list[dict[str, Any]]:
+async def pool_status(handle, app_name: str, deployment: str, timeout_s: float = 3.0) -> list[dict[str, Any]]:
     ids = await asyncio.to_thread(replica_ids, app_name, deployment)
 
     async def one(replica_id: str) -> dict[str, Any]:
         try:
             stats = await asyncio.wait_for(handle.stats.remote(target_replica=replica_id), timeout_s)
+            if stats["worker_id"] != replica_id:  # the replica left; the call landed elsewhere
+                return {"worker_id": replica_id, "healthy": False, "error": "not reachable through the router (starting or gone)"}
             return {"healthy": True, **stats}
         except Exception as exc:  # noqa: BLE001 - a replica that cannot answer is shown as such
             return {"worker_id": replica_id, "healthy": False, "error": f"{type(exc).__name__}: {exc}"[:200]}

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from deploy.openai_protocol import RequestError, error_body
 
@@ -42,7 +43,7 @@ def _param_of(loc: tuple) -> str | None:
     if not parts:
         return None
     # "messages.0.content" names the field; drop pydantic's union-member labels like "str"
-    keep = [p for p in parts if not (p[0].islower() and ("[" in p or p in ("str", "int", "list")))]
+    keep = [p for p in parts if not (p[0].islower() and ("[" in p or p in ("str", "int", "list", "constrained-str")))]
     return ".".join(keep or parts[:1])
 
 
@@ -62,6 +63,25 @@ async def request_error(request: Request, exc: RequestError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
+async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Framework errors (unknown path, wrong method, unparsable body) in OpenAI's shape."""
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    message = str(exc.detail)
+    if exc.status_code == 400 and "parsing the body" in message:
+        message = f"Request body is not valid JSON in UTF-8: {message}"
+    return JSONResponse(error_body(message, kind, None, None), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def _too_large(limit: int, size: str) -> JSONResponse:
+    return JSONResponse(error_body(f"Request body of {size} bytes exceeds the limit of {limit} bytes",
+                                   "invalid_request_error", None, "request_too_large"), status_code=413)
+
+
 async def server_error(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error on %s", request.url.path)
     return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error", None, None),
@@ -79,9 +99,15 @@ async def auth_and_size(request: Request, call_next):
     limit = SETTINGS.max_request_bytes
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
-        return JSONResponse(
-            error_body(f"Request body of {length} bytes exceeds the limit of {limit} bytes",
-                       "invalid_request_error", None, "request_too_large"), status_code=413)
+        return _too_large(limit, length)
+    if length is None and request.method in ("POST", "PUT", "PATCH"):
+        # Chunked upload: read it here, counting, so the limit holds without Content-Length.
+        body = bytearray()
+        async for piece in request.stream():
+            body += piece
+            if len(body) > limit:
+                return _too_large(limit, f"more than {limit}")
+        request._body = bytes(body)  # Starlette serves later reads from this
     try:
         return await call_next(request)
     except RequestError as exc:
@@ -91,5 +117,6 @@ async def auth_and_size(request: Request, call_next):
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(RequestError, request_error)
+    app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Exception, server_error)
     app.middleware("http")(auth_and_size)

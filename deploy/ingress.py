@@ -84,10 +84,9 @@ class OpenAIIngress:
     @app.get("/v1/cluster/status")
     async def cluster_status(self) -> dict:
         app_name = serve.get_replica_context().app_name
-        pools = {}
-        for name, handle in self.pools.items():
-            if handle is not None:
-                pools[name] = await pool_status(handle, app_name, name)
+        names = [name for name, handle in self.pools.items() if handle is not None]
+        answers = await asyncio.gather(*(pool_status(self.pools[n], app_name, n) for n in names))
+        pools = dict(zip(names, answers))
         return {
             "model": self.args.model_name, "mode": self.args.mode.value, "time": time.time(),
             "block_size": self.args.block_size, "pools": pools,

@@ -71,7 +71,45 @@ def rank_for_decode(
     return [[r] for r in ordered]
 
 
-class _IndexRouter(FIFOMixin, RequestRouter):
+def _target(pending: PendingRequest) -> str | None:
+    return pending.kwargs.get("target_replica") if pending.kwargs else None
+
+
+class _PinningFIFORouter(FIFOMixin, RequestRouter):
+    """FIFO routing that never hands a pinned call to another replica.
+
+    Serve's FIFO policy gives the replica chosen for one request to the oldest pending request;
+    with calls pinned to different replicas (concurrent send_kv from one decode replica, the
+    status endpoint asking every replica) that would swap their destinations. Here a pinned
+    request takes only the replica chosen for it, and the FIFO scan skips pinned requests that
+    want another replica. (Written against Ray Serve 2.60's router internals.)
+    """
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
+        own = self._get_pending_request_matching_internal_request_id(request_metadata)
+        if own is not None and _target(own) is not None:
+            self._assign(own, replica)
+            return
+        queue = self._pending_requests_to_fulfill
+        while queue and queue[0].future.done():
+            queue.popleft()
+        for pending in list(queue):
+            if pending.future.done():
+                continue
+            target = _target(pending)
+            if target is None or target == replica.replica_id.unique_id:
+                queue.remove(pending)
+                self._assign(pending, replica)
+                return
+
+    def _assign(self, pending: PendingRequest, replica: RunningReplica) -> None:
+        self._cancel_routing_task_for_pending_request(pending)
+        self._record_queue_wait_time(pending)
+        pending.future.set_result(replica)
+        self._remove_pending_request_from_indices(pending)
+
+
+class _IndexRouter(_PinningFIFORouter):
     def initialize_state(
         self,
         redis_url: str | None = None,
@@ -107,10 +145,13 @@ class _IndexRouter(FIFOMixin, RequestRouter):
 
     @staticmethod
     def _pinned(pending: PendingRequest | None, replicas: Sequence[RunningReplica]):
+        """The replica a call is pinned to. When it is gone, any replica: returning nothing
+        would stall Serve's FIFO queue behind a call that can never be placed; the callee then
+        finds no lease (send_kv/release_kv fail, decode recomputes) or answers with its own id."""
         target = pending.kwargs.get("target_replica") if pending is not None else None
         if target is None:
             return None
-        return [r for r in replicas if r.replica_id.unique_id == target]
+        return [r for r in replicas if r.replica_id.unique_id == target] or list(replicas)
 
     @staticmethod
     def _request(pending: PendingRequest | None) -> Any:

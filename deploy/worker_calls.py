@@ -3,7 +3,10 @@ client-facing errors."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import ray
@@ -57,9 +60,27 @@ class WorkerCalls:
         yield first_chunk(result)
         if result.finish_reason is not None:
             return
-        stream = self.decode.options(stream=True).generate.remote(choice, result)
-        async for chunk in self._relay(stream):
+        async for chunk in self._decode(choice, result):
             yield chunk
+
+    async def _decode(self, choice: GenerateRequest, result: PrefillResult) -> AsyncIterator[TokenChunk]:
+        """The decode stage. The first token is already out, so a full decode queue is waited
+        out (with backoff, while the prefill lease lasts) rather than refused."""
+        deadline = result.kv_handle.lease_expires_at - 1.0 if result.kv_handle else time.time()
+        backoff = 0.05
+        while True:
+            stream = self.decode.options(stream=True).generate.remote(choice, result)
+            started = False
+            try:
+                async for chunk in self._relay(stream):
+                    started = True
+                    yield chunk
+                return
+            except RequestError as exc:
+                if started or exc.status != 503 or time.time() + backoff > deadline:
+                    raise
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 1.0)
 
     async def _decode_holding_prompt(self, choice: GenerateRequest) -> str | None:
         """A decode replica whose cache holds nearly all of the prompt (e.g. the previous turn
@@ -93,7 +114,10 @@ class WorkerCalls:
         except (ray.exceptions.RayTaskError, BackPressureError, DeploymentUnavailableError) as exc:
             raise client_error(exc) from exc
         finally:
-            stream.cancel()  # no-op when it finished; aborts the worker's request otherwise
+            # No-op when it finished; aborts the worker's request otherwise. Ray re-raises a
+            # routing error stored in the response here: the one above already counts.
+            with contextlib.suppress(Exception):
+                stream.cancel()
 
 
 def first_chunk(result: PrefillResult) -> TokenChunk:

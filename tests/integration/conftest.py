@@ -85,9 +85,13 @@ def serve_cluster() -> Iterator[ServeCluster]:
     redis_server = RedisServer()
     redis_server.start()
     port, metrics_port = free_port(), free_port()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    except BaseException:
+        redis_server.stop()  # never orphan the redis-server when Ray fails to start
+        raise
     yield ServeCluster(port, redis_server, metrics_port)
     serve.shutdown()
     ray.shutdown()
@@ -120,7 +124,17 @@ def wait_idle(base: str, timeout_s: float = 30.0, headers: dict | None = None) -
     while time.time() < deadline:
         status = httpx.get(f"{base}/v1/cluster/status", timeout=10, headers=headers).json()
         replicas = [r for pool in status["pools"].values() for r in pool]
-        if replicas and all(r.get("healthy") and r["free_blocks"] == r["total_blocks"] for r in replicas):
+        records = (status["index"].get("workers") or {}) if status["index"].get("healthy") else {}
+
+        def idle(r: dict) -> bool:
+            if r.get("healthy"):
+                return r["free_blocks"] == r["total_blocks"]
+            # A replica the ingress's router cannot reach yet (just replaced): its own record in
+            # the index, refreshed by its heartbeat, must show every block free.
+            record = records.get(r["worker_id"])
+            return record is not None and record["free_blocks"] == record["total_blocks"]
+
+        if replicas and all(idle(r) for r in replicas):
             return status
         time.sleep(0.2)
     raise AssertionError(f"blocks still referenced after {timeout_s}s: {status}")

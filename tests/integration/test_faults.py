@@ -1,0 +1,249 @@
+"""Failure semantics through the real system (Ray Serve, redis-server, gloo pair groups):
+replica deaths, a stalled transfer, an unclaimed lease, Redis lost and back, a client that
+leaves, tenants kept apart. After each: every replica's free blocks == total blocks, and the
+service still answers with the reference output."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+
+from tests.integration.conftest import deploy, wait_idle
+from tests.redis_server import RedisServer
+from tests.unit.engine_helpers import hf_greedy, random_prompts
+
+pytestmark = pytest.mark.timeout(900)
+MODEL = "llama"
+
+
+def app_args(model_dir: str, redis_url: str, **overrides) -> dict:
+    args = {
+        "model": model_dir, "served_model_name": MODEL, "redis_url": redis_url, "num_kv_blocks": 256,
+        "device": "cpu", "transfer_timeout_s": 5.0, "lease_ttl_s": 10.0,
+        "prefill": {"replicas": 1, "num_cpus": 0.5}, "decode": {"replicas": 1, "num_cpus": 0.5},
+    }
+    return {**args, **overrides}
+
+
+def replicas(app: str, deployment: str) -> list[str]:
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+    return [n["name"] for n in ray.util.list_named_actors(all_namespaces=True) if n["name"].startswith(prefix)]
+
+
+def kill(name: str) -> None:
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+
+def expected_text(tiny_llama: str, prompt: list[int], n: int) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama).decode(hf_greedy(tiny_llama, tuple(prompt), n),
+                                                             skip_special_tokens=True)
+
+
+def complete(base: str, prompt, max_tokens: int, timeout: float = 120, **extra) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    return httpx.post(f"{base}/v1/completions", json=body, timeout=timeout)
+
+
+def wait_replicas(app: str, deployment: str, count: int, base: str, timeout_s: float = 120) -> None:
+    """Until Serve has replaced killed replicas and the app answers again."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            pool = httpx.get(f"{base}/v1/cluster/status", timeout=15).json()["pools"].get(deployment, [])
+        except httpx.HTTPError:
+            pool = []
+        if len(pool) == count and all(r.get("healthy") for r in pool):
+            return
+        time.sleep(1)
+    raise AssertionError(f"{deployment} did not come back to {count} healthy replicas")
+
+
+# ----------------------------------------------------------------- app 1: deaths
+@pytest.fixture(scope="module")
+def slow_prefill_app(serve_cluster, tiny_llama):
+    """2 prefill replicas that each wait 2 s before prefilling: time to kill one mid-request."""
+    base = deploy(serve_cluster, "faults", "/faults", app_args(
+        tiny_llama, serve_cluster.redis.url, prefill={"replicas": 2, "num_cpus": 0.5},
+        fault_injection={"prefill_delay_s": 2.0}))
+    yield base
+    from ray import serve
+
+    wait_idle(base, timeout_s=60)
+    serve.delete("faults")
+
+
+def test_prefill_replica_death_is_retried_with_the_same_output(slow_prefill_app, tiny_llama):
+    base = slow_prefill_app
+    prompts = random_prompts((20, 33, 47, 61), seed=81)
+    results: dict[int, httpx.Response] = {}
+
+    def send(i: int) -> None:
+        results[i] = complete(base, prompts[i], 12)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # all four are inside the 2 s prefill delay, spread over both replicas
+    victim = replicas("faults", "prefill")[0]
+    kill(victim)
+    for t in threads:
+        t.join(120)
+    for i, prompt in enumerate(prompts):
+        assert results[i].status_code == 200, results[i].text
+        assert results[i].json()["choices"][0]["text"] == expected_text(tiny_llama, prompt, 12)
+    wait_replicas("faults", "prefill", 2, base)
+    wait_idle(base)
+
+
+def test_decode_replica_death_ends_the_stream_with_an_error(slow_prefill_app, tiny_llama):
+    base = slow_prefill_app
+    body = {"model": MODEL, "prompt": random_prompts((30,), seed=82)[0], "max_tokens": 1500,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    start = time.time()
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 5:
+                kill(replicas("faults", "decode")[0])
+    elapsed = time.time() - start
+    assert elapsed < 60
+    errors = [json.loads(e) for e in events if e != "[DONE]" and "error" in json.loads(e)]
+    assert len(errors) == 1 and errors[0]["error"]["type"] == "server_error"
+    assert "[DONE]" not in events  # the stream ends at the error event
+    wait_replicas("faults", "decode", 1, base)
+    prompt = random_prompts((25,), seed=83)[0]
+    assert complete(base, prompt, 8).json()["choices"][0]["text"] == expected_text(tiny_llama, prompt, 8)
+    wait_idle(base)
+
+
+def test_client_disconnect_aborts_and_frees_everything(slow_prefill_app):
+    base = slow_prefill_app
+    body = {"model": MODEL, "prompt": random_prompts((40,), seed=84)[0], "max_tokens": 1500,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as resp:
+        got = 0
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                got += 1
+            if got == 4:
+                break  # leave mid-stream: the connection closes here
+    status = wait_idle(base, timeout_s=30)
+    for pool in status["pools"].values():
+        for replica in pool:
+            assert replica["num_running"] == 0 and replica["num_waiting"] == 0 and replica["num_held"] == 0
+
+
+def test_cache_salt_keeps_tenants_apart(slow_prefill_app):
+    base = slow_prefill_app
+    prompt = random_prompts((128,), seed=85)[0]
+    complete(base, prompt + [1], 2, cache_salt="tenant-a")
+    same_tenant = complete(base, prompt + [2], 2, cache_salt="tenant-a").json()
+    other_tenant = complete(base, prompt + [3], 2, cache_salt="tenant-b").json()
+    no_salt = complete(base, prompt + [4], 2).json()
+    assert same_tenant["usage"]["prompt_tokens_details"]["cached_tokens"] >= 112
+    assert other_tenant["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert no_salt["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    wait_idle(base)
+
+
+# ------------------------------------------------- app 2: stalls, leases, Redis
+@pytest.fixture(scope="module")
+def stall_app(serve_cluster, tiny_llama):
+    """Its own redis-server (killed and restarted here); KV sends stall past the deadline."""
+    redis = RedisServer()
+    redis.start()
+    base = deploy(serve_cluster, "stall", "/stall", app_args(
+        tiny_llama, redis.url, transfer_timeout_s=1.0, lease_ttl_s=2.0,
+        fault_injection={"send_stall_s": 3.0}))
+    yield base, redis
+    from ray import serve
+
+    wait_idle(base, timeout_s=60)
+    serve.delete("stall")
+    redis.stop()
+
+
+def test_stalled_transfer_recomputes_and_expired_lease_frees(stall_app, tiny_llama):
+    base, _ = stall_app
+    before = httpx.get(f"{base}/v1/cluster/status").json()
+    prompt = random_prompts((70,), seed=86)[0]
+    resp = complete(base, prompt, 16)
+    assert resp.json()["choices"][0]["text"] == expected_text(tiny_llama, prompt, 16)
+    time.sleep(3.5)  # the stalled send then finds its lease expired
+    after = wait_idle(base)
+    decode_b, decode_a = before["pools"]["decode"][0], after["pools"]["decode"][0]
+    prefill_a, prefill_b = after["pools"]["prefill"][0], before["pools"]["prefill"][0]
+    assert decode_a["transfer_failures"] == decode_b["transfer_failures"] + 1
+    assert decode_a["recomputed_prefills"] == decode_b["recomputed_prefills"] + 1
+    assert prefill_a["leases_expired"] == prefill_b["leases_expired"] + 1
+    assert prefill_a["num_held"] == 0
+
+
+def test_redis_lost_and_back_under_traffic(stall_app, tiny_llama):
+    base, redis = stall_app
+    stop = threading.Event()
+    outcomes: list[int] = []
+
+    def traffic() -> None:
+        i = 0
+        while not stop.is_set():
+            # one block: nothing to transfer, so the stalled sends of this app stay out of the way
+            outcomes.append(complete(base, [100 + i % 50] * 10, 4, timeout=60).status_code)
+            i += 1
+
+    worker = threading.Thread(target=traffic)
+    worker.start()
+    time.sleep(1.5)
+    redis.kill()
+    time.sleep(3)
+    down = httpx.get(f"{base}/v1/cluster/status").json()["index"]
+    assert down["healthy"] is False
+    redis.restart()
+    time.sleep(1)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        index = httpx.get(f"{base}/v1/cluster/status").json()["index"]
+        if index["healthy"] and index["live_workers"] == 2:
+            break
+        time.sleep(0.5)
+    stop.set()
+    worker.join(60)
+    assert index["healthy"] and index["live_workers"] == 2  # both workers re-registered
+    assert outcomes and all(code == 200 for code in outcomes), outcomes
+    # cache-aware routing resumes: a prefix cached now is found through the index again
+    from kvstore import IndexConfig, PrefixIndex
+    from kvstore.hashing import hash_prompt_blocks
+    from workers.engine.config import EngineConfig
+
+    prompt = [7] * 40
+    complete(base, prompt, 2)
+    key = EngineConfig(model_dir=tiny_llama).resolved_model_key
+    hashes = hash_prompt_blocks(prompt, 16, key)
+
+    async def lookup():
+        index = PrefixIndex(IndexConfig(redis_url=redis.url, model_key=key))
+        await index.start()
+        for _ in range(40):
+            found = await index.longest_prefix(hashes, role="prefill")
+            if found and max(found.values()) == 2:
+                await index.close()
+                return found
+            await asyncio.sleep(0.25)
+        await index.close()
+        return found
+
+    found = asyncio.run(lookup())
+    assert found and max(found.values()) == 2
+    wait_idle(base)
