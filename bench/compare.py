@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--random-prompts", type=int, default=48, help="modes: random-dataset requests")
     ap.add_argument("--input-len", type=int, default=512, help="modes: random prompt length")
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--kv-blocks", type=int, default=2048, help="KV blocks per replica (cache pressure)")
     ap.add_argument("--cpus-per-replica", type=float, default=0.5)
     ap.add_argument("--json", type=Path, default=None)
     opts = ap.parse_args(argv)
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         pool = {"num_cpus": opts.cpus_per_replica}
-        base_args = {"model": model, "redis_url": local.redis_url, "device": "cpu", "num_kv_blocks": 2048,
+        base_args = {"model": model, "redis_url": local.redis_url, "device": "cpu", "num_kv_blocks": opts.kv_blocks,
                      "prefill": {**pool, "replicas": 1}, "decode": {**pool, "replicas": 1}}
         if opts.what == "routing":
             workload = WorkloadSpec(dataset="shared-prefix", tokenizer=model, gsp_num_groups=opts.groups,
