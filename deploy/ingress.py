@@ -11,15 +11,13 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
-from deploy.args import Mode, PDServeArgs
+from deploy.args import PDServeArgs
 from deploy import http_errors
 from deploy.dashboard import install_dashboard
 from deploy.http_errors import install_error_handlers

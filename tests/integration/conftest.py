@@ -52,7 +52,6 @@ def make_redis_server() -> Iterator[Callable[..., RedisServer]]:
 
 
 # ---------------------------------------------------------------- Ray Serve application
-import os  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 

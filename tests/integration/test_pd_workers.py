@@ -11,7 +11,7 @@ import pytest
 from kvstore.hashing import hash_prompt_blocks
 from tests.unit.engine_helpers import hf_greedy, random_prompts
 from workers.decode import DecodeWorker
-from workers.engine import LLMEngine, SamplingParams
+from workers.engine import LLMEngine
 from workers.prefill import PrefillWorker
 from workers.protocol import GenerateRequest
 from workers.transfer import TransferConfig

@@ -9,7 +9,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
