@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -25,7 +24,7 @@ from workers.transfer.buffers import check_block_ids, layout_of, scatter_blocks
 from workers.transfer.config import TransferConfig, Transport
 from workers.transfer.device import device_address, resolve_transport
 from workers.transfer.errors import KVTransferError
-from workers.transfer.pair import DECODE_RANK, PairGroup, PairSlot, acquire
+from workers.transfer.pair import DECODE_RANK, PairGroup, PairSlot, PairSlots, acquire
 
 logger = logging.getLogger(__name__)
 
@@ -51,16 +50,14 @@ class KVTransferClient:
         self.config = config or TransferConfig()
         self.device = torch.device(device)
         self.identity = device_address(self.config.host, 0, worker_id, self.config.node_id, self.device)
-        self._slots: dict[str, PairSlot] = {}
-        self._slots_lock = threading.Lock()
+        self._pairs = PairSlots()
         self._epochs = itertools.count(time.time_ns() // 1000)
 
     def _slot(self, prefill_worker_id: str) -> PairSlot:
-        with self._slots_lock:
-            return self._slots.setdefault(prefill_worker_id, PairSlot())
+        return self._pairs.get(prefill_worker_id)
 
     def _next_epoch(self) -> int:
-        with self._slots_lock:
+        with self._pairs.lock:
             return next(self._epochs)
 
     def _create_group(self, slot: PairSlot, address: TransferAddress, epoch: int,
@@ -198,13 +195,7 @@ class KVTransferClient:
 
     def close_pair(self, prefill_worker_id: str) -> None:
         """Tear down the group with a prefill worker that left."""
-        slot = self._slot(prefill_worker_id)
-        with slot.lock:
-            slot.tear_down("closed")
+        self._pairs.close(prefill_worker_id)
 
     def close(self) -> None:
-        with self._slots_lock:
-            slots = list(self._slots.values())
-        for slot in slots:
-            with slot.lock:
-                slot.tear_down("client closed")
+        self._pairs.close_all("client closed")

@@ -208,6 +208,32 @@ class PairSlot:
         logger.info("pair group with %s epoch %d torn down: %s", group.peer_id, group.epoch, reason)
 
 
+class PairSlots:
+    """One ``PairSlot`` per peer, for either side of the pairs (server: decode peers, client:
+    prefill peers). ``lock`` guards the table only, never a transfer."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._slots: dict[str, PairSlot] = {}
+
+    def get(self, peer_id: str) -> PairSlot:
+        with self.lock:
+            return self._slots.setdefault(peer_id, PairSlot())
+
+    def close(self, peer_id: str, reason: str = "closed") -> None:
+        """Tear down the group with a peer that left; a later transfer re-pairs."""
+        slot = self.get(peer_id)
+        with slot.lock:
+            slot.tear_down(reason)
+
+    def close_all(self, reason: str) -> None:
+        with self.lock:
+            slots = list(self._slots.values())
+        for slot in slots:
+            with slot.lock:
+                slot.tear_down(reason)
+
+
 def acquire(lock: threading.Lock, deadline: float) -> bool:
     try:
         return lock.acquire(timeout=remaining_s(deadline))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from workers.transfer.buffers import check_block_ids, layout_of
 from workers.transfer.config import TransferConfig, Transport
 from workers.transfer.device import device_address
 from workers.transfer.errors import KVTransferError
-from workers.transfer.pair import PREFILL_RANK, PairGroup, PairSlot, acquire
+from workers.transfer.pair import PREFILL_RANK, PairGroup, PairSlot, PairSlots, acquire
 
 logger = logging.getLogger(__name__)
 
@@ -67,14 +66,12 @@ class KVTransferServer:
         )
         self.address: TransferAddress = device_address(
             self.config.host, self._store.port, worker_id, self.config.node_id, self.device)
-        self._slots: dict[str, PairSlot] = {}
-        self._slots_lock = threading.Lock()
+        self._pairs = PairSlots()
         logger.info("KV transfer server %s listening on %s:%d", worker_id, self.config.host,
                     self._store.port)
 
     def _slot(self, decode_worker_id: str) -> PairSlot:
-        with self._slots_lock:
-            return self._slots.setdefault(decode_worker_id, PairSlot())
+        return self._pairs.get(decode_worker_id)
 
     def _group_for(self, slot: PairSlot, decode_worker_id: str, epoch: int, transport: Transport,
                    deadline: float) -> tuple[PairGroup, bool]:
@@ -176,14 +173,8 @@ class KVTransferServer:
 
     def close_pair(self, decode_worker_id: str) -> None:
         """Tear down the group with a decode worker that left; a later request re-pairs."""
-        slot = self._slot(decode_worker_id)
-        with slot.lock:
-            slot.tear_down("closed")
+        self._pairs.close(decode_worker_id)
 
     def close(self) -> None:
-        with self._slots_lock:
-            slots = list(self._slots.values())
-        for slot in slots:
-            with slot.lock:
-                slot.tear_down("server closed")
+        self._pairs.close_all("server closed")
         self._store = None
