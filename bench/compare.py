@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,28 +35,12 @@ def bench_model(path: Path) -> Path:
     return path
 
 
-def deploy_and_wait(args: dict, port: int, timeout_s: float = 300) -> str:
-    from ray import serve
-
-    from deploy.builder import build_app
-
-    serve.run(build_app(args), name="bench", route_prefix="/", blocking=False)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/v1/models", timeout=5).status_code == 200:
-                return base
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError("application did not come up")
-
-
 def run_one(label: str, app_args: dict, config: BenchConfig, port: int) -> dict:
     from ray import serve
 
-    base = deploy_and_wait(app_args, port)
+    from deploy.builder import deploy_and_wait
+
+    base = deploy_and_wait(app_args, "bench", "/", f"http://127.0.0.1:{port}", timeout_s=300)
     warm = replace(config, base_url=base, workload=replace(config.workload, seed=config.workload.seed + 1000),
                    progress=False)
     asyncio.run(run_benchmark(replace(warm, workload=replace(warm.workload, num_prompts=4, gsp_num_groups=1,

@@ -52,3 +52,24 @@ def build_app(args: dict[str, Any] | PDServeArgs) -> serve.Application:
     decode = DecodeServer.options(
         **_pool_options(parsed.decode, DECODE_ROUTER, {**router_kwargs, "role": "decode"})).bind(raw, prefill)
     return ingress.bind(raw, prefill=prefill, decode=decode)
+
+
+def deploy_and_wait(args: dict[str, Any] | PDServeArgs, name: str, route_prefix: str, base_url: str,
+                    timeout_s: float = 240.0) -> str:
+    """Deploy ``build_app(args)`` without blocking and return ``base_url`` once its ``/health``
+    answers (the tests' and benchmarks' way to bring up an application)."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return base_url
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"application {name} did not come up within {timeout_s:.0f}s")

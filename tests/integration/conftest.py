@@ -99,21 +99,9 @@ def serve_cluster() -> Iterator[ServeCluster]:
 
 def deploy(cluster: ServeCluster, name: str, route_prefix: str, args: dict) -> str:
     """Deploy build_app(args) as application ``name``; return its base URL once it answers."""
-    from ray import serve
+    from deploy.builder import deploy_and_wait
 
-    from deploy.builder import build_app
-
-    serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False)
-    base = cluster.url(route_prefix if route_prefix != "/" else "")
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                return base
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"application {name} did not come up")
+    return deploy_and_wait(args, name, route_prefix, cluster.url(route_prefix if route_prefix != "/" else ""))
 
 
 def wait_idle(base: str, timeout_s: float = 30.0, headers: dict | None = None) -> dict:
