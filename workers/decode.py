@@ -144,7 +144,7 @@ class DecodeWorker(ColocatedWorker):
 
     async def _pull(self, handle, reservation):
         loop = asyncio.get_running_loop()
-        src = handle.block_ids[reservation.num_cached_blocks:]
+        src = [handle.block_ids[i] for i in reservation.missing_positions]
         timeout_s = self.transfer_config.transfer_timeout_s
         blocking = self.transfer_config.transport is Transport.OBJECT_STORE
 

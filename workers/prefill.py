@@ -19,7 +19,7 @@ from workers.engine import LLMEngine, SamplingParams
 from workers.engine_loop import EngineLoop
 from workers.protocol import GenerateRequest, KVHandle, KVLayout, PrefillResult, TransferRequest
 from workers.transfer import KVTransferError, KVTransferServer, LeaseTable, SendResult, TransferConfig
-from workers.worker_stats import WorkerStats, kv_layout_of
+from workers.worker_stats import WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class PrefillWorker:
         self.loop = EngineLoop(engine, on_step=on_step)
         self.transfer_config = transfer_config or TransferConfig()
         self.server = KVTransferServer(worker_id, self.transfer_config, device=engine.device)
-        self.layout: KVLayout = kv_layout_of(engine)
+        self.layout: KVLayout = engine.kv_layout
         self.lease_ttl_s = lease_ttl_s
         self.leases = LeaseTable()
         self.leases.start(interval_s=min(1.0, lease_ttl_s / 4))

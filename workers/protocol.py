@@ -11,7 +11,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 # Element sizes of the KV dtypes a worker may run with, by torch's short dtype name.
-DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+# Quantized KV dtypes: each block carries one extra row holding its per-head scales (K and V),
+# so a block is self-contained wherever it is cached, gathered or transferred.
+QUANTIZED_DTYPES = frozenset({"int8", "float8_e4m3fn", "float8_e5m2"})
+SCALE_ROWS = 1
 
 TRANSPORTS = ("auto", "nccl", "gloo", "gloo_staged", "object_store")
 
@@ -28,7 +32,10 @@ def _ints(values) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """Shape of a worker's paged KV cache: per layer ``[2, num_blocks, block_size, heads, dim]``."""
+    """Shape of a worker's paged KV cache: per layer ``[2, num_blocks, rows_per_block, heads, dim]``.
+
+    ``rows_per_block`` is ``block_size`` tokens, plus ``SCALE_ROWS`` for a quantized dtype.
+    """
 
     num_layers: int
     block_size: int
@@ -44,14 +51,22 @@ class KVLayout:
                 raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
 
     @property
+    def quantized(self) -> bool:
+        return self.dtype in QUANTIZED_DTYPES
+
+    @property
+    def rows_per_block(self) -> int:
+        return self.block_size + (SCALE_ROWS if self.quantized else 0)
+
+    @property
     def block_shape(self) -> tuple[int, int, int, int]:
-        """Shape of one block of one layer: ``[2 (K/V), block_size, heads, head_dim]``."""
-        return (2, self.block_size, self.num_kv_heads, self.head_dim)
+        """Shape of one block of one layer: ``[2 (K/V), rows_per_block, heads, head_dim]``."""
+        return (2, self.rows_per_block, self.num_kv_heads, self.head_dim)
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block occupies summed over all layers, K and V."""
-        k_and_v = 2 * self.block_size * self.num_kv_heads * self.head_dim
+        """Bytes one block occupies summed over all layers, K and V (scales included)."""
+        k_and_v = 2 * self.rows_per_block * self.num_kv_heads * self.head_dim
         return self.num_layers * k_and_v * DTYPE_SIZES[self.dtype]
 
     def check_matches(self, other: KVLayout, ours: str = "decode", theirs: str = "prefill") -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from workers.engine import LLMEngine
-from workers.protocol import KVLayout
 
 
 @dataclass
@@ -39,10 +38,3 @@ class WorkerStats:
             "cached_blocks": bm.num_cached_blocks,
         }
 
-
-def kv_layout_of(engine: LLMEngine) -> KVLayout:
-    cfg = engine.model_config
-    return KVLayout(
-        num_layers=cfg.num_layers, block_size=engine.config.block_size, num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, dtype=str(engine.dtype).removeprefix("torch."),
-    )

@@ -84,12 +84,15 @@ def test_blocks_arrive_byte_for_byte_over_one_pair_group(peers):
     assert len(set(epochs)) == 1  # the pair group made by the first transfer is reused
 
 
-def test_bfloat16_blocks_arrive_byte_for_byte(peers):
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "float8_e4m3fn"])
+def test_other_kv_dtypes_arrive_byte_for_byte(peers, dtype):
     prefill, decode = peers
     src, dst = [9, 1, 700, 33], [4, 1098, 250, 60]
-    handle = make_handle(prefill, "req-bf16", src, dtype="bfloat16")
+    handle = make_handle(prefill, f"req-{dtype}", src, dtype=dtype)
     outcome, sender = relay_pull(prefill, decode, handle, dst)
-    assert_exact_pull(outcome, sender, PREFILL_SEED, src, dst, dtype="bfloat16")
+    stats = assert_exact_pull(outcome, sender, PREFILL_SEED, src, dst, dtype=dtype)
+    if dtype != "bfloat16":  # quantized: scales travel in the block, a bit over half of bf16's bytes
+        assert stats.num_bytes == 17 * len(src) * LAYOUTS["bfloat16"].bytes_per_block // 32
 
 
 def test_layout_mismatch_is_rejected_before_any_traffic(peers):

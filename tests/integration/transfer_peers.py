@@ -24,6 +24,9 @@ NUM_BLOCKS = 1100
 LAYOUTS = {
     "float32": KVLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype="float32"),
     "bfloat16": KVLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype="bfloat16"),
+    # Quantized caches: 17 rows per block (16 tokens + the scale row), one byte per element.
+    "int8": KVLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype="int8"),
+    "float8_e4m3fn": KVLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype="float8_e4m3fn"),
 }
 
 
@@ -32,6 +35,9 @@ def make_kv_caches(layout: KVLayout, num_blocks: int, seed: int,
     gen = torch.Generator().manual_seed(seed)
     shape = (2, num_blocks) + layout.block_shape[1:]
     dtype = getattr(torch, layout.dtype)
+    if layout.quantized:  # random bytes, scale rows included
+        return [torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).view(dtype).to(device)
+                for _ in range(layout.num_layers)]
     return [torch.randn(shape, generator=gen).to(dtype).to(device) for _ in range(layout.num_layers)]
 
 

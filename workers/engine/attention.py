@@ -9,8 +9,14 @@ layer writes its new K/V into the cache through ``slot_mapping`` and then attend
   K/V with ``is_causal``, exactly like a plain forward; a chunk after cached or earlier-computed
   tokens gathers its context from the cache and uses a causal mask offset by that context.
 
-On CUDA with flash-attn installed and a block size it accepts (a multiple of 256), the decode
-batch uses ``flash_attn_with_kvcache`` over the block tables instead of gathering.
+With a sliding window (Mistral-style ``sliding_window``), a query at position ``p`` sees keys at
+``p - window < k <= p``; only blocks holding such keys are gathered (blocks wholly before every
+query's window have been freed by the block manager).
+
+K/V go through ``PagedKVCache``, which quantizes on write and dequantizes on gather for an
+int8/fp8 cache. On CUDA with flash-attn installed, a block size it accepts (a multiple of 256), a
+full-precision cache and full attention, the decode batch uses ``flash_attn_with_kvcache`` over
+the block tables instead of gathering.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from workers.engine.kv_cache import KVWritePlan, PagedKVCache
 
 try:  # optional, CUDA only
     from flash_attn import flash_attn_with_kvcache  # type: ignore[import-not-found]
@@ -32,6 +40,7 @@ class PrefillSpan:
     num_tokens: int
     context_len: int  # tokens of this sequence in the cache after this step (cached + chunk)
     block_table: torch.Tensor | None  # None for a fresh prompt (no gather needed)
+    first_key_pos: int = 0  # position of the first token of ``block_table``'s first block
 
     @property
     def fresh(self) -> bool:
@@ -40,65 +49,83 @@ class PrefillSpan:
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor | None  # [T] cache slot of each token; None: run without a cache
+    write: KVWritePlan | None  # where the step's K/V go; None: run without a cache
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] (padded with block 0)
     decode_context_lens: torch.Tensor | None = None  # [B]
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size]
     prefills: list[PrefillSpan] = field(default_factory=list)
+    sliding_window: int | None = None  # a key is seen by queries less than this many positions on
     use_flash_attn: bool = False
 
 
-def flash_attn_usable(device: torch.device, block_size: int) -> bool:
-    return flash_attn_with_kvcache is not None and device.type == "cuda" and block_size % 256 == 0
+def flash_attn_usable(device: torch.device, block_size: int, kv: PagedKVCache | None = None,
+                      sliding_window: int | None = None) -> bool:
+    return (flash_attn_with_kvcache is not None and device.type == "cuda" and block_size % 256 == 0
+            and (kv is None or not kv.quantized) and sliding_window is None)
+
+
+def attention_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``[..., Q, K]`` bool: causal, and within ``window`` (keys at ``q - window < k <= q``)."""
+    diff = query_pos[..., :, None] - key_pos[..., None, :]
+    mask = diff >= 0
+    if window is not None:
+        mask &= diff < window
+    return mask
 
 
 class PagedAttention:
     """Attention for one step; the model calls ``forward`` once per layer."""
 
-    def __init__(self, kv_caches: list[torch.Tensor] | None, meta: AttentionMetadata, scale: float):
-        self.kv_caches = kv_caches
+    def __init__(self, kv: PagedKVCache | None, meta: AttentionMetadata, scale: float):
+        self.kv = kv
         self.meta = meta
         self.scale = scale
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] (already rotated). Returns [T, Hq, D]."""
         meta = self.meta
-        cache = None
-        if meta.slot_mapping is not None:
-            cache = self.kv_caches[layer]
-            num_kv_heads, head_dim = cache.shape[-2:]
-            flat = cache.view(2, -1, num_kv_heads, head_dim)
-            flat[0].index_copy_(0, meta.slot_mapping, k.to(cache.dtype))
-            flat[1].index_copy_(0, meta.slot_mapping, v.to(cache.dtype))
+        if meta.write is not None:
+            self.kv.write(layer, meta.write, k, v)
 
         out = torch.empty_like(q)
         if meta.num_decodes:
-            out[: meta.num_decodes] = self._decode(cache, q[: meta.num_decodes])
+            out[: meta.num_decodes] = self._decode(layer, q[: meta.num_decodes])
+        window = meta.sliding_window
         for span in meta.prefills:
             rows = slice(span.start, span.start + span.num_tokens)
             qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             if span.fresh:
                 ks = k[rows].transpose(0, 1).unsqueeze(0)
                 vs = v[rows].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(
-                    qs, ks, vs, is_causal=span.num_tokens > 1, scale=self.scale, enable_gqa=True
-                )
+                if window is None or span.num_tokens <= window:
+                    o = F.scaled_dot_product_attention(
+                        qs, ks, vs, is_causal=span.num_tokens > 1, scale=self.scale, enable_gqa=True
+                    )
+                else:
+                    pos = torch.arange(span.num_tokens, device=q.device)
+                    o = F.scaled_dot_product_attention(
+                        qs, ks, vs, attn_mask=attention_mask(pos, pos, window), scale=self.scale,
+                        enable_gqa=True,
+                    )
             else:
-                ks, vs = _gather(cache, span.block_table, span.context_len)
-                mask = torch.ones(
-                    span.num_tokens, span.context_len, dtype=torch.bool, device=q.device
-                ).tril_(span.context_len - span.num_tokens)
+                kv = self.kv.gather(layer, span.block_table)  # [2, n_blocks * bs, Hkv, D]
+                length = span.context_len - span.first_key_pos
+                ks = kv[0, :length].transpose(0, 1).unsqueeze(0)
+                vs = kv[1, :length].transpose(0, 1).unsqueeze(0)
+                query_pos = torch.arange(span.context_len - span.num_tokens, span.context_len, device=q.device)
+                key_pos = torch.arange(span.first_key_pos, span.context_len, device=q.device)
                 o = F.scaled_dot_product_attention(
-                    qs, ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=mask, scale=self.scale,
+                    qs, ks, vs, attn_mask=attention_mask(query_pos, key_pos, window), scale=self.scale,
                     enable_gqa=True,
                 )
             out[rows] = o.squeeze(0).transpose(0, 1)
         return out
 
-    def _decode(self, cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         if meta.use_flash_attn:
+            cache = self.kv.layers[layer]
             o = flash_attn_with_kvcache(
                 q.unsqueeze(1), cache[0], cache[1],
                 cache_seqlens=meta.decode_context_lens.to(torch.int32),
@@ -106,19 +133,8 @@ class PagedAttention:
                 softmax_scale=self.scale, causal=True,
             )
             return o.squeeze(1)
-        batch = q.shape[0]
-        num_kv_heads, head_dim = cache.shape[-2:]
-        ks = cache[0][meta.decode_block_tables].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-        vs = cache[1][meta.decode_block_tables].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+        kv = self.kv.gather(layer, meta.decode_block_tables).transpose(2, 3)  # [2, B, Hkv, L, D]
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), ks, vs, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
+            q.unsqueeze(2), kv[0], kv[1], attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
         )
         return o.squeeze(2)
-
-
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one sequence's first ``length`` tokens as [Hkv, length, D]."""
-    num_kv_heads, head_dim = cache.shape[-2:]
-    k = cache[0][block_table].view(-1, num_kv_heads, head_dim)[:length]
-    v = cache[1][block_table].view(-1, num_kv_heads, head_dim)[:length]
-    return k.transpose(0, 1), v.transpose(0, 1)

@@ -9,6 +9,11 @@ Invariants (checked by ``check_idle``):
   token ids, so a hash collision can cost a miss but never a wrong answer.
 - Only the block manager frees blocks. A sequence's blocks are freed exactly once, by ``free``.
 
+Sliding-window models: a sequence drops its references to blocks that lie wholly before the
+window of its next query (``drop_blocks_before``); their table entries become ``NULL_BLOCK`` so
+that table index ``i`` still means tokens ``[i * block_size, (i + 1) * block_size)``. A dropped
+block that is still cached stays revivable like any freed block.
+
 The block manager emits ``BlockStored`` / ``BlockRemoved`` events and never imports Redis; the
 worker drains them with ``take_events`` and hands them to the index publisher.
 """
@@ -21,6 +26,17 @@ from dataclasses import dataclass, field
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvstore.hashing import ROOT_PARENT_HASH, BlockHash, hash_prompt_blocks
 from workers.engine.sequence import Sequence
+
+
+NULL_BLOCK = -1  # a block table entry whose block was dropped (outside the sliding window)
+
+
+def first_window_block(query_pos: int, window: int | None, block_size: int) -> int:
+    """First block holding a key that a query at ``query_pos`` (or later) attends to: keys at
+    ``query_pos - window < k <= query_pos``. 0 without a window."""
+    if window is None:
+        return 0
+    return max(0, (query_pos - window + 1) // block_size)
 
 
 @dataclass(slots=True, eq=False)
@@ -154,6 +170,8 @@ class BlockManager:
         stored: list[BlockHash] = []
         first = -1
         for i in range(seq.num_cached_blocks, num_computed_full):
+            if seq.block_table[i] == NULL_BLOCK:
+                continue  # never held here (dropped before it was received): cannot be served
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is not None:
                 continue  # revived from the cache: already registered
@@ -174,14 +192,32 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; its cached blocks stay revivable until evicted."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = block
-                if block.block_hash is None:
-                    self._free.move_to_end(block_id, last=False)  # nothing to keep: reuse first
+            if block_id != NULL_BLOCK:
+                self._release(block_id)
         seq.block_table.clear()
         seq.num_cached_blocks = 0
+        seq.num_dropped_blocks = 0
+
+    def drop_blocks_before(self, seq: Sequence, first_block: int) -> int:
+        """Sliding window: release the sequence's blocks before ``first_block``; returns how many."""
+        table = seq.block_table
+        end = min(first_block, len(table))
+        dropped = 0
+        for i in range(seq.num_dropped_blocks, end):
+            if table[i] != NULL_BLOCK:
+                self._release(table[i])
+                table[i] = NULL_BLOCK
+                dropped += 1
+        seq.num_dropped_blocks = max(seq.num_dropped_blocks, end)
+        return dropped
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = block
+            if block.block_hash is None:
+                self._free.move_to_end(block_id, last=False)  # nothing to keep: reuse first
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (only when no block is referenced)."""

@@ -18,6 +18,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     device: str = "cpu"
     dtype: str | None = None  # None/"auto": fp32 on CPU, the checkpoint's half type on CUDA
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8" | "fp8" (per-block-per-head scales)
     kv_cache_memory_gib: float = 1.0  # CPU: memory for the KV cache when num_kv_blocks is None
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the GPU for weights + KV cache
     model_key: str | None = None  # namespaces block hashes; None: derived from the model dir
@@ -34,6 +35,7 @@ class EngineConfig:
             "max_model_len": (self.max_model_len is None or self.max_model_len > 1, "must be > 1"),
             "kv_cache_memory_gib": (self.kv_cache_memory_gib > 0, "must be positive"),
             "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
+            "kv_cache_dtype": (self.kv_cache_dtype in ("auto", "int8", "fp8"), "must be 'auto', 'int8' or 'fp8'"),
         }
         for name, (ok, problem) in checks.items():
             if not ok:

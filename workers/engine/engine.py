@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.block_manager import BlockManager
+from workers.engine.block_manager import NULL_BLOCK, BlockManager, first_window_block
 from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer, find_stop_cut
-from workers.engine.kv_cache import allocate_kv_cache, plan_num_blocks
+from workers.engine.kv_cache import PagedKVCache, plan_num_blocks
 from workers.engine.model_runner import ModelRunner
 from workers.engine.sampler import sample
 from workers.engine.sampling_params import SamplingParams
@@ -30,13 +30,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class KVReservation:
-    block_ids: list[int]  # the sequence's block table over its prompt
+    block_ids: list[int]  # the sequence's block table over its prompt (NULL_BLOCK: outside the window)
     num_cached_blocks: int  # leading blocks already valid locally; the rest must be received
     num_cached_tokens: int
 
     @property
+    def missing_positions(self) -> list[int]:
+        """Table indexes of the blocks to receive (the sender's table is indexed the same way)."""
+        return [i for i in range(self.num_cached_blocks, len(self.block_ids)) if self.block_ids[i] != NULL_BLOCK]
+
+    @property
     def missing_block_ids(self) -> list[int]:
-        return self.block_ids[self.num_cached_blocks :]
+        return [self.block_ids[i] for i in self.missing_positions]
 
 
 @dataclass(slots=True)
@@ -76,24 +81,24 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(cfg.model_dir)
         self.model_key = cfg.resolved_model_key
         max_len = cfg.max_model_len or self.model_config.max_position_embeddings
-        if self.model_config.sliding_window and self.model_config.sliding_window < max_len:
-            # Windowed attention is not implemented yet: stay where full attention is exact.
-            logger.warning(
-                "model has sliding_window=%d: capping max_model_len at it", self.model_config.sliding_window
-            )
-            max_len = self.model_config.sliding_window
+        window = self.model_config.sliding_window
+        # A window at least as long as the context never cuts anything: plain causal attention.
+        self.sliding_window = window if window and window < max_len else None
         self.dtype = resolve_dtype(self.model_config, self.device, cfg.dtype)
         self.model = load_model(cfg.model_dir, self.device, cfg.dtype, max_len, cfg.load_progress)
         num_blocks = plan_num_blocks(cfg, self.model_config, self.dtype, self.device)
+        # A windowed sequence holds at most the window's blocks plus the one being filled.
         capacity = num_blocks * cfg.block_size
-        if capacity < max_len:
+        if capacity < max_len and self.sliding_window is None:
             logger.info("KV cache holds %d tokens: max_model_len lowered from %d", capacity, max_len)
             max_len = capacity
         self.max_model_len = max_len
-        self.kv_caches = allocate_kv_cache(self.model_config, num_blocks, cfg.block_size, self.dtype, self.device)
+        self.kv = PagedKVCache(self.model_config, num_blocks, cfg.block_size, cfg.kv_cache_dtype, self.dtype,
+                               self.device)
+        self.kv_caches = self.kv.layers  # what the transfer layer moves blocks of
         self.block_manager = BlockManager(num_blocks, cfg.block_size, self.model_key, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs)
-        self.runner = ModelRunner(self.model, self.kv_caches, cfg.block_size)
+        self.runner = ModelRunner(self.model, self.kv, self.sliding_window)
         self.tokenizer = _load_tokenizer(cfg.model_dir)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) or frozenset(
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
@@ -109,6 +114,10 @@ class LLMEngine:
     @property
     def num_kv_blocks(self) -> int:
         return self.block_manager.num_blocks
+
+    @property
+    def kv_layout(self):
+        return self.kv.layout
 
     def add_request(
         self,
@@ -176,6 +185,9 @@ class LLMEngine:
             self._requests.pop(request_id)
             self._detokenizers.pop(request_id, None)
             return None
+        # The first query here is the first token, at position num_prompt: nothing before its
+        # window is needed (the prefill side dropped those blocks by the same rule).
+        self._drop_out_of_window(seq, num_prompt)
         stats = self.block_manager.stats
         stats.prefix_queries += num_prompt
         stats.prefix_hits += cached.num_tokens
@@ -259,6 +271,7 @@ class LLMEngine:
         for item in out.decodes + out.prefills:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(item.seq)
+            self._drop_out_of_window(item.seq, item.seq.num_computed_tokens)
         if not sampled:
             return []
         seqs = [item.seq for item in sampled]
@@ -301,6 +314,11 @@ class LLMEngine:
         return [final[i] for i in ids]
 
     # -------------------------------------------------------------- internal
+    def _drop_out_of_window(self, seq: Sequence, next_query_pos: int) -> None:
+        if self.sliding_window is not None:
+            first = first_window_block(next_query_pos, self.sliding_window, self.config.block_size)
+            self.block_manager.drop_blocks_before(seq, first)
+
     def _check_stop(self, seq: Sequence, token: int) -> str:
         """Update text and finish state after ``token``; return the new stable text."""
         params = seq.params

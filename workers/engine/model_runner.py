@@ -2,24 +2,32 @@
 
 Only rows that end a sequence's scheduled tokens (and reach its last token) go through the LM
 head: a 300-token prefill chunk costs one row of logits, not 300.
+
+With a sliding window, each sequence's attention reads blocks from ``first_window_block`` on:
+earlier ones are outside every future query's window (and freed).
 """
 
 from __future__ import annotations
 
 import torch
 
-from workers.engine.attention import AttentionMetadata, PagedAttention, PrefillSpan, flash_attn_usable
+from workers.engine.attention import (
+    AttentionMetadata, PagedAttention, PrefillSpan, attention_mask, flash_attn_usable,
+)
+from workers.engine.block_manager import first_window_block
+from workers.engine.kv_cache import PagedKVCache
 from workers.engine.scheduler import ScheduledSeq, SchedulerOutput
 from workers.models.llama import LlamaForCausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, sliding_window: int | None = None) -> None:
         self.model = model
-        self.kv_caches = kv_caches
-        self.block_size = block_size
-        self.device = kv_caches[0].device
-        self.use_flash_attn = flash_attn_usable(self.device, block_size)
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.sliding_window = sliding_window
+        self.device = kv.layers[0].device
+        self.use_flash_attn = flash_attn_usable(self.device, self.block_size, kv, sliding_window)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq]]:
@@ -27,7 +35,7 @@ class ModelRunner:
         items = out.decodes + out.prefills
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        write_blocks: list[int] = []
         sample_rows: list[int] = []
         sampled: list[ScheduledSeq] = []
         bs = self.block_size
@@ -37,26 +45,30 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            write_blocks.extend(table[p // bs] for p in range(start, end))
             if item.completes:
                 sample_rows.append(len(input_ids) - 1)
                 sampled.append(item)
 
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
+        offsets = [p % bs for p in positions]
+        meta = AttentionMetadata(write=self.kv.write_plan(write_blocks, offsets, dev),
+                                 sliding_window=self.sliding_window)
         if out.decodes:
             self._decode_metadata(meta, out.decodes)
         row = len(out.decodes)
         for item in out.prefills:
-            context_len = item.seq.num_computed_tokens + item.num_new_tokens
-            table = None
+            start = item.seq.num_computed_tokens
+            context_len = start + item.num_new_tokens
+            table, first = None, 0
             if context_len != item.num_new_tokens:
+                first = first_window_block(start, self.sliding_window, bs)
                 num_blocks = -(-context_len // bs)
-                table = torch.tensor(item.seq.block_table[:num_blocks], dtype=torch.long, device=dev)
-            meta.prefills.append(PrefillSpan(row, item.num_new_tokens, context_len, table))
+                table = torch.tensor(item.seq.block_table[first:num_blocks], dtype=torch.long, device=dev)
+            meta.prefills.append(PrefillSpan(row, item.num_new_tokens, context_len, table, first * bs))
             row += item.num_new_tokens
 
-        attn = PagedAttention(self.kv_caches, meta, self.model.attention_scale)
+        attn = PagedAttention(self.kv, meta, self.model.attention_scale)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
@@ -70,22 +82,27 @@ class ModelRunner:
     def _decode_metadata(self, meta: AttentionMetadata, decodes: list[ScheduledSeq]) -> None:
         bs, dev = self.block_size, self.device
         context_lens = [d.seq.num_computed_tokens + 1 for d in decodes]
-        max_blocks = max(-(-n // bs) for n in context_lens)
-        tables = [d.seq.block_table[:max_blocks] for d in decodes]
+        firsts = [first_window_block(n - 1, self.sliding_window, bs) for n in context_lens]
+        tables = [d.seq.block_table[f : -(-n // bs)] for d, f, n in zip(decodes, firsts, context_lens)]
+        max_blocks = max(len(t) for t in tables)
         padded = [t + [0] * (max_blocks - len(t)) for t in tables]
         meta.num_decodes = len(decodes)
         meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
         meta.decode_context_lens = torch.tensor(context_lens, dtype=torch.long, device=dev)
         meta.use_flash_attn = self.use_flash_attn
         if not self.use_flash_attn:
-            key_pos = torch.arange(max_blocks * bs, device=dev)
-            meta.decode_mask = (key_pos[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
+            # Padding blocks sit past the query position, so the causal test masks them.
+            first_pos = torch.tensor(firsts, dtype=torch.long, device=dev) * bs
+            key_pos = first_pos[:, None] + torch.arange(max_blocks * bs, device=dev)  # [B, L]
+            query_pos = meta.decode_context_lens[:, None] - 1  # [B, 1]
+            meta.decode_mask = attention_mask(query_pos, key_pos, self.sliding_window)[:, None]
 
     @torch.inference_mode()
     def forward_without_cache(self, token_ids: list[int]) -> torch.Tensor:
         """Logits of the last position from a full recomputation (the benchmark's baseline)."""
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=None, prefills=[PrefillSpan(0, len(token_ids), len(token_ids), None)])
+        meta = AttentionMetadata(write=None, prefills=[PrefillSpan(0, len(token_ids), len(token_ids), None)],
+                                 sliding_window=self.sliding_window)
         attn = PagedAttention(None, meta, self.model.attention_scale)
         hidden = self.model(
             torch.tensor(token_ids, dtype=torch.long, device=dev),

@@ -55,6 +55,7 @@ class Sequence:
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_blocks: int = 0  # leading full blocks already registered in the prefix cache
+    num_dropped_blocks: int = 0  # leading table entries released (sliding window): NULL_BLOCK
     num_cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
     num_preemptions: int = 0
     hold_kv: bool = False  # prefill worker: keep the blocks after finishing, for a transfer

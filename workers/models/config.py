@@ -100,8 +100,13 @@ class ModelConfig:
         num_heads = raw["num_attention_heads"]
         head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
         sliding_window = raw.get("sliding_window")
-        if family == "qwen2" and not raw.get("use_sliding_window", False):
+        if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
             sliding_window = None
+        layer_types = set(raw.get("layer_types") or ())
+        if sliding_window and len(layer_types) > 1:
+            # e.g. Qwen2 with 0 < max_window_layers < num_hidden_layers: a window on some layers only.
+            raise UnsupportedModelError(
+                f"layer_types mixes {sorted(layer_types)}: a sliding window on some layers only is not supported")
         eos = generation.get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(

@@ -1,7 +1,9 @@
 """Gathering blocks of all layers into one contiguous buffer, and scattering it back.
 
-The wire format of one transfer is a single tensor ``[num_layers, 2, n, block_size, heads, dim]``
+The wire format of one transfer is a single tensor ``[num_layers, 2, n, rows, heads, dim]``
 holding the requested blocks in request order: row ``i`` of every layer is block ``ids[i]``.
+``rows`` is the block size, plus a scale row for quantized caches (``KVLayout.rows_per_block``):
+a quantized block travels with its scales.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from workers.protocol import KVLayout
+from workers.protocol import QUANTIZED_DTYPES, SCALE_ROWS, KVLayout
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -35,8 +37,10 @@ def layout_of(kv_caches: Sequence[torch.Tensor]) -> KVLayout:
             )
         if not layer.is_contiguous():
             raise ValueError(f"KV cache layer {i} is not contiguous; allocate each layer in one piece")
-    _, _, block_size, heads, head_dim = first.shape
-    return KVLayout(len(kv_caches), block_size, heads, head_dim, dtype_name(first.dtype))
+    _, _, rows, heads, head_dim = first.shape
+    dtype = dtype_name(first.dtype)
+    block_size = rows - SCALE_ROWS if dtype in QUANTIZED_DTYPES else rows
+    return KVLayout(len(kv_caches), block_size, heads, head_dim, dtype)
 
 
 def check_block_ids(block_ids: Sequence[int], num_blocks: int, what: str,
@@ -53,7 +57,7 @@ def check_block_ids(block_ids: Sequence[int], num_blocks: int, what: str,
 
 
 def buffer_shape(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
-    return (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    return (layout.num_layers, 2, num_blocks, layout.rows_per_block, layout.num_kv_heads, layout.head_dim)
 
 
 def gather_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],

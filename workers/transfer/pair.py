@@ -127,7 +127,7 @@ class PairGroup:
         dtype = kv_caches[0].dtype
         if self.transport is Transport.GLOO:
             buf = gather_blocks(kv_caches, block_ids, self._host_buffer(layout, len(block_ids), dtype))
-            self._wait(self.pg.send([buf], DECODE_RANK, tag), deadline)
+            self._wait(self.pg.send([_wire(buf)], DECODE_RANK, tag), deadline)
             return buf.nbytes
         with torch.cuda.device(self.device):
             staged = torch.empty(buffer_shape(layout, len(block_ids)), dtype=dtype, device=self.device)
@@ -136,11 +136,11 @@ class PairGroup:
                 host = self._host_buffer(layout, len(block_ids), dtype)
                 host.copy_(staged, non_blocking=True)
                 torch.cuda.current_stream(self.device).synchronize()
-                self._wait(self.pg.send([host], DECODE_RANK, tag), deadline)
+                self._wait(self.pg.send([_wire(host)], DECODE_RANK, tag), deadline)
             else:
                 # ProcessGroupNCCL orders its stream after the current one (the gather) and
                 # keeps ``staged`` alive until the send kernel is done.
-                self._wait(self.pg.send([staged], DECODE_RANK, tag), deadline)
+                self._wait(self.pg.send([_wire(staged)], DECODE_RANK, tag), deadline)
                 torch.cuda.current_stream(self.device).synchronize()
             return staged.nbytes
 
@@ -154,19 +154,19 @@ class PairGroup:
         dtype = kv_caches[0].dtype
         if self.transport is Transport.GLOO:
             buf = self._host_buffer(layout, len(block_ids), dtype)
-            self._wait(self.pg.recv([buf], PREFILL_RANK, tag), deadline)
+            self._wait(self.pg.recv([_wire(buf)], PREFILL_RANK, tag), deadline)
             scatter_blocks(buf, kv_caches, block_ids)
             return buf.nbytes
         with torch.cuda.device(self.device):
             if self.transport is Transport.GLOO_STAGED:
                 host = self._host_buffer(layout, len(block_ids), dtype)
-                self._wait(self.pg.recv([host], PREFILL_RANK, tag), deadline)
+                self._wait(self.pg.recv([_wire(host)], PREFILL_RANK, tag), deadline)
                 staged = host.to(self.device, non_blocking=True)
             else:
                 staged = torch.empty(buffer_shape(layout, len(block_ids)), dtype=dtype,
                                      device=self.device)
                 # wait() makes the current stream wait for the recv kernel, then the scatter.
-                self._wait(self.pg.recv([staged], PREFILL_RANK, tag), deadline)
+                self._wait(self.pg.recv([_wire(staged)], PREFILL_RANK, tag), deadline)
             scatter_blocks(staged, kv_caches, block_ids)
             torch.cuda.current_stream(self.device).synchronize()
             return staged.nbytes
@@ -239,3 +239,10 @@ def acquire(lock: threading.Lock, deadline: float) -> bool:
         return lock.acquire(timeout=remaining_s(deadline))
     except TimeoutError:
         return False
+
+
+def _wire(buf: torch.Tensor) -> torch.Tensor:
+    """The tensor a backend moves: fp8 KV as its bytes (gloo has no fp8 type; NCCL's varies)."""
+    if buf.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return buf.view(torch.uint8)
+    return buf
