@@ -45,6 +45,9 @@ class PDServeArgs(BaseModel):
     device: str = Field(default="auto", description="auto (cuda when the replica has a GPU), cpu, cuda")
     dtype: str | None = Field(default=None, description="auto, float32, bfloat16, float16")
     block_size: int = Field(default=16, description="tokens per KV block; must match across pools")
+    kv_cache_dtype: str = Field(
+        default="auto", description="auto (the model dtype), int8 or fp8 (per-block-per-head scales); "
+                                    "must match across pools")
     num_kv_blocks: int | None = Field(default=None, ge=1, description="KV blocks per replica (default: from memory)")
     kv_cache_memory_gib: float = Field(default=1.0, gt=0, description="CPU replicas: KV cache size")
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
@@ -52,6 +55,9 @@ class PDServeArgs(BaseModel):
     max_num_seqs: int = Field(default=128, ge=1)
     max_model_len: int | None = Field(default=None, ge=2)
     enable_prefix_caching: bool = True
+    conversation_reuse: bool = Field(
+        default=True, description="a chat turn that extends an earlier one reuses its exact token ids "
+                                  "(answer included), so the earlier turns' KV blocks are hits")
     redis_url: str | None = Field(default=None, description="Redis for the prefix index; None: route by load")
     transport: str = Field(default="auto", description="auto, gloo, nccl, gloo_staged, object_store")
     transfer_timeout_s: float = Field(default=30.0, gt=0)
@@ -74,6 +80,14 @@ class PDServeArgs(BaseModel):
     def _block_size(cls, v: int) -> int:
         if v <= 0 or v & (v - 1):
             raise ValueError(f"block_size {v} must be a power of two (16 is the default)")
+        return v
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _kv_cache_dtype(cls, v: str) -> str:
+        allowed = ("auto", "int8", "fp8")
+        if v not in allowed:
+            raise ValueError(f"kv_cache_dtype {v!r}: choose one of {', '.join(allowed)}")
         return v
 
     @field_validator("transport")
@@ -122,6 +136,7 @@ class PDServeArgs(BaseModel):
         """Keyword arguments for ``LLMEngine`` on a replica whose device is resolved."""
         return dict(
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, device=device, dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
             kv_cache_memory_gib=self.kv_cache_memory_gib, gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,

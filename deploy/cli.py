@@ -109,6 +109,7 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16, float16")
     parser.add_argument("--block-size", type=_positive_int, default=16)
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto")
     parser.set_defaults(handler=_run_generate)
 
 
@@ -118,7 +119,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     from workers.engine import LLMEngine, SamplingParams
 
     model = args.model or default_model_dir()
-    engine = LLMEngine(model, block_size=args.block_size, device=args.device, dtype=args.dtype)
+    engine = LLMEngine(model, block_size=args.block_size, device=args.device, dtype=args.dtype,
+                       kv_cache_dtype=args.kv_cache_dtype)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     start = time.perf_counter()
     outputs = engine.generate(args.prompts, params)
@@ -153,6 +155,9 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--block-size", type=_positive_int, default=16)
     parser.add_argument("--num-kv-blocks", type=_positive_int, default=None)
     parser.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto")
+    parser.add_argument("--max-model-len", type=_positive_int, default=None,
+                        help="longest prompt + completion a request may ask for (default: the model's)")
     parser.add_argument("--transport", default="auto", choices=("auto", "gloo", "nccl", "gloo_staged", "object_store"))
     parser.add_argument("--gpus-per-replica", type=float, default=0.0)
     parser.add_argument("--cpus-per-replica", type=float, default=0.5)
@@ -184,7 +189,8 @@ def _run_up(args: argparse.Namespace) -> int:
             prefill={**pool, "replicas": args.prefill}, decode={**pool, "replicas": args.decode},
             colocated={**pool, "replicas": args.colocated}, device=args.device, dtype=args.dtype,
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-            kv_cache_memory_gib=args.kv_cache_memory_gib, redis_url=local.redis_url,
+            kv_cache_memory_gib=args.kv_cache_memory_gib, kv_cache_dtype=args.kv_cache_dtype,
+            max_model_len=args.max_model_len, redis_url=local.redis_url,
             transport=args.transport, api_keys=tuple(args.api_key),
         )
         serve.start(http_options={"host": args.host, "port": args.port})

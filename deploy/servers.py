@@ -69,7 +69,7 @@ class _WorkerServer:
         config = IndexConfig(redis_url=self.args.redis_url, model_key=engine.model_key)
         spec = WorkerSpec(
             worker_id=self.worker_id, role=self.role, address=address, total_blocks=engine.num_kv_blocks,
-            block_size=engine.config.block_size, kv_cache_dtype=str(engine.dtype).removeprefix("torch."),
+            block_size=engine.config.block_size, kv_cache_dtype=engine.kv_layout.dtype,
         )
         self.publisher = IndexPublisher(config, spec)
         await self.publisher.start()  # raises IncompatibleWorkerError for a mismatched pool
