@@ -19,6 +19,8 @@ from ray import serve
 
 from deploy.args import PDServeArgs
 from deploy import http_errors
+from deploy.context_limit import fit_to_context
+from deploy.conversation import ConversationCache, ConversationTurn
 from deploy.dashboard import install_dashboard
 from deploy.http_errors import install_error_handlers
 from deploy.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
@@ -65,6 +67,7 @@ class OpenAIIngress:
             from kvstore import IndexConfig, PrefixIndex
 
             self.index = PrefixIndex(IndexConfig(redis_url=self.args.redis_url, model_key=self.model_key))
+        self.conversations = self._conversation_cache()
         self.pools = {"prefill": prefill, "decode": decode, "colocated": colocated}
         self.workers = WorkerCalls(self.args.mode, prefill=prefill, decode=decode, colocated=colocated,
                                    index=self.index)
@@ -73,6 +76,21 @@ class OpenAIIngress:
         http_errors.SETTINGS.api_keys = frozenset(self.args.api_keys)
         http_errors.SETTINGS.max_request_bytes = self.args.max_request_bytes
         logger.info("ingress ready: model %s (%s mode)", self.args.model_name, self.args.mode.value)
+
+    def _conversation_cache(self) -> ConversationCache | None:
+        """Conversation reuse (on unless the args turn it off): turns recorded in the index's
+        Redis, shared by every ingress replica, or in this replica's memory without Redis."""
+        if not getattr(self.args, "conversation_reuse", True):
+            return None
+        from kvstore.conversation import LocalConversationStore, RedisConversationStore
+
+        if self.args.redis_url:
+            from kvstore import IndexConfig
+
+            store = RedisConversationStore(IndexConfig(redis_url=self.args.redis_url, model_key=self.model_key))
+        else:
+            store = LocalConversationStore()
+        return ConversationCache(self.tokenizer, self.model_key, store)
 
     # ------------------------------------------------------------------ routes
     @app.get("/health")
@@ -91,6 +109,7 @@ class OpenAIIngress:
             "index": await index_status(self.index),
             "requests": self.stats.snapshot(),
             "routing": {"skipped_prefills": self.workers.skipped_prefills},
+            "conversations": self.conversations.stats() if self.conversations is not None else None,
         }
 
     @app.get("/v1/models")
@@ -120,10 +139,14 @@ class OpenAIIngress:
                 messages, add_generation_prompt=body.add_generation_prompt, tokenize=False)
         except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
             raise RequestError(f"messages do not fit the model's chat template: {exc}", "messages") from exc
-        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        stitched, turn = None, None
+        if self.conversations is not None:
+            stitched = await self.conversations.prompt_ids(messages, text, body.cache_salt)
+            turn = ConversationTurn(text, body.cache_salt)
+        prompt_ids = stitched.token_ids if stitched else self.tokenizer.encode(text, add_special_tokens=False)
         top = body.top_logprobs or 0
         return await self._serve(body, prompt_ids, body.requested_max_tokens,
-                                 top if body.logprobs else None, chat=True, raw=raw)
+                                 top if body.logprobs else None, chat=True, raw=raw, turn=turn)
 
     # --------------------------------------------------------------- internals
     def _check_model(self, model: str) -> None:
@@ -140,30 +163,10 @@ class OpenAIIngress:
             "logprobs": logprobs,
         }
 
-    def _validate_prompt(self, prompt_ids: list[int], max_tokens: int | None) -> int:
-        if not prompt_ids:
-            raise RequestError("prompt is empty", "prompt")
-        vocab = self.model_config.vocab_size
-        if any(t >= vocab for t in prompt_ids):
-            raise RequestError(f"prompt has token ids outside the vocabulary [0, {vocab})", "prompt")
-        room = self.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise RequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(prompt_ids)} tokens. Shorten the prompt.", "prompt", code="context_length_exceeded")
-        if max_tokens is None:
-            return room
-        if max_tokens > room:
-            raise RequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
-                f"{max_tokens} for the completion). Reduce the prompt or max_tokens.",
-                "max_tokens", code="context_length_exceeded")
-        return max_tokens
-
     async def _serve(self, body, prompt_ids: list[int], max_tokens: int | None, logprobs: int | None,
-                     chat: bool, raw: Request):
-        max_tokens = self._validate_prompt(prompt_ids, max_tokens)
+                     chat: bool, raw: Request, turn: ConversationTurn | None = None):
+        max_tokens = fit_to_context(prompt_ids, max_tokens, self.model_config.vocab_size, self.max_model_len,
+                                    body.max_model_len)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         hashes = tuple(h.hex() for h in hash_prompt_blocks(
             prompt_ids, self.args.block_size, self.model_key, body.cache_salt))
@@ -182,20 +185,23 @@ class OpenAIIngress:
                                   body.return_timing)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._stream(choices, assemblers, builder, include_usage)
+            events = self._stream(choices, assemblers, builder, include_usage, turn)
             # Run until the first token (or failure) before answering: an overloaded pool or a
             # prompt a worker refuses becomes an HTTP error, not an error inside a 200 stream.
             first = await anext(events)
             return StreamingResponse(_prepend(first, events), media_type="text/event-stream")
-        await asyncio.gather(*(self._drain(c, a) for c, a in zip(choices, assemblers)))
+        await asyncio.gather(*(self._drain(c, a, turn) for c, a in zip(choices, assemblers)))
         return JSONResponse(builder.final(assemblers))
 
-    async def _drain(self, choice: GenerateRequest, assembler: ChoiceAssembler) -> None:
-        async for _ in self._choice_deltas(choice, assembler):
+    async def _drain(self, choice: GenerateRequest, assembler: ChoiceAssembler,
+                     turn: ConversationTurn | None) -> None:
+        async for _ in self._choice_deltas(choice, assembler, turn):
             pass
 
-    async def _choice_deltas(self, choice: GenerateRequest, assembler: ChoiceAssembler):
-        """Deltas of one choice; stops the workers' stream when a stop string ends it."""
+    async def _choice_deltas(self, choice: GenerateRequest, assembler: ChoiceAssembler,
+                             turn: ConversationTurn | None = None):
+        """Deltas of one choice; stops the workers' stream when a stop string ends it. A chat
+        turn is recorded before its last delta goes out: the client's next turn can reuse it."""
         stream = self.workers.generate(choice)
         stats = self.stats
         stats.started += 1
@@ -221,6 +227,8 @@ class OpenAIIngress:
                 assembler.num_cached_tokens = max(assembler.num_cached_tokens, chunk.num_cached_tokens)
                 if chunk.timing:
                     assembler.timing.update(chunk.timing)
+                if turn is not None and assembler.finish_reason is not None:
+                    await self.conversations.remember(turn, choice.prompt_token_ids, assembler)
                 yield delta
                 if assembler.finish_reason is not None:
                     ok = True
@@ -236,12 +244,13 @@ class OpenAIIngress:
                 self.metrics.finished(None, "aborted")
             await stream.aclose()
 
-    async def _stream(self, choices, assemblers, builder: ResponseBuilder, include_usage: bool):
+    async def _stream(self, choices, assemblers, builder: ResponseBuilder, include_usage: bool,
+                      turn: ConversationTurn | None):
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int) -> None:
             try:
-                async for delta in self._choice_deltas(choices[index], assemblers[index]):
+                async for delta in self._choice_deltas(choices[index], assemblers[index], turn):
                     await queue.put((index, delta))
             except Exception as exc:  # noqa: BLE001 - reported in-stream, then the stream ends
                 await queue.put((index, exc))

@@ -63,6 +63,9 @@ class SamplingFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     return_timing: bool = Field(default=False, description="pdserve: per-request timing in usage")
+    max_model_len: int | None = Field(
+        default=None, ge=2, description="pdserve: this request's context limit (prompt + completion tokens), "
+                                        "at most the deployment's; e.g. a cap on a conversation's growth")
 
     @field_validator("stop")
     @classmethod

@@ -28,6 +28,7 @@ class ChoiceAssembler:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    stopped_by_string: bool = False  # the text ends at a stop string, maybe mid-token
     timing: dict = field(default_factory=dict)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     _emitted: int = 0  # characters of detok.text already sent
@@ -60,6 +61,7 @@ class ChoiceAssembler:
         self.token_ids.extend(new_ids)
         if stopped:
             finish_reason = "stop"
+            self.stopped_by_string = True
         if finish_reason is not None and self.finish_reason is None:
             if not stopped:
                 detok.flush()  # a trailing partial character, as decode() shows it
