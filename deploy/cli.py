@@ -132,6 +132,41 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_kv_plan_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "kv-plan",
+        help="size a pool's KV cache from the model's config before deploying",
+        description="Print bytes per token, the KV blocks and tokens one replica holds, and how many "
+                    "sequences of --context tokens fit, for each KV cache dtype (the one asked for first). "
+                    "Reads config.json only.",
+    )
+    parser.add_argument("--model", default=None, help="Hugging Face model directory (default: the embedded one)")
+    parser.add_argument("--gpu-mem", type=float, required=True, metavar="GIB", help="accelerator memory per replica")
+    parser.add_argument("--context", type=_positive_int, required=True, help="tokens per sequence (prompt + output)")
+    parser.add_argument("--concurrency", type=_positive_int, required=True, help="sequences to hold at once")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto")
+    parser.add_argument("--dtype", default=None, help="model dtype (default: what a GPU replica runs)")
+    parser.add_argument("--block-size", type=_positive_int, default=16)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.set_defaults(handler=_run_kv_plan)
+
+
+def _run_kv_plan(args: argparse.Namespace) -> int:
+    from workers.engine.kv_plan import format_plan, plan_kv
+    from workers.models.config import ModelConfig
+
+    model = ModelConfig.from_dir(args.model or default_model_dir())
+    order = [args.kv_cache_dtype] + [d for d in ("auto", "int8", "fp8") if d != args.kv_cache_dtype]
+    try:
+        plans = [plan_kv(model, args.gpu_mem, args.context, args.concurrency, kind, args.dtype,
+                         args.block_size, args.gpu_memory_utilization) for kind in order]
+    except ValueError as exc:
+        print(f"pdserve kv-plan: {exc}", file=sys.stderr)
+        return 2
+    print(format_plan(model, plans, args.context, args.gpu_mem))
+    return 0 if plans[0].fits else 1
+
+
 def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "up",
@@ -243,6 +278,7 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_tiny_model_parser,
     _add_generate_parser,
+    _add_kv_plan_parser,
     _add_up_parser,
     _add_status_parser,
     _add_bench_parser,

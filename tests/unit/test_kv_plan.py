@@ -1,0 +1,77 @@
+"""`pdserve kv-plan`: KV sizing from a model's config, checked against known figures and against
+what the engine actually allocates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from deploy.cli import main
+from workers.engine import LLMEngine
+from workers.engine.kv_plan import plan_kv
+from workers.models.config import ModelConfig
+from workers.models.tiny import make_tiny_model
+
+# Llama-3-8B's published shape: 32 layers x 8 KV heads x 128 dims, bf16 -> 128 KiB per token.
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "intermediate_size": 14336, "max_position_embeddings": 8192, "rope_theta": 500000.0,
+    "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5,
+}
+
+
+@pytest.fixture(scope="module")
+def llama3_8b(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("llama3-8b-config")
+    (path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    return str(path)
+
+
+def test_llama3_8b_figures(llama3_8b):
+    model = ModelConfig.from_dir(llama3_8b)
+    auto = plan_kv(model, gpu_mem_gib=80, context=8192, concurrency=64)
+    assert auto.bytes_per_token == 131072 and auto.model_dtype == "bfloat16"
+    assert auto.weight_bytes == model.num_params * 2 and 8.0e9 < model.num_params < 8.1e9
+    assert auto.kv_budget_bytes == int(80 * 2**30 * 0.9) - auto.weight_bytes
+    assert auto.num_blocks == auto.kv_budget_bytes // (16 * 131072)
+    assert auto.blocks_per_sequence == 512 and auto.max_concurrency == auto.num_blocks // 512
+    assert not auto.fits and auto.replicas_needed == 2
+    int8 = plan_kv(model, 80, 8192, 64, kv_cache_dtype="int8")
+    # one byte per element plus a scale row per 16-token block: 17/32 of bf16
+    assert int8.bytes_per_block * 32 == auto.bytes_per_block * 17
+    assert int8.max_concurrency >= 1.8 * auto.max_concurrency and int8.fits
+
+
+def test_plan_matches_what_the_engine_allocates(tiny_llama):
+    budget_gib = 0.01
+    for kind in ("auto", "int8"):
+        engine = LLMEngine(tiny_llama, kv_cache_dtype=kind, kv_cache_memory_gib=budget_gib, load_progress=False)
+        allocated = sum(t.numel() * t.element_size() for t in engine.kv_caches)
+        plan = plan_kv(ModelConfig.from_dir(tiny_llama), 1, 256, 1, kind, dtype="float32")
+        assert allocated == engine.num_kv_blocks * plan.bytes_per_block
+        assert engine.num_kv_blocks == int(budget_gib * 2**30) // plan.bytes_per_block
+        assert engine.kv.dtype == (torch.float32 if kind == "auto" else torch.int8)
+
+
+def test_sliding_window_caps_blocks_per_sequence(tmp_path):
+    model = ModelConfig.from_dir(make_tiny_model(tmp_path / "m", arch="mistral", sliding_window=64))
+    plan = plan_kv(model, gpu_mem_gib=1, context=4096, concurrency=8)
+    assert plan.blocks_per_sequence == 64 // 16 + 1  # not 256: blocks behind the window are freed
+
+
+def test_cli_prints_the_table_and_exit_code(llama3_8b, capsys):
+    assert main(["kv-plan", "--model", llama3_8b, "--gpu-mem", "80", "--context", "8192",
+                 "--concurrency", "64"]) == 1  # does not fit one replica in bf16
+    out = capsys.readouterr().out
+    assert "32 layers x 8 KV heads x head_dim 128" in out and "131,072" in out
+    assert "need 2 replicas with kv_cache_dtype=auto" in out
+    assert main(["kv-plan", "--model", llama3_8b, "--gpu-mem", "80", "--context", "8192",
+                 "--concurrency", "64", "--kv-cache-dtype", "int8"]) == 0
+    assert "fit in one replica with kv_cache_dtype=int8" in capsys.readouterr().out
+    assert main(["kv-plan", "--model", llama3_8b, "--gpu-mem", "10", "--context", "8192",
+                 "--concurrency", "1"]) == 1  # weights alone exceed 90 % of 10 GiB
+    out = capsys.readouterr().out
+    assert "does not fit" in out and "leave no room for a KV block" in out
