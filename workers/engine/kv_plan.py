@@ -99,5 +99,5 @@ def format_plan(model: ModelConfig, plans: list[KVPlan], context: int, gpu_mem_g
                f"replicas with kv_cache_dtype={first.kv_cache_dtype} (one holds {first.max_concurrency})")
     if not first.num_blocks:
         verdict = (f"the weights ({first.weight_bytes / 2**30:.2f} GiB) leave no room for a KV block in "
-                   f"{gpu_mem_gib:g} GiB at this utilization: use more memory per replica (or tensor parallelism)")
+                   f"{gpu_mem_gib:g} GiB at this utilization: give each replica more memory or use a smaller model")
     return "\n".join(lines + ["", verdict])
