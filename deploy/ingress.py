@@ -60,8 +60,6 @@ class OpenAIIngress:
         self.model_config = ModelConfig.from_dir(self.args.model)
         self.model_key = EngineConfig(model_dir=self.args.model).resolved_model_key
         self.max_model_len = self.args.max_model_len or self.model_config.max_position_embeddings
-        if self.model_config.sliding_window:
-            self.max_model_len = min(self.max_model_len, self.model_config.sliding_window)
         self.index = None
         if self.args.redis_url:
             from kvstore import IndexConfig, PrefixIndex
@@ -80,7 +78,7 @@ class OpenAIIngress:
     def _conversation_cache(self) -> ConversationCache | None:
         """Conversation reuse (on unless the args turn it off): turns recorded in the index's
         Redis, shared by every ingress replica, or in this replica's memory without Redis."""
-        if not getattr(self.args, "conversation_reuse", True):
+        if not self.args.conversation_reuse:
             return None
         from kvstore.conversation import LocalConversationStore, RedisConversationStore
 

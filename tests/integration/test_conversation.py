@@ -227,10 +227,6 @@ def test_without_recorded_turns_the_answers_are_recomputed(apps, serve_cluster, 
 
 
 def test_reuse_can_be_turned_off(serve_cluster, tiny_llama, engine, tokenizer):
-    from deploy.args import PDServeArgs
-
-    if "conversation_reuse" not in PDServeArgs.model_fields:
-        pytest.skip("PDServeArgs has no conversation_reuse field yet")
     from ray import serve
 
     base = deploy(serve_cluster, "conv-off", "/conv-off", app_args(tiny_llama, mode="colocated",
