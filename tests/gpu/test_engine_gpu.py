@@ -47,3 +47,25 @@ def test_bf16_cuda_match_rate(tiny_model_dirs):
           f"first token {first:.0%}")
     assert first >= 0.9
     engine.block_manager.check_idle()
+
+
+def test_quantized_kv_cache_on_cuda(tiny_model_dirs):
+    """int8 and fp8 (e4m3) blocks on CUDA: agreement with the bf16 cache, reported and bounded."""
+    from tests.unit.test_kv_quant import agreement, report
+
+    model_dir = tiny_model_dirs["llama"]
+    for kind in ("int8", "fp8"):
+        a = agreement(model_dir, kind, device="cuda", dtype="bfloat16")
+        report("llama cuda bf16", kind, a)
+        assert a.tokens >= 0.5 and 0 < a.max_logit_diff < 1.0
+
+
+def test_sliding_window_on_cuda_matches_transformers(tmp_path):
+    from workers.models.tiny import make_tiny_model
+
+    model_dir = str(make_tiny_model(tmp_path / "swa", arch="mistral", seed=1, sliding_window=64))
+    prompts = random_prompts((40, 150), seed=4)
+    engine = LLMEngine(model_dir, device="cuda", dtype="float32", num_kv_blocks=64, load_progress=False)
+    outs = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == hf_outputs(model_dir, prompts, torch.float32)
+    engine.block_manager.check_idle()

@@ -49,10 +49,11 @@ class Agreement:
     max_logit_diff: float  # largest |logit difference| over the steps before the first divergence
 
 
-def agreement(model_dir: str, kv_cache_dtype: str) -> Agreement:
-    """Greedy runs of the same prompts with the full-precision and the quantized cache."""
+def agreement(model_dir: str, kv_cache_dtype: str, **engine_kwargs) -> Agreement:
+    """Greedy runs of the same prompts with the model-dtype ("auto") and the quantized cache."""
     prompts = random_prompts(tuple(range(8, 8 + 12 * NUM_PROMPTS, 12)), seed=7)
-    ref_engine, q_engine = engine(model_dir, "auto"), engine(model_dir, kv_cache_dtype)
+    ref_engine = engine(model_dir, "auto", **engine_kwargs)
+    q_engine = engine(model_dir, kv_cache_dtype, **engine_kwargs)
     ref_logits, q_logits = record_logits(ref_engine), record_logits(q_engine)
     ref = ref_engine.generate(prompts, ALL_TOKENS)
     out = q_engine.generate(prompts, ALL_TOKENS)
