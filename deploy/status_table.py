@@ -36,4 +36,9 @@ def format_status(status: dict) -> str:
     else:
         state = "healthy" if index.get("healthy") else "UNREACHABLE (routing by load)"
         lines.append(f"index: {state}, {index.get('live_workers')} live workers")
+    conversations = status.get("conversations")
+    if conversations:
+        lines.append(f"conversations: {conversations['hits']} of {conversations['lookups']} follow-up turns "
+                     f"reused a recorded turn ({conversations['reused_tokens']} tokens), "
+                     f"{conversations['recorded']} turns recorded")
     return "\n".join(lines)
