@@ -7,6 +7,7 @@ down to whole blocks are cached, and no more (the new message's blocks were neve
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -73,8 +74,8 @@ class Turn:
 
 
 def chat_turn(c: openai.OpenAI, messages: list[dict], salt: str, stream: bool) -> Turn:
-    kwargs = dict(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
-                  extra_body={"cache_salt": salt})
+    kwargs = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
+              "extra_body": {"cache_salt": salt}}
     if not stream:
         out = c.chat.completions.create(**kwargs)
         return Turn(out.usage.prompt_tokens, out.usage.completion_tokens,
@@ -114,7 +115,7 @@ def expected_cached(turns: list[Turn]) -> list[int]:
 def expected_skips(turns: list[Turn]) -> int:
     """Turns whose prompt the decode replica held >= 90 % of (the ingress skips the prefill)."""
     skips = 0
-    for prev, turn in zip(turns, turns[1:]):
+    for prev, turn in itertools.pairwise(turns):
         held, blocks = (prev.prompt_tokens + prev.completion_tokens - 1) // BLOCK, turn.prompt_tokens // BLOCK
         skips += blocks >= 2 and held >= 0.9 * blocks
     return skips
