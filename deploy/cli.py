@@ -193,6 +193,9 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto")
     parser.add_argument("--max-model-len", type=_positive_int, default=None,
                         help="longest prompt + completion a request may ask for (default: the model's)")
+    parser.add_argument("--no-conversation-reuse", action="store_true",
+                        help="tokenize every chat turn afresh (default: a turn extending an earlier one "
+                             "reuses its token ids, so the earlier turns' KV blocks are hits)")
     parser.add_argument("--transport", default="auto", choices=("auto", "gloo", "nccl", "gloo_staged", "object_store"))
     parser.add_argument("--gpus-per-replica", type=float, default=0.0)
     parser.add_argument("--cpus-per-replica", type=float, default=0.5)
@@ -225,7 +228,8 @@ def _run_up(args: argparse.Namespace) -> int:
             colocated={**pool, "replicas": args.colocated}, device=args.device, dtype=args.dtype,
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory_gib=args.kv_cache_memory_gib, kv_cache_dtype=args.kv_cache_dtype,
-            max_model_len=args.max_model_len, redis_url=local.redis_url,
+            max_model_len=args.max_model_len, conversation_reuse=not args.no_conversation_reuse,
+            redis_url=local.redis_url,
             transport=args.transport, api_keys=tuple(args.api_key),
         )
         serve.start(http_options={"host": args.host, "port": args.port})
