@@ -67,6 +67,23 @@ def plan_num_blocks(config: EngineConfig, model: ModelConfig, dtype: torch.dtype
     return max(1, budget // per_block)
 
 
+def as_wide_rows(blocks: torch.Tensor) -> torch.Tensor:
+    """View ``[2, n, rows, heads, dim]`` as ``[2, n, row]`` of the widest element that tiles a
+    block exactly.
+
+    Indexing copies one element at a time: moving 16-byte elements instead of 1- to 4-byte ones
+    makes gathering and scattering blocks several times faster on CPU. Only bytes are copied,
+    never converted, so the result is bit-exact whatever the KV dtype.
+    """
+    rows = blocks.view(blocks.shape[0], blocks.shape[1], -1)
+    row_bytes = rows.shape[-1] * rows.element_size()
+    offset_bytes = rows.storage_offset() * rows.element_size()
+    for wide in (torch.complex128, torch.int64):
+        if row_bytes % wide.itemsize == 0 and offset_bytes % wide.itemsize == 0:
+            return rows.view(wide)
+    return rows
+
+
 @dataclass(slots=True)
 class KVWritePlan:
     """Which blocks a step writes, computed once per step on the host and used by every layer.
@@ -144,8 +161,8 @@ class PagedKVCache:
     # ------------------------------------------------------------------ write
     def write(self, layer: int, plan: KVWritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the step's new K and V (``[T, heads, dim]``) at ``plan.slots``."""
-        flat = self.layers[layer].view(2, -1, self.num_kv_heads, self.head_dim)
         if not self.quantized:
+            flat = self.layers[layer].view(2, -1, self.num_kv_heads, self.head_dim)
             flat[0].index_copy_(0, plan.slots, k.to(self.dtype))
             flat[1].index_copy_(0, plan.slots, v.to(self.dtype))
             return
@@ -160,17 +177,25 @@ class PagedKVCache:
         old = scales.index_select(1, plan.blocks).masked_fill_(plan.fresh[None, :, None], 0.0)
         new = torch.maximum(old, block_amax / self.qmax).clamp_min_(_MIN_SCALE)
         if plan.stale.numel():
-            # Tokens already in a partly filled block: rescale them to the block's new scale
-            # (a no-op where the scale did not grow: q * 1.0 rounds back to q).
-            stale_blocks = plan.blocks.index_select(0, plan.stale)
+            # Tokens already in a partly filled block: rescale them to the block's new scale.
+            # Where no scale grew this is a no-op (q * 1.0 rounds back to q): on CPU, where the
+            # check costs no device sync, it is skipped.
             ratio = old.index_select(1, plan.stale) / new.index_select(1, plan.stale)  # [2, S, H]
-            held = raw[:, stale_blocks, : self.block_size].view(self.dtype).float()  # [2, S, bs, H, D]
-            raw[:, stale_blocks, : self.block_size] = self._quantize(held * ratio[:, :, None, :, None])
+            if raw.device.type != "cpu" or bool((ratio < 1).any()):
+                self._requantize(raw, plan.blocks.index_select(0, plan.stale), ratio)
         scales.index_copy_(1, plan.blocks, new)
         q = self._quantize(kv / new.index_select(1, plan.token_block)[..., None])
         flat = raw.view(2, -1, self.num_kv_heads, self.head_dim)
         flat[0].index_copy_(0, plan.slots, q[0])
         flat[1].index_copy_(0, plan.slots, q[1])
+
+    def _requantize(self, raw: torch.Tensor, blocks: torch.Tensor, ratio: torch.Tensor) -> None:
+        """Multiply the stored values of ``blocks`` by ``ratio`` ([2, S, H]) in place."""
+        wide = as_wide_rows(raw)
+        held = wide[:, blocks].view(torch.uint8).view(2, blocks.shape[0], self.rows, self.num_kv_heads, self.head_dim)
+        values = held[:, :, : self.block_size].view(self.dtype).to(torch.float32)
+        held[:, :, : self.block_size] = self._quantize(values.mul_(ratio[:, :, None, :, None]))
+        wide.index_copy_(1, blocks, as_wide_rows(held))
 
     def _quantize(self, x: torch.Tensor) -> torch.Tensor:
         """Scaled values -> the storage dtype, returned as its bytes (uint8)."""
@@ -182,12 +207,12 @@ class PagedKVCache:
     def gather(self, layer: int, block_tables: torch.Tensor) -> torch.Tensor:
         """K and V of the blocks in ``block_tables`` (``[..., n]``) as ``[2, ..., n * block_size, H, D]``
         in the compute dtype."""
-        if not self.quantized:
-            blocks = self.layers[layer][:, block_tables]  # [2, ..., n, block_size, H, D]
-        else:
-            raw = self.layers[layer].view(torch.uint8)[:, block_tables]  # [2, ..., n, rows, H, D]
-            scales = raw[..., self.block_size, :, :4].view(torch.float32)  # [2, ..., n, H, 1]
-            values = raw[..., : self.block_size, :, :].view(self.dtype).float()
-            blocks = (values * scales.unsqueeze(-3)).to(self.compute_dtype)
-        lead = blocks.shape[1:-3]
+        cache = self.layers[layer]
+        lead = block_tables.shape
+        block_shape = (self.rows, self.num_kv_heads, self.head_dim)
+        blocks = as_wide_rows(cache)[:, block_tables].view(cache.dtype).view(2, *lead, *block_shape)
+        if self.quantized:
+            scales = blocks[..., self.block_size, :, :4].contiguous().view(torch.float32)  # [2, ..., n, H, 1]
+            values = blocks[..., : self.block_size, :, :].to(torch.float32)  # scales applied in fp32
+            blocks = values.mul_(scales.unsqueeze(-3)).to(self.compute_dtype)
         return blocks.reshape(2, *lead[:-1], lead[-1] * self.block_size, self.num_kv_heads, self.head_dim)
