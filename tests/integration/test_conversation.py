@@ -43,7 +43,9 @@ def app_args(model_dir: str, **overrides) -> dict:
 def apps(serve_cluster, tiny_llama):
     from ray import serve
 
-    pd = deploy(serve_cluster, "conv-pd", "/conv-pd", app_args(tiny_llama, redis_url=serve_cluster.redis.url))
+    # two decode replicas: each turn must find the one that holds its conversation's history
+    pd = deploy(serve_cluster, "conv-pd", "/conv-pd", app_args(
+        tiny_llama, redis_url=serve_cluster.redis.url, decode={"replicas": 2, "num_cpus": 0.5}))
     # colocated without Redis: turns are kept in the ingress's own memory
     colo = deploy(serve_cluster, "conv-colo", "/conv-colo", app_args(tiny_llama, mode="colocated"))
     yield {"pd": pd, "colo": colo}
@@ -201,6 +203,35 @@ def test_four_turns_reuse_prompts_and_answers(apps, mode, engine, tokenizer):
     # the served turns are a fresh engine's greedy answers to the stitched prompt ids
     history = replay(engine, tokenizer, messages, turns, reuse=True)
     assert cached_by_prefix(history) == expected_cached(turns)
+
+
+def test_interleaved_conversations_each_return_to_their_decode_replica(apps):
+    """Three conversations, turns interleaved, over two decode replicas: every later turn is
+    served where its history is (exact cached tokens; with the prefill skipped when the holder
+    has >= 90 % of the prompt). Which replica a first turn lands on is the router's choice by
+    load (with equal load, the same one); the later turns follow the history."""
+    base = apps["pd"]
+    c = client(base)
+    before = httpx.get(f"{base}/v1/cluster/status", timeout=10).json()
+    systems = [f"Conversation {i}: " + SYSTEM_LONG for i in range(3)]
+    histories = [[{"role": "system", "content": s}] for s in systems]
+    turns: list[list[Turn]] = [[] for _ in systems]
+    for user in USERS[:3]:
+        for i, messages in enumerate(histories):
+            messages.append({"role": "user", "content": user})
+            turn = chat_turn(c, messages, salt="interleaved", stream=False)
+            turns[i].append(turn)
+            messages.append({"role": "assistant", "content": turn.answer})
+        time.sleep(0.3)
+    after = httpx.get(f"{base}/v1/cluster/status", timeout=10).json()
+    for conversation in turns:
+        assert [t.cached_tokens for t in conversation] == expected_cached(conversation)
+    skipped = after["routing"]["skipped_prefills"] - before["routing"]["skipped_prefills"]
+    assert skipped == sum(expected_skips(t) for t in turns) == 6
+    served = [r["requests"] - b["requests"] for r, b in zip(
+        sorted(after["pools"]["decode"], key=lambda r: r["worker_id"]),
+        sorted(before["pools"]["decode"], key=lambda r: r["worker_id"]))]
+    assert sum(served) == 9 and len(served) == 2
 
 
 def test_short_turns_reuse_the_answers_held_by_decode(apps):
