@@ -104,3 +104,26 @@ def test_disaggregated_windowed_prompt_moves_only_the_window(windowed_model):
     assert [first] + done["r"][1:] == done["r"] == hf_reference(windowed_model, prompt)
     for e in (p, d):
         e.block_manager.check_idle()
+
+
+def test_prompt_longer_than_the_cache_runs_in_window_sized_chunks(windowed_model):
+    # 14 blocks hold 224 tokens; a 500-token prompt runs in chunks of (14 - 64/16 - 2) x 16 = 128.
+    eng = make(windowed_model, num_kv_blocks=14)
+    assert eng.scheduler.max_chunk_tokens == 128 and eng.max_model_len > 500
+    prompt = random_prompts((500,), seed=9)[0]
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    (out,) = eng.generate([prompt], params)
+    assert out.token_ids == hf_greedy(windowed_model, tuple(prompt), 64)
+    eng.block_manager.check_idle()
+    # The decode side of a hand-off reserves only the window: 5 blocks of 14 for the same prompt.
+    d = make(windowed_model, num_kv_blocks=14)
+    res = d.reserve_remote_kv("r", prompt, out.token_ids[0], params)
+    assert res is not None and len(res.missing_block_ids) == 5
+    assert d.block_manager.num_free_blocks == 14 - 5
+    d.abort("r")
+    d.block_manager.check_idle()
+
+
+def test_cache_smaller_than_a_window_caps_the_context(windowed_model):
+    eng = make(windowed_model, num_kv_blocks=5)  # < 64/16 + 2: one window does not fit
+    assert eng.sliding_window is None and eng.max_model_len == 5 * 16

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.block_manager import NULL_BLOCK, BlockManager, first_window_block
+from workers.engine.block_manager import NULL_BLOCK, BlockManager, CachedPrefix, first_window_block
 from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer, find_stop_cut
 from workers.engine.kv_cache import PagedKVCache, plan_num_blocks
@@ -87,8 +87,16 @@ class LLMEngine:
         self.dtype = resolve_dtype(self.model_config, self.device, cfg.dtype)
         self.model = load_model(cfg.model_dir, self.device, cfg.dtype, max_len, cfg.load_progress)
         num_blocks = plan_num_blocks(cfg, self.model_config, self.dtype, self.device)
-        # A windowed sequence holds at most the window's blocks plus the one being filled.
         capacity = num_blocks * cfg.block_size
+        max_chunk = None
+        if self.sliding_window is not None:
+            # A windowed sequence holds the window's blocks plus those of the chunk it computes:
+            # chunks are capped so that both fit, and any context length runs.
+            window_blocks = self.sliding_window // cfg.block_size + 2
+            if num_blocks > window_blocks:
+                max_chunk = (num_blocks - window_blocks) * cfg.block_size
+            else:
+                self.sliding_window = None  # the cache cannot hold one window: no context past it
         if capacity < max_len and self.sliding_window is None:
             logger.info("KV cache holds %d tokens: max_model_len lowered from %d", capacity, max_len)
             max_len = capacity
@@ -97,7 +105,7 @@ class LLMEngine:
                                self.device)
         self.kv_caches = self.kv.layers  # what the transfer layer moves blocks of
         self.block_manager = BlockManager(num_blocks, cfg.block_size, self.model_key, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, max_chunk)
         self.runner = ModelRunner(self.model, self.kv, self.sliding_window)
         self.tokenizer = _load_tokenizer(cfg.model_dir)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) or frozenset(
@@ -181,13 +189,19 @@ class LLMEngine:
         seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt, first_token_id)
         cached = self.block_manager.find_cached_prefix(seq)
         num_prompt = seq.num_prompt_tokens
-        if not self.block_manager.allocate_slots(seq, num_prompt - cached.num_tokens, cached):
+        # The first query here is the first token, at position num_prompt: with a sliding window
+        # no block before its window is needed (the prefill side dropped those by the same rule),
+        # so none is taken: the table starts with NULL_BLOCK entries.
+        first = 0
+        if self.sliding_window is not None:
+            first = first_window_block(num_prompt, self.sliding_window, self.config.block_size)
+        kept = CachedPrefix(cached.blocks[first:], len(cached.blocks[first:]) * self.config.block_size)
+        seq.block_table.extend([NULL_BLOCK] * first)
+        seq.num_dropped_blocks = first
+        if not self.block_manager.allocate_slots(seq, num_prompt - kept.num_tokens, kept):
             self._requests.pop(request_id)
             self._detokenizers.pop(request_id, None)
             return None
-        # The first query here is the first token, at position num_prompt: nothing before its
-        # window is needed (the prefill side dropped those blocks by the same rule).
-        self._drop_out_of_window(seq, num_prompt)
         stats = self.block_manager.stats
         stats.prefix_queries += num_prompt
         stats.prefix_hits += cached.num_tokens

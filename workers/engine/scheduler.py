@@ -8,6 +8,9 @@ When a running sequence needs a block and none is free, the most recently admitt
 sequence is preempted: its blocks are freed (cached ones stay revivable) and it goes back to
 the front of the queue with ``num_computed_tokens = 0``; recomputing prompt + output so far
 reproduces its state exactly. No sequence is admitted in a step that preempted.
+
+``max_chunk_tokens`` caps one prefill chunk (sliding-window models: a chunk's blocks plus the
+window's must fit in the cache, so a prompt longer than the cache still runs, chunk by chunk).
 """
 
 from __future__ import annotations
@@ -43,9 +46,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_chunk_tokens: int | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_chunk_tokens = max_chunk_tokens or max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -74,7 +79,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, self.max_chunk_tokens)
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -92,7 +97,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
             cached = self.block_manager.find_cached_prefix(seq)
-            num_new = min(seq.num_tokens - cached.num_tokens, budget)
+            num_new = min(seq.num_tokens - cached.num_tokens, budget, self.max_chunk_tokens)
             if not self.block_manager.allocate_slots(seq, num_new, cached):
                 break
             self.waiting.popleft()
