@@ -7,7 +7,7 @@ import enum
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 class Mode(str, enum.Enum):
@@ -30,6 +30,13 @@ class PoolArgs(BaseModel):
     max_queued_requests: int = Field(
         default=256, ge=-1, description="requests waiting for a replica of this pool; beyond it clients get 503 "
                                         "with Retry-After (-1: unbounded)")
+
+
+_CHOICES = {
+    "kv_cache_dtype": ("auto", "int8", "fp8"),
+    "transport": ("auto", "gloo", "nccl", "gloo_staged", "object_store"),
+    "prefill_routing": ("cache_aware", "power_of_two", "round_robin"),
+}
 
 
 class PDServeArgs(BaseModel):
@@ -82,28 +89,12 @@ class PDServeArgs(BaseModel):
             raise ValueError(f"block_size {v} must be a power of two (16 is the default)")
         return v
 
-    @field_validator("kv_cache_dtype")
+    @field_validator("kv_cache_dtype", "transport", "prefill_routing")
     @classmethod
-    def _kv_cache_dtype(cls, v: str) -> str:
-        allowed = ("auto", "int8", "fp8")
+    def _one_of(cls, v: str, info: ValidationInfo) -> str:
+        allowed = _CHOICES[info.field_name]
         if v not in allowed:
-            raise ValueError(f"kv_cache_dtype {v!r}: choose one of {', '.join(allowed)}")
-        return v
-
-    @field_validator("transport")
-    @classmethod
-    def _transport(cls, v: str) -> str:
-        allowed = ("auto", "gloo", "nccl", "gloo_staged", "object_store")
-        if v not in allowed:
-            raise ValueError(f"transport {v!r}: choose one of {', '.join(allowed)}")
-        return v
-
-    @field_validator("prefill_routing")
-    @classmethod
-    def _routing(cls, v: str) -> str:
-        allowed = ("cache_aware", "power_of_two", "round_robin")
-        if v not in allowed:
-            raise ValueError(f"prefill_routing {v!r}: choose one of {', '.join(allowed)}")
+            raise ValueError(f"{info.field_name} {v!r}: choose one of {', '.join(allowed)}")
         return v
 
     @field_validator("model")
