@@ -29,8 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine import bench_model, sync  # noqa: E402
 from workers.engine import LLMEngine, SamplingParams  # noqa: E402
-
-KINDS = ("auto", "int8", "fp8")
+from workers.protocol import KV_CACHE_DTYPES as KINDS  # noqa: E402
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:

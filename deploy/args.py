@@ -9,6 +9,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from workers.protocol import KV_CACHE_DTYPES
+
 
 class Mode(str, enum.Enum):
     DISAGGREGATED = "disaggregated"
@@ -33,7 +35,7 @@ class PoolArgs(BaseModel):
 
 
 _CHOICES = {
-    "kv_cache_dtype": ("auto", "int8", "fp8"),
+    "kv_cache_dtype": KV_CACHE_DTYPES,
     "transport": ("auto", "gloo", "nccl", "gloo_staged", "object_store"),
     "prefill_routing": ("cache_aware", "power_of_two", "round_robin"),
 }

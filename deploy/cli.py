@@ -11,6 +11,8 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
+from workers.protocol import KV_CACHE_DTYPES  # torch-free: the CLI starts without torch
+
 
 def _positive_int(text: str) -> int:
     value = int(text)
@@ -109,7 +111,7 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16, float16")
     parser.add_argument("--block-size", type=_positive_int, default=16)
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     parser.set_defaults(handler=_run_generate)
 
 
@@ -144,7 +146,7 @@ def _add_kv_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--gpu-mem", type=float, required=True, metavar="GIB", help="accelerator memory per replica")
     parser.add_argument("--context", type=_positive_int, required=True, help="tokens per sequence (prompt + output)")
     parser.add_argument("--concurrency", type=_positive_int, required=True, help="sequences to hold at once")
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     parser.add_argument("--dtype", default=None, help="model dtype (default: what a GPU replica runs)")
     parser.add_argument("--block-size", type=_positive_int, default=16)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -156,7 +158,7 @@ def _run_kv_plan(args: argparse.Namespace) -> int:
     from workers.models.config import ModelConfig
 
     model = ModelConfig.from_dir(args.model or default_model_dir())
-    order = [args.kv_cache_dtype] + [d for d in ("auto", "int8", "fp8") if d != args.kv_cache_dtype]
+    order = [args.kv_cache_dtype] + [d for d in KV_CACHE_DTYPES if d != args.kv_cache_dtype]
     try:
         plans = [plan_kv(model, args.gpu_mem, args.context, args.concurrency, kind, args.dtype,
                          args.block_size, args.gpu_memory_utilization) for kind in order]
@@ -190,7 +192,7 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--block-size", type=_positive_int, default=16)
     parser.add_argument("--num-kv-blocks", type=_positive_int, default=None)
     parser.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     parser.add_argument("--max-model-len", type=_positive_int, default=None,
                         help="longest prompt + completion a request may ask for (default: the model's)")
     parser.add_argument("--no-conversation-reuse", action="store_true",

@@ -18,6 +18,7 @@ QUANTIZED_DTYPES = frozenset({"int8", "float8_e4m3fn", "float8_e5m2"})
 SCALE_ROWS = 1
 
 TRANSPORTS = ("auto", "nccl", "gloo", "gloo_staged", "object_store")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # the model's dtype | int8 / float8_e4m3fn with block scales
 
 
 def _require(data: dict[str, Any], cls: type) -> None:

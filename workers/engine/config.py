@@ -6,6 +6,8 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers.protocol import KV_CACHE_DTYPES
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -35,7 +37,7 @@ class EngineConfig:
             "max_model_len": (self.max_model_len is None or self.max_model_len > 1, "must be > 1"),
             "kv_cache_memory_gib": (self.kv_cache_memory_gib > 0, "must be positive"),
             "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
-            "kv_cache_dtype": (self.kv_cache_dtype in ("auto", "int8", "fp8"), "must be 'auto', 'int8' or 'fp8'"),
+            "kv_cache_dtype": (self.kv_cache_dtype in KV_CACHE_DTYPES, f"must be one of {KV_CACHE_DTYPES}"),
         }
         for name, (ok, problem) in checks.items():
             if not ok:

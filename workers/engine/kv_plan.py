@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.kv_cache import KV_CACHE_DTYPES, bytes_per_block
+from workers.engine.kv_cache import bytes_per_block
 from workers.models.config import ModelConfig
 from workers.models.loader import resolve_dtype
+from workers.protocol import KV_CACHE_DTYPES
 
 
 @dataclass(frozen=True, slots=True)
