@@ -198,18 +198,15 @@ class BlockManager:
         seq.num_cached_blocks = 0
         seq.num_dropped_blocks = 0
 
-    def drop_blocks_before(self, seq: Sequence, first_block: int) -> int:
-        """Sliding window: release the sequence's blocks before ``first_block``; returns how many."""
+    def drop_blocks_before(self, seq: Sequence, first_block: int) -> None:
+        """Sliding window: release the sequence's blocks before ``first_block``."""
         table = seq.block_table
         end = min(first_block, len(table))
-        dropped = 0
         for i in range(seq.num_dropped_blocks, end):
             if table[i] != NULL_BLOCK:
                 self._release(table[i])
                 table[i] = NULL_BLOCK
-                dropped += 1
         seq.num_dropped_blocks = max(seq.num_dropped_blocks, end)
-        return dropped
 
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -23,11 +23,10 @@ import torch
 
 from workers.engine.config import EngineConfig
 from workers.models.config import ModelConfig
-from workers.protocol import SCALE_ROWS, KVLayout
+from workers.protocol import KV_CACHE_DTYPES, SCALE_ROWS, KVLayout
 
 logger = logging.getLogger(__name__)
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 _QUANTIZED = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
 _MIN_SCALE = 1e-12  # an all-zero block still divides safely
 
@@ -86,20 +85,28 @@ def as_wide_rows(blocks: torch.Tensor) -> torch.Tensor:
 
 @dataclass(slots=True)
 class KVWritePlan:
-    """Which blocks a step writes, computed once per step on the host and used by every layer.
+    """Which slots a step writes, computed once per step on the host and used by every layer.
 
-    Tokens of one sequence are consecutive and write only blocks that sequence owns alone (a
-    shared block is full and never written), so blocks are listed per token without sorting.
+    A quantized cache also needs the blocks behind them: tokens of one sequence are consecutive
+    and write only blocks that sequence owns alone (a shared block is full and never written),
+    so blocks are listed per token without sorting. A full-precision cache needs ``slots`` only.
     """
 
     slots: torch.Tensor  # [T] row in the flat ``[2, num_blocks * rows, ...]`` view
-    blocks: torch.Tensor  # [U] distinct blocks written
-    token_block: torch.Tensor  # [T] index into ``blocks`` of each token's block
-    fresh: torch.Tensor  # [U] bool: the step writes the block's first slot (old contents void)
-    stale: torch.Tensor  # [S] index into ``blocks`` of blocks that already hold tokens
+    blocks: torch.Tensor | None = None  # [U] distinct blocks written
+    token_block: torch.Tensor | None = None  # [T] index into ``blocks`` of each token's block
+    fresh: torch.Tensor | None = None  # [U] bool: the step writes the block's first slot (old contents void)
+    stale: torch.Tensor | None = None  # [S] index into ``blocks`` of blocks that already hold tokens
 
     @classmethod
-    def build(cls, block_ids: list[int], offsets: list[int], rows: int, device: torch.device) -> KVWritePlan:
+    def build(cls, block_ids: list[int], offsets: list[int], rows: int, device: torch.device,
+              quantized: bool) -> KVWritePlan:
+        def tensor(values, dtype=torch.long):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        slots = tensor([b * rows + o for b, o in zip(block_ids, offsets)])
+        if not quantized:
+            return cls(slots)
         blocks: list[int] = []
         fresh: list[bool] = []
         token_block: list[int] = []
@@ -112,15 +119,8 @@ class KVWritePlan:
                 fresh.append(offset == 0)
             token_block.append(index)
         stale = [i for i, f in enumerate(fresh) if not f]
-
-        def tensor(values, dtype=torch.long):
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        return cls(
-            slots=tensor([b * rows + o for b, o in zip(block_ids, offsets)]),
-            blocks=tensor(blocks), token_block=tensor(token_block),
-            fresh=tensor(fresh, torch.bool), stale=tensor(stale),
-        )
+        return cls(slots, blocks=tensor(blocks), token_block=tensor(token_block),
+                   fresh=tensor(fresh, torch.bool), stale=tensor(stale))
 
 
 class PagedKVCache:
@@ -156,7 +156,7 @@ class PagedKVCache:
                         str(self.dtype).removeprefix("torch."))
 
     def write_plan(self, block_ids: list[int], offsets: list[int], device: torch.device) -> KVWritePlan:
-        return KVWritePlan.build(block_ids, offsets, self.rows, device)
+        return KVWritePlan.build(block_ids, offsets, self.rows, device, self.quantized)
 
     # ------------------------------------------------------------------ write
     def write(self, layer: int, plan: KVWritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
