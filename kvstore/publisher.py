@@ -173,7 +173,10 @@ class IndexPublisher:
     # ---- background task ------------------------------------------------------------------
 
     async def _run(self) -> None:
-        while not self._disabled:
+        # ``_stopped`` ends the loop even if stop()'s cancel is lost: on Python 3.11 a cancel
+        # that lands as a call's deadline fires can surface as that call's TimeoutError, which
+        # the loop treats as Redis being away (and stop() would wait for the task forever).
+        while not self._disabled and not self._stopped:
             try:
                 async with self._io_lock:
                     await self._sync()
