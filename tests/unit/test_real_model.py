@@ -1,0 +1,49 @@
+"""The engine on real weights: SmolLM2-135M-Instruct (converted from its GGUF) against
+transformers' greedy generate on chat prompts, and the GGUF path serving the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import CHAT_QUESTIONS, chat_prompt_ids
+from tests.unit.engine_helpers import hf_greedy
+from workers.engine import LLMEngine, SamplingParams
+
+NEW_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    pytest.param({}, id="default"),
+    pytest.param({"max_num_batched_tokens": 32, "num_kv_blocks": 14}, id="chunked-32-preempting"),
+])
+def test_engine_equals_transformers_on_chat_prompts(smollm2_dir, engine_kwargs):
+    prompts = [chat_prompt_ids(smollm2_dir, q) for q in CHAT_QUESTIONS]
+    engine = LLMEngine(smollm2_dir, load_progress=False, **{"num_kv_blocks": 256, **engine_kwargs})
+    outs = engine.generate(prompts, GREEDY)
+    for question, prompt, out in zip(CHAT_QUESTIONS, prompts, outs, strict=True):
+        assert out.token_ids == hf_greedy(smollm2_dir, tuple(prompt), NEW_TOKENS), question
+    if "num_kv_blocks" in engine_kwargs:  # 8 prompts of 35-40 tokens (+ up to 24) cannot all fit in 14 x 16
+        assert engine.scheduler.num_preemptions > 0
+    engine.block_manager.check_idle()
+
+
+def test_a_chat_question_with_a_known_answer(smollm2_dir):
+    engine = LLMEngine(smollm2_dir, load_progress=False, num_kv_blocks=64)
+    out = engine.generate([chat_prompt_ids(smollm2_dir, "What is the capital of France?")], GREEDY)[0]
+    assert "Paris" in out.text and out.finish_reason == "stop"  # ends on <|im_end|>, the model's EOS
+
+
+@pytest.mark.slow
+def test_the_gguf_file_serves_the_same_tokens_as_the_pulled_directory(smollm2_dir, smollm2_gguf):
+    from workers.models.gguf import describe_model
+    from workers.models.source import resolve_model
+
+    converted = resolve_model(smollm2_gguf, progress=False)
+    assert converted != resolve_model("smollm2") and converted.name == "SmolLM2-135M-Instruct.Q4_1"
+    assert resolve_model(smollm2_gguf, progress=False) == converted  # cached by content: no second conversion
+    assert describe_model(converted).startswith("weights converted from SmolLM2-135M-Instruct.Q4_1.gguf")
+    prompts = [chat_prompt_ids(smollm2_dir, q) for q in CHAT_QUESTIONS[:3]]
+    from_gguf = LLMEngine(str(converted), load_progress=False, num_kv_blocks=64).generate(prompts, GREEDY)
+    from_dir = LLMEngine(smollm2_dir, load_progress=False, num_kv_blocks=64).generate(prompts, GREEDY)
+    assert [o.token_ids for o in from_gguf] == [o.token_ids for o in from_dir]
