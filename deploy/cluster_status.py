@@ -1,14 +1,18 @@
 """The cluster's state as the ingress sees it: every replica of every pool (each asked directly,
 through a call pinned to its replica id), the Redis index, and the ingress's own request
-figures. Backs ``GET /v1/cluster/status``, the dashboard and ``pdserve status``."""
+figures. Backs ``GET /v1/cluster/status``, the dashboard and ``pdserve status``; what the
+ingress's history samples (``deploy.status_history``) comes from here too."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import ray
+
+from deploy.status_history import RESPONSES, StatusHistory
 
 logger = logging.getLogger("pdserve")
 
@@ -57,3 +61,57 @@ async def index_status(index) -> dict[str, Any]:
                           "num_running": rec.num_running, "num_waiting": rec.num_waiting}
                     for wid, rec in workers.items()},
     }
+
+
+# ------------------------------------------------------------------ figures the dashboard adds
+def pair_table(pools: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per (prefill replica, decode replica) pair that moved KV or tried to, merged from
+    the decode replicas' per-peer counters (each pair lives on exactly one decode replica).
+    ``prefill_live``: the prefill replica is among the healthy ones now."""
+    live = {r["worker_id"] for r in pools.get("prefill") or [] if r.get("healthy")}
+    rows = []
+    for r in pools.get("decode") or []:
+        if not r.get("healthy"):
+            continue
+        for prefill_id, pair in (r.get("pairs") or {}).items():
+            rows.append({"prefill": prefill_id, "decode": r["worker_id"], "prefill_live": prefill_id in live, **pair})
+    return sorted(rows, key=lambda row: (row["prefill"], row["decode"]))
+
+
+def _with_aborted(requests: dict[str, Any], stats) -> dict[str, Any]:
+    """Client disconnects, where the request figures count them apart from failures."""
+    aborted = getattr(stats, "aborted", None)
+    if "aborted" not in requests and isinstance(aborted, int):
+        requests["aborted"] = aborted
+    return requests
+
+
+async def sample_status(ingress) -> dict[str, Any]:
+    """What the history keeps of the cluster: the ingress's figures and every pool's replicas."""
+    from ray import serve
+
+    app_name = serve.get_replica_context().app_name
+    names = [name for name, handle in ingress.pools.items() if handle is not None]
+    answers = await asyncio.gather(*(pool_status(ingress.pools[n], app_name, n) for n in names))
+    requests = _with_aborted(ingress.stats.snapshot(), ingress.stats)
+    return {"time": time.time(), "requests": requests, "http": RESPONSES.snapshot(), "pools": dict(zip(names, answers))}
+
+
+def extend_status(status: dict[str, Any], ingress) -> dict[str, Any]:
+    """The status endpoint's dict plus the pair table, completion responses by HTTP status and
+    the rates over the last minute (from the ingress's history)."""
+    _with_aborted(status["requests"], ingress.stats)
+    status["http"] = RESPONSES.snapshot()
+    status["pairs"] = pair_table(status["pools"])
+    history = getattr(ingress, "history", None)
+    if history is not None:
+        history.ensure_running()  # (re)starts the sampler if the constructor had no event loop
+    status["throughput"] = history.rates(status) if history is not None else None
+    status["history"] = ({"samples": len(history.samples), "interval_s": history.interval_s,
+                          "window_s": history.window_s} if history is not None else None)
+    return status
+
+
+def start_history(ingress) -> StatusHistory:
+    """The ingress's status history, sampling from now on (see ``deploy.status_history``)."""
+    return StatusHistory(lambda: sample_status(ingress)).start()

@@ -27,7 +27,7 @@ from deploy.openai_protocol import ChatCompletionRequest, CompletionRequest, Req
 from deploy.output import ChoiceAssembler
 from deploy.responses import ResponseBuilder
 from deploy.worker_calls import WorkerCalls
-from deploy.cluster_status import index_status, pool_status
+from deploy.cluster_status import extend_status, index_status, pool_status, start_history
 from deploy.metrics import IngressMetrics
 from deploy.request_stats import RequestStats
 from kvstore.hashing import hash_prompt_blocks
@@ -71,6 +71,7 @@ class OpenAIIngress:
                                    index=self.index)
         self.stats = RequestStats()
         self.metrics = IngressMetrics(self.args.model_name)
+        self.history = start_history(self)  # the dashboard's last 10 minutes, sampled every 2 s
         http_errors.SETTINGS.api_keys = frozenset(self.args.api_keys)
         http_errors.SETTINGS.max_request_bytes = self.args.max_request_bytes
         logger.info("ingress ready: model %s (%s mode)", self.args.model_name, self.args.mode.value)
@@ -101,14 +102,20 @@ class OpenAIIngress:
         names = [name for name, handle in self.pools.items() if handle is not None]
         answers = await asyncio.gather(*(pool_status(self.pools[n], app_name, n) for n in names))
         pools = dict(zip(names, answers))
-        return {
+        return extend_status({
             "model": self.args.model_name, "mode": self.args.mode.value, "time": time.time(),
             "block_size": self.args.block_size, "pools": pools,
             "index": await index_status(self.index),
             "requests": self.stats.snapshot(),
             "routing": {"skipped_prefills": self.workers.skipped_prefills},
             "conversations": self.conversations.stats() if self.conversations is not None else None,
-        }
+        }, self)  # + pair table, HTTP outcomes, last-minute rates (deploy/cluster_status.py)
+
+    @app.get("/v1/cluster/history")
+    async def cluster_history(self, since: float | None = None) -> dict:
+        """The dashboard's server-side window: samples newer than ``since`` (all without it)."""
+        self.history.ensure_running()
+        return self.history.export(since)
 
     @app.get("/v1/models")
     async def models(self) -> dict:

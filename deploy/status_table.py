@@ -1,4 +1,8 @@
-"""``pdserve status``: /v1/cluster/status as a table for a terminal."""
+"""``pdserve status``: /v1/cluster/status as a table for a terminal.
+
+Every column names its unit on the line under its title (``%``, ``blocks``, ``seqs``, ``MiB``,
+``ms``); counts have none. Fields an older server does not send are shown as ``-``.
+"""
 
 from __future__ import annotations
 
@@ -7,25 +11,83 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.0f}"
 
 
+def _rate(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _table(columns: list[tuple[str, str, int, str]], rows: list[list[str]]) -> list[str]:
+    """columns: (title, unit, width, '<' or '>'); rows: cells already as text."""
+    def line(cells: list[str]) -> str:
+        return " ".join(f"{c:{align}{width}}" for c, (_, _, width, align) in zip(cells, columns)).rstrip()
+
+    out = [line([c[0] for c in columns]), line([c[1] for c in columns])]
+    out.append("-" * max(len(out[0]), len(out[1])))
+    out += [line(r) if len(r) == len(columns) else " ".join(r) for r in rows]
+    return out
+
+
+REPLICA_COLUMNS = [
+    ("pool", "", 10, "<"), ("replica", "", 12, "<"), ("health", "", 7, "<"), ("KV used", "%", 8, ">"),
+    ("free/total", "blocks", 12, ">"), ("run", "seqs", 5, ">"), ("wait", "seqs", 5, ">"),
+    ("requests", "", 9, ">"), ("hit rate", "% tokens", 9, ">"), ("moved", "MiB", 9, ">"),
+    ("xfer fail", "", 9, ">"), ("recomp", "prompts", 8, ">"),
+]
+
+PAIR_COLUMNS = [
+    ("prefill", "", 12, "<"), ("decode", "", 12, "<"), ("transfers", "", 9, ">"), ("moved", "MiB", 9, ">"),
+    ("p50", "ms", 7, ">"), ("p99", "ms", 7, ">"), ("failures", "", 8, ">"), ("recomp", "prompts", 8, ">"),
+]
+
+
+def _replica_row(pool: str, r: dict) -> list[str]:
+    if not r.get("healthy"):
+        return [f"{pool:<10}", f"{r['worker_id']:<12}", f"{'DOWN':<7}", r.get("error", "")[:60]]
+    hit = r["cached_prompt_tokens"] / r["prompt_tokens"] if r["prompt_tokens"] else 0.0
+    return [pool, r["worker_id"], "ok", f"{r['kv_usage']:.1%}",
+            f"{r['free_blocks']}/{r['total_blocks']}", str(r["num_running"]), str(r["num_waiting"]),
+            str(r["requests"]), f"{hit:.1%}", f"{r['transfer_bytes'] / 2**20:.1f}",
+            str(r["transfer_failures"]), str(r["recomputed_prefills"])]
+
+
+def _pair_row(p: dict) -> list[str]:
+    prefill = p["prefill"] if p.get("prefill_live", True) else f"{p['prefill']} (gone)"
+    return [prefill, p["decode"], str(p["transfers"]), f"{p['transfer_bytes'] / 2**20:.1f}",
+            _ms(p.get("transfer_p50_s")), _ms(p.get("transfer_p99_s")),
+            str(p["transfer_failures"]), str(p["recomputed_prefills"])]
+
+
 def format_status(status: dict) -> str:
-    lines = [f"model {status['model']}  mode {status['mode']}  block size {status['block_size']}"]
-    header = f"{'pool':<10} {'replica':<12} {'health':<8} {'KV used':>8} {'free/total':>12} {'run':>4} {'wait':>5} " \
-             f"{'requests':>9} {'hit rate':>9} {'xfer MiB':>9} {'fail':>5} {'recomp':>7}"
-    lines += ["", header, "-" * len(header)]
-    for pool, replicas in status["pools"].items():
-        for r in replicas:
-            if not r.get("healthy"):
-                lines.append(f"{pool:<10} {r['worker_id']:<12} {'DOWN':<8} {r.get('error', '')[:60]}")
-                continue
-            hit = r["cached_prompt_tokens"] / r["prompt_tokens"] if r["prompt_tokens"] else 0.0
-            lines.append(
-                f"{pool:<10} {r['worker_id']:<12} {'ok':<8} {r['kv_usage']:>7.1%} "
-                f"{r['free_blocks']:>5}/{r['total_blocks']:<6} {r['num_running']:>4} {r['num_waiting']:>5} "
-                f"{r['requests']:>9} {hit:>8.1%} {r['transfer_bytes'] / 2**20:>9.1f} "
-                f"{r['transfer_failures']:>5} {r['recomputed_prefills']:>7}")
+    lines = [f"model {status['model']}  mode {status['mode']}  block size {status['block_size']} tokens", ""]
+    lines += _table(REPLICA_COLUMNS, [_replica_row(pool, r) for pool, replicas in status["pools"].items()
+                                      for r in replicas])
+    pairs = status.get("pairs")
+    if pairs is not None and "decode" in status["pools"]:
+        lines += ["", "KV transfers by pair (prefill -> decode, as the decode replica counts them)"]
+        if pairs:
+            lines += _table(PAIR_COLUMNS, [_pair_row(p) for p in pairs])
+        else:
+            lines.append("  none yet")
     req = status["requests"]
-    lines += ["", f"requests: {req['finished']} finished, {req['active']} active, {req['failed']} failed; "
+    aborted = f", {req['aborted']} aborted" if req.get("aborted") is not None else ""
+    lines += ["", f"requests: {req['finished']} finished, {req['active']} active, {req['failed']} failed{aborted}; "
                   f"cluster prefix hit rate {req['cluster_prefix_hit_rate']:.1%}"]
+    http = status.get("http")
+    if http:
+        lines.append(f"  HTTP answers: {http['ok']} ok, {http['refused']} refused (503/429), "
+                     f"{http['client_errors']} client errors (4xx), {http['server_errors']} server errors (5xx)")
+    rates = status.get("throughput")
+    if rates:
+        window = f"last {rates['window_s']:.0f} s" if rates.get("window_s") else "no window yet"
+        aborted_rate = f", {_rate(rates['aborted_per_s'], 2)} aborted/s" if rates.get("aborted_per_s") is not None else ""
+        lines.append(f"  throughput ({window}): {_rate(rates['output_tokens_per_s'])} output tokens/s, "
+                     f"{_rate(rates['requests_per_s'], 2)} requests/s")
+        lines.append(f"  errors ({window}): {_pct(rates.get('error_fraction'))} of requests failed, "
+                     f"{_rate(rates['failed_per_s'], 2)} failed/s, {_rate(rates['refused_per_s'], 2)} refused/s"
+                     f"{aborted_rate}")
     for name in ("ttft_s", "itl_s", "e2e_s"):
         p = req[name]
         lines.append(f"  {name[:-2].upper():<5} p50 {_ms(p['p50'])} ms  p90 {_ms(p['p90'])} ms  p99 {_ms(p['p99'])} ms"

@@ -110,6 +110,7 @@ class DecodeWorker(ColocatedWorker):
                 # other sequences finish. The prefill worker's copy is not needed.
                 self._release_remote(rid, handle.prefill_worker_id)
                 self.stats.recomputed_prefills += 1
+                self.stats.peer(handle.prefill_worker_id).recomputed_prefills += 1  # per-pair figures
                 await self.loop.call(lambda e: e.add_request(
                     rid, prompt, params, request.cache_salt, first_token_id=prefill.first_token_id))
             else:
@@ -124,6 +125,7 @@ class DecodeWorker(ColocatedWorker):
                                        rid, handle.prefill_worker_id, exc)
                         self.stats.transfer_failures += 1
                         self.stats.recomputed_prefills += 1
+                        self.stats.peer(handle.prefill_worker_id).failed(recomputed=True)
                         recompute = True
                 else:
                     self._release_remote(rid, handle.prefill_worker_id)  # we hold every block
@@ -163,6 +165,7 @@ class DecodeWorker(ColocatedWorker):
         self.stats.transfers += 1
         self.stats.transfer_bytes += stats.num_bytes
         self.stats.transfer_seconds += stats.seconds
+        self.stats.peer(handle.prefill_worker_id).transferred(stats.num_bytes, stats.seconds)
         return stats
 
     def _release_remote(self, request_id: str, prefill_worker_id: str) -> None:

@@ -2,9 +2,52 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections import deque
+from dataclasses import dataclass, field, fields
 
 from workers.engine import LLMEngine
+
+PAIR_SAMPLES = 512  # transfer durations kept per pair for its percentiles
+
+
+def percentiles(values, qs=(50, 99)) -> dict[str, float | None]:
+    """Nearest-rank percentiles (the ingress's request figures use the same rule)."""
+    ordered = sorted(values)
+    if not ordered:
+        return {f"p{q}": None for q in qs}
+    return {f"p{q}": ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))] for q in qs}
+
+
+@dataclass
+class PairStats:
+    """One peer of this worker (for a decode worker: a prefill worker it pulled KV from)."""
+
+    transfers: int = 0
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+    transfer_failures: int = 0
+    recomputed_prefills: int = 0
+    recent_seconds: deque = field(default_factory=lambda: deque(maxlen=PAIR_SAMPLES))
+
+    def transferred(self, num_bytes: int, seconds: float) -> None:
+        self.transfers += 1
+        self.transfer_bytes += num_bytes
+        self.transfer_seconds += seconds
+        self.recent_seconds.append(seconds)
+
+    def failed(self, recomputed: bool = True) -> None:
+        self.transfer_failures += 1
+        self.recomputed_prefills += int(recomputed)
+
+    def snapshot(self) -> dict:
+        p = percentiles(tuple(self.recent_seconds))  # tuple(): one C-level copy, safe across threads
+        return {
+            "transfers": self.transfers, "transfer_bytes": self.transfer_bytes,
+            "transfer_seconds": self.transfer_seconds, "transfer_failures": self.transfer_failures,
+            "recomputed_prefills": self.recomputed_prefills,
+            "transfer_p50_s": p["p50"], "transfer_p99_s": p["p99"],
+            "transfer_samples": len(self.recent_seconds),
+        }
 
 
 @dataclass
@@ -20,12 +63,26 @@ class WorkerStats:
     transfer_failures: int = 0
     recomputed_prefills: int = 0
     leases_expired: int = 0
+    # per peer worker id; a decode worker's peers are the prefill workers it pulls from
+    peers: dict[str, PairStats] = field(default_factory=dict)
+
+    def peer(self, worker_id: str) -> PairStats:
+        stats = self.peers.get(worker_id)
+        if stats is None:
+            stats = self.peers[worker_id] = PairStats()
+        return stats
+
+    def counters(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "peers"}
+
+    def pairs(self) -> dict[str, dict]:
+        return {peer: stats.snapshot() for peer, stats in list(self.peers.items())}
 
     def snapshot(self, engine: LLMEngine) -> dict:
         """Counters plus the engine's live state. Call on the engine thread (EngineLoop.call)."""
         bm = engine.block_manager
         return {
-            **asdict(self),
+            **self.counters(),
             "total_blocks": bm.num_blocks,
             "free_blocks": bm.num_free_blocks,
             "kv_usage": bm.usage,
@@ -36,5 +93,5 @@ class WorkerStats:
             "prefix_queries": bm.stats.prefix_queries,
             "prefix_hits": bm.stats.prefix_hits,
             "cached_blocks": bm.num_cached_blocks,
+            "pairs": self.pairs(),
         }
-

@@ -1,7 +1,8 @@
-// pdserve operator dashboard: polls <prefix>/v1/cluster/status every 2 s and renders it.
+// pdserve operator dashboard: draws the ingress's server-side window (<prefix>/v1/cluster/history,
+// one sample every 2 s over the last 10 minutes) at once, then every 2 s polls
+// <prefix>/v1/cluster/status for the figures and the history's newer samples for the charts.
 // No libraries: the DOM is built with textContent (never innerHTML with server data) and the
-// charts are plain SVG paths. The latency series live only in this page (the ingress keeps
-// percentiles over its own window, not a history).
+// charts are plain SVG paths.
 (() => {
   "use strict";
 
@@ -16,11 +17,14 @@
   // lives next to it.
   const prefix = location.pathname.replace(/\/dashboard(\/.*)?$/, "");
   const STATUS_URL = `${prefix}/v1/cluster/status`;
+  const HISTORY_URL = `${prefix}/v1/cluster/history`;
   const apiKey = new URLSearchParams(location.search).get("key");
   const headers = apiKey ? { Authorization: `Bearer ${apiKey}` } : {};
 
-  const history = [];          // {t, ttft: {p50,p90,p99}, itl: {...}, bw}
-  let previous = null;         // {time, decodeBytes: Map(worker_id -> transfer_bytes)}
+  // the server's samples (deploy/status_history.py), t in ms: {t, ttft: {p50,p90,p99}, itl,
+  // output_tokens_per_s, failed_per_s, refused_per_s, aborted_per_s, transfer_bytes_per_s, …}
+  const history = [];
+  let latest = null;           // the last status answer
 
   const $ = (id) => document.getElementById(id);
 
@@ -36,6 +40,8 @@
     return `${b.toFixed(i === 0 ? 0 : 1)} ${units[i]}`;
   }
   const fmtRate = (bps) => (bps == null ? "–" : `${fmtBytes(bps)}/s`);
+  const fmtPerS = (x, unit, digits = 1) => (x == null ? "–" : `${Number(x).toFixed(digits)} ${unit}/s`);
+  const perS = (x) => (x == null ? "–" : `${Number(x).toFixed(2)}/s`);
   function fmtWindow(s) {
     if (s == null) return "–";
     return s >= 60 ? `${Math.round(s / 60)} min` : `${Math.round(s)} s`;
@@ -62,26 +68,8 @@
   const sum = (xs, f) => xs.reduce((acc, x) => acc + (Number(f(x)) || 0), 0);
   const healthyIn = (replicas) => (replicas || []).filter((r) => r.healthy);
 
-  function bandwidth(status) {
-    // bytes received by the decode pool since the last poll; a replica that restarted (new id or
-    // a counter that went down) contributes nothing this round rather than a negative rate
-    const decode = healthyIn(status.pools.decode);
-    const bytes = new Map(decode.map((r) => [r.worker_id, r.transfer_bytes || 0]));
-    let rate = null;
-    if (previous && status.time > previous.time) {
-      let delta = 0;
-      for (const [id, b] of bytes) {
-        const before = previous.decodeBytes.get(id);
-        if (before != null && b >= before) delta += b - before;
-      }
-      rate = delta / (status.time - previous.time);
-    }
-    previous = { time: status.time, decodeBytes: bytes };
-    return rate;
-  }
-
   // ------------------------------------------------------------------ cards
-  function renderTotals(status, rate) {
+  function renderTotals(status) {
     const req = status.requests;
     setText("model", status.model);
     setText("mode", status.mode);
@@ -95,9 +83,22 @@
     setText("prompt-tokens", fmtInt(req.prompt_tokens));
     setText("window-s", fmtWindow(req.window_s));
 
+    const rates = status.throughput || {};
+    setText("throughput-tokens", fmtPerS(rates.output_tokens_per_s, "tok"));
+    setText("throughput-requests", fmtPerS(rates.requests_per_s, "req", 2));
+    setText("throughput-window", rates.window_s ? `over ${fmtWindow(rates.window_s)}` : "no window yet");
+    setText("error-rate", fmtPct(rates.error_fraction), `value${rates.error_fraction ? " bad" : ""}`);
+    setText("failed-rate", perS(rates.failed_per_s));
+    setText("refused-rate", perS(rates.refused_per_s));
+    const http = status.http || {};
+    setText("requests-refused", fmtInt(http.refused), http.refused ? "bad" : "");
+    setText("client-errors", fmtInt(http.client_errors));
+    $("aborted-wrap").hidden = req.aborted == null;
+    setText("requests-aborted", fmtInt(req.aborted));
+
     const decode = healthyIn(status.pools.decode);
     const prefill = healthyIn(status.pools.prefill);
-    setText("transfer-bandwidth", status.pools.decode ? fmtRate(rate) : "n/a");
+    setText("transfer-bandwidth", status.pools.decode ? fmtRate(rates.transfer_bytes_per_s) : "n/a");
     setText("transfer-total", fmtBytes(sum(decode, (r) => r.transfer_bytes)));
     setText("transfer-count", fmtInt(sum(decode, (r) => r.transfers)));
     const failures = sum(decode, (r) => r.transfer_failures);
@@ -179,6 +180,29 @@
     $("pools").replaceChildren(...sections);
   }
 
+  // ------------------------------------------------------------------ prefill -> decode pairs
+  function renderPairs(status) {
+    const pairs = status.pairs || [];
+    const cell = (text, testid) => el("td", { class: "num", testid }, text);
+    const rows = pairs.map((p) => {
+      const prefill = el("td", { class: "mono" }, p.prefill);
+      if (p.prefill_live === false) prefill.append(" ", el("span", { class: "badge badge-bad" }, "gone"));
+      return el("tr", { testid: `pair-${p.prefill}-${p.decode}`, "data-prefill": p.prefill, "data-decode": p.decode },
+        prefill, el("td", { class: "mono" }, p.decode),
+        cell(fmtInt(p.transfers), "transfers"),
+        cell(fmtBytes(p.transfer_bytes), "transfer-bytes"),
+        cell(fmtMs(p.transfer_p50_s), "p50"),
+        cell(fmtMs(p.transfer_p99_s), "p99"),
+        cell(fmtInt(p.transfer_failures), "failures"),
+        cell(fmtInt(p.recomputed_prefills), "recomputed"));
+    });
+    if (!rows.length) {
+      const text = status.pools.decode ? "no transfers yet" : "no decode pool (colocated mode)";
+      rows.push(el("tr", {}, el("td", { colspan: "8", class: "muted" }, text)));
+    }
+    $("pairs").replaceChildren(...rows);
+  }
+
   // ------------------------------------------------------------------ charts
   function svg(tag, attrs) {
     const node = document.createElementNS(SVG_NS, tag);
@@ -231,6 +255,7 @@
       nodes.push(label);
     }
     let drawn = 0;
+    let peak = 0;
     for (const s of series) {
       let d = "";
       const dots = [];  // a point with no neighbour draws no line: mark it, and the newest one
@@ -239,6 +264,7 @@
         const pen = i > 0 && s.values[i - 1] != null;
         const [px, py] = [x(history[i].t).toFixed(1), y(v).toFixed(1)];
         d += `${pen ? "L" : "M"}${px},${py}`;
+        peak = Math.max(peak, v);
         const alone = !pen && (i + 1 >= s.values.length || s.values[i + 1] == null);
         if (alone || i === s.values.length - 1) dots.push([px, py]);
         drawn += 1;
@@ -253,26 +279,38 @@
     }
     chart.replaceChildren(...nodes);
     chart.dataset.points = String(drawn);
+    chart.dataset.max = String(peak);
   }
 
   const inMs = (key) => ["p50", "p90", "p99"].map((p) => ({
-    cls: `s-${p}`, values: history.map((h) => (h[key][p] == null ? null : h[key][p] * 1000)) }));
+    cls: `s-${p}`, values: history.map((h) => (h[key] && h[key][p] != null ? h[key][p] * 1000 : null)) }));
+  const field = (key, scale = 1) => history.map((h) => (h[key] == null ? null : h[key] / scale));
 
   function renderCharts() {
     drawChart("chart-ttft", inMs("ttft"));
     drawChart("chart-itl", inMs("itl"));
+    drawChart("chart-throughput", [{ cls: "s-tok", values: field("output_tokens_per_s") }]);
+    const errors = [{ cls: "s-failed", values: field("failed_per_s") }, { cls: "s-refused", values: field("refused_per_s") }];
+    if (history.some((h) => h.aborted_per_s != null)) errors.push({ cls: "s-aborted", values: field("aborted_per_s") });
+    drawChart("chart-errors", errors);
     // one unit for the whole series, picked by its largest rate
-    const peak = Math.max(0, ...history.map((h) => h.bw || 0));
+    const peak = Math.max(0, ...history.map((h) => h.transfer_bytes_per_s || 0));
     const units = ["B/s", "KiB/s", "MiB/s", "GiB/s"];
     let k = 0;
     while (peak / 1024 ** k >= 1024 && k < units.length - 1) k += 1;
     setText("bw-unit", units[k]);
-    drawChart("chart-bandwidth", [{ cls: "s-bw", values: history.map((h) => (h.bw == null ? null : h.bw / 1024 ** k)) }]);
+    drawChart("chart-bandwidth", [{ cls: "s-bw", values: field("transfer_bytes_per_s", 1024 ** k) }]);
     const last = history[history.length - 1];
+    // latency percentiles: the freshest status when there is one, else the newest sample
+    const now = latest ? { ttft: latest.requests.ttft_s, itl: latest.requests.itl_s } : last;
     const trio = (p) => `p50 ${fmtMs(p.p50)} · p90 ${fmtMs(p.p90)} · p99 ${fmtMs(p.p99)}`;
-    setText("ttft-now", last ? trio(last.ttft) : "");
-    setText("itl-now", last ? trio(last.itl) : "");
-    setText("bw-now", last && last.bw != null ? `now ${fmtRate(last.bw)}` : "");
+    setText("ttft-now", now && now.ttft ? trio(now.ttft) : "");
+    setText("itl-now", now && now.itl ? trio(now.itl) : "");
+    setText("throughput-now", last && last.output_tokens_per_s != null
+      ? `now ${fmtPerS(last.output_tokens_per_s, "tok")} · ${fmtPerS(last.requests_per_s, "req", 2)}` : "");
+    setText("errors-now", last && last.failed_per_s != null
+      ? `now ${perS(last.failed_per_s)} failed · ${perS(last.refused_per_s)} refused` : "");
+    setText("bw-now", last && last.transfer_bytes_per_s != null ? `now ${fmtRate(last.transfer_bytes_per_s)}` : "");
   }
 
   // ------------------------------------------------------------------ polling
@@ -281,31 +319,63 @@
     setText("conn-status", text);
   }
 
-  async function poll() {
+  async function getJson(url) {
     const abort = new AbortController();
     const timer = setTimeout(() => abort.abort(), TIMEOUT_MS);
     try {
-      const resp = await fetch(STATUS_URL, { headers, cache: "no-store", signal: abort.signal });
+      const resp = await fetch(url, { headers, cache: "no-store", signal: abort.signal });
       if (!resp.ok) {
         let message = `HTTP ${resp.status}`;
         try { message += `: ${(await resp.json()).error.message}`; } catch (_) { /* not an OpenAI error body */ }
         throw new Error(message);
       }
-      const status = await resp.json();
-      const rate = bandwidth(status);
-      const t = status.time * 1000;
-      history.push({ t, ttft: status.requests.ttft_s, itl: status.requests.itl_s, bw: rate });
-      while (history.length && history[0].t < t - HISTORY_MS) history.shift();
-      renderTotals(status, rate);
-      renderPools(status.pools);
-      renderCharts();
-      setConnection(true, `updated ${new Date(t).toLocaleTimeString()}`);
-      document.body.dataset.polls = String(Number(document.body.dataset.polls || 0) + 1);
+      return await resp.json();
     } catch (err) {
-      setConnection(false, `status unavailable (${err.name === "AbortError" ? "timed out" : err.message})`);
+      throw err.name === "AbortError" ? new Error("timed out") : err;
     } finally {
       clearTimeout(timer);
-      setTimeout(poll, POLL_MS);  // after the answer, so a slow cluster never piles up requests
+    }
+  }
+
+  function addSamples(answer) {
+    for (const s of answer.samples || []) {
+      const t = s.t * 1000;
+      if (history.length && t <= history[history.length - 1].t) continue;
+      history.push({ ...s, t });
+    }
+    const end = history.length ? history[history.length - 1].t : 0;
+    while (history.length && history[0].t < end - HISTORY_MS) history.shift();
+    if (answer.window_s) setText("history-window", fmtWindow(answer.window_s));
+    if (answer.interval_s) setText("history-interval", fmtWindow(answer.interval_s));
+    setText("history-samples", fmtInt(history.length));
+  }
+
+  async function poll() {
+    // the status and the history's newer samples side by side: either can fail on its own
+    const since = history.length ? `?since=${history[history.length - 1].t / 1000}` : "";
+    const [status, samples] = await Promise.allSettled([getJson(STATUS_URL), getJson(HISTORY_URL + since)]);
+    try {
+      if (samples.status === "fulfilled") {
+        const first = !document.body.dataset.historyLoaded;
+        addSamples(samples.value);
+        if (first) document.body.dataset.historyLoaded = String(history.length);
+      }
+      if (status.status === "fulfilled") {
+        latest = status.value;
+        renderTotals(latest);
+        renderPools(latest.pools);
+        renderPairs(latest);
+        setConnection(true, `updated ${new Date(latest.time * 1000).toLocaleTimeString()}`);
+        document.body.dataset.polls = String(Number(document.body.dataset.polls || 0) + 1);
+      } else {
+        setConnection(false, `status unavailable (${status.reason.message})`);
+      }
+      renderCharts();
+    } catch (err) {
+      setConnection(false, `dashboard error (${err.message})`);
+      throw err;
+    } finally {
+      setTimeout(poll, POLL_MS);  // after the answers, so a slow cluster never piles up requests
     }
   }
 
