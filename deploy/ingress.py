@@ -71,7 +71,7 @@ class OpenAIIngress:
                                    index=self.index)
         self.stats = RequestStats()
         self.metrics = IngressMetrics(self.args.model_name)
-        self.history = start_history(self)  # the dashboard's last 10 minutes, sampled every 2 s
+        self.history = start_history(self)  # the dashboard's last 10 minutes, sampled every 5 s
         http_errors.SETTINGS.api_keys = frozenset(self.args.api_keys)
         http_errors.SETTINGS.max_request_bytes = self.args.max_request_bytes
         logger.info("ingress ready: model %s (%s mode)", self.args.model_name, self.args.mode.value)

@@ -1,5 +1,5 @@
 // pdserve operator dashboard: draws the ingress's server-side window (<prefix>/v1/cluster/history,
-// one sample every 2 s over the last 10 minutes) at once, then every 2 s polls
+// one sample every 5 s over the last 10 minutes) at once, then every 2 s polls
 // <prefix>/v1/cluster/status for the figures and the history's newer samples for the charts.
 // No libraries: the DOM is built with textContent (never innerHTML with server data) and the
 // charts are plain SVG paths.

@@ -16,7 +16,7 @@ from deploy.cluster_status import extend_status, pair_table
 from deploy.dashboard import install_dashboard
 from deploy.http_errors import install_error_handlers
 from deploy.openai_protocol import RequestError
-from deploy.status_history import RESPONSES, ResponseCounts, StatusHistory, condense
+from deploy.status_history import INTERVAL_S, RESPONSES, ResponseCounts, StatusHistory, condense
 from deploy.status_table import format_status
 from workers.worker_stats import PairStats, WorkerStats, percentiles
 
@@ -245,7 +245,7 @@ def test_extend_status_adds_pairs_http_and_rates():
     assert out["throughput"]["output_tokens_per_s"] == 5.0
     assert out["requests"]["aborted"] == 3  # read from the request figures when they count it
     assert set(out["http"]) >= {"total", "ok", "refused", "client_errors", "server_errors"}
-    assert out["history"] == {"samples": 1, "interval_s": 2.0, "window_s": 600.0}
+    assert out["history"] == {"samples": 1, "interval_s": INTERVAL_S, "window_s": 600.0}
 
 
 # ---------------------------------------------------------------- pdserve status
