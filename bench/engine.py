@@ -1,11 +1,11 @@
 """Engine benchmark: (a) paged KV cache vs recomputing the sequence each step, (b) engine vs
 transformers ``generate`` at several batch sizes, measured side by side in one run.
 
-    python bench/engine.py                      # ~100M-param llama (12 x 768), CPU
+    python bench/engine.py                      # SmolLM2-135M-Instruct (30 x 576), CPU
+    python bench/engine.py --model tiny         # the generated ~100M random llama (12 x 768)
     python bench/engine.py --device cuda --dtype bfloat16
 
-The model is written by the tiny-model maker (random weights, real HF format) unless --model is
-given. Every figure is printed with its baseline from the same run, and as a ratio.
+The model is SmolLM2-135M-Instruct (pulled once) unless --model is given. Every figure is printed with its baseline from the same run, and as a ratio.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.models import MODEL_HELP, bench_model_dir  # noqa: E402
 from workers.engine import LLMEngine, SamplingParams  # noqa: E402
 
 
@@ -96,7 +97,7 @@ def best_of(fn, repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=None, help="HF model dir (default: a generated ~100M llama)")
+    ap.add_argument("--model", default=None, help=MODEL_HELP)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16, float16")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    model_dir = args.model or bench_model(Path(".cache/bench-llama-100m"))
+    model_dir = bench_model_dir(args.model, bench_model, Path(".cache/bench-llama-100m"))
     engine = LLMEngine(
         str(model_dir), device=args.device, dtype=args.dtype, num_kv_blocks=None,
         kv_cache_memory_gib=2.0, max_num_seqs=max(args.batches), enable_prefix_caching=False,

@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine import bench_model, sync  # noqa: E402
+from bench.models import MODEL_HELP, bench_model_dir  # noqa: E402
 from workers.engine import LLMEngine, SamplingParams  # noqa: E402
 from workers.protocol import KV_CACHE_DTYPES as KINDS  # noqa: E402
 
@@ -73,7 +74,7 @@ def decode_throughput(engine: LLMEngine, batch: int, prompt_len: int, steps: int
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model dir (default: a generated ~100M llama)")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--budget-gib", type=float, default=0.1, help="KV cache memory per engine")
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = args.model or str(bench_model(Path("/tmp/pdserve-bench-model")))
+    model = bench_model_dir(args.model, bench_model, Path(".cache/bench-llama-100m"))
     device = torch.device(args.device)
     rows = {}
     for kind in KINDS:

@@ -186,9 +186,9 @@ def test_serve_yaml_passes_serve_schema_and_pdserve_args(path: Path, tiny_model_
     assert args.model == str(Path(tiny_model_dir).resolve())
 
 
-def test_serve_dev_yaml_is_cpu_with_the_documented_tiny_model(tiny_model_dir: str) -> None:
+def test_serve_dev_yaml_is_cpu_with_the_default_model(tiny_model_dir: str) -> None:
     app = _pdserve_app(_load(REPO_ROOT / "deploy" / "serve.dev.yaml"))
-    assert app["args"]["model"] == "/tmp/pdserve-tiny"  # `pdserve tiny-model /tmp/pdserve-tiny`
+    assert app["args"]["model"] == "smollm2"  # resolved (pulled once) by PDServeArgs
     args = PDServeArgs.model_validate({**app["args"], "model": tiny_model_dir})
     assert args.device == "cpu"
     assert (args.prefill.replicas, args.decode.replicas) == (1, 1)
