@@ -6,13 +6,22 @@ Ports. Redis and Ray's GCS both default to 6379: `ray start --head` binds its GC
 is set. So Ray starts (or is connected to) first, and the managed Redis then takes a free port that
 is neither 6379 nor the GCS port it reports.
 
-Lifetime. `stop()` stops only what `start()` started: the redis-server child is terminated (then
-killed) and its temp dir removed; a Ray this launcher started is shut down, one it connected to is
-only disconnected. `stop()` also runs from an atexit hook and on SIGTERM (a handler that raises
-SystemExit, installed while running when SIGTERM had its default action), so Ctrl-C, SIGTERM and a
-normal exit leave no redis-server behind. The child stays in our process group, so a Ctrl-C or
-`kill -- -PGID` aimed at the group reaches it too; only a SIGKILL of this process alone can orphan
-it (it then holds a 127.0.0.1 port and an empty temp dir, nothing else).
+Lifetime. `stop()` stops only what `start()` started, in this order: a Ray this launcher started
+is shut down (one it connected to is only disconnected), then the redis-server child is terminated
+(then killed) and its temp dir removed. Ray goes first: its replicas may still talk to the index.
+`stop()` also runs from an atexit hook and on SIGTERM (a handler that raises SystemExit,
+installed while running when SIGTERM had its default action), so SIGTERM and a normal exit leave
+no redis-server behind; `kill()` is the quick version for a forced exit.
+
+Signals. The redis-server runs in a session (and process group) of its own: a Ctrl-C in the
+terminal goes to the foreground process group, and must not kill the index before the replicas
+have left it — the caller stops it, last. On Linux it also gets SIGTERM when the thread that
+started it dies (PR_SET_PDEATHSIG, when started from the main thread), so even a SIGKILL of this
+process does not orphan it. Ray's own processes block SIGINT; `kill()` (a forced exit) takes them
+down with the redis-server, since some of Ray's agents would outlive us.
+
+Progress. Each step says what it did in one line, to `on_phase` when given (`pdserve up` prints
+them) or to this module's logger at INFO.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from urllib.parse import urlsplit, urlunsplit
@@ -92,6 +102,9 @@ class LocalCluster:
     ray_address: an existing Ray cluster to connect to (RAY_ADDRESS is read when None); with
         neither, a local Ray is started with `num_cpus` (None: all cores).
     start_ray: False leaves Ray alone entirely (tests, or a caller that manages Ray itself).
+    on_phase: called with one line per step done (Ray started, Redis started, ... stopped);
+        None logs them at INFO.
+    ray_init_kwargs: extra keyword arguments for `ray.init` (e.g. `logging_level`).
     """
 
     def __init__(
@@ -102,6 +115,8 @@ class LocalCluster:
         redis_port: int | None = None,
         start_ray: bool = True,
         redis_start_timeout_s: float = 10.0,
+        on_phase: Callable[[str], None] | None = None,
+        ray_init_kwargs: dict | None = None,
     ) -> None:
         if redis_url is not None and redis_port is not None:
             raise ValueError("give redis_url (an existing Redis) or redis_port (a managed one), not both")
@@ -116,6 +131,8 @@ class LocalCluster:
         self._redis_port = redis_port
         self._start_ray = start_ray
         self._redis_start_timeout_s = redis_start_timeout_s
+        self._on_phase = on_phase
+        self._ray_init_kwargs = dict(ray_init_kwargs or {})
 
         self._redis_proc: subprocess.Popen[bytes] | None = None
         self._redis_dir: Path | None = None
@@ -155,7 +172,11 @@ class LocalCluster:
             if self._given_redis_url is None:
                 self._start_redis()
             else:
-                logger.info("prefix index uses the given Redis %s", redact_url(self._given_redis_url))
+                url = redact_url(self._given_redis_url)
+                if _answers_ping(self._given_redis_url, timeout_s=2.0):
+                    self._phase(f"Redis connected: {url} answers (prefix index)")
+                else:
+                    self._phase(f"Redis at {url} does not answer yet: requests route by load until it does")
         except BaseException:
             self.stop()
             raise
@@ -166,23 +187,49 @@ class LocalCluster:
         if not self._running:
             return
         self._running = False
-        self._stop_redis()
-        if self._ray_initialized_here:
-            import ray
+        try:
+            if self._ray_initialized_here:
+                import ray
 
-            ray.shutdown()  # ends a Ray we started; only disconnects from one we joined
-            if self.started_ray:
-                logger.info("stopped local Ray (gcs %s)", self.gcs_address)
-            self._ray_initialized_here = False
-            self.started_ray = False
-        self._restore_sigterm_handler()
-        atexit.unregister(self.stop)
+                ray.shutdown()  # ends a Ray we started; only disconnects from one we joined
+                self._phase(f"Ray stopped (gcs {self.gcs_address})" if self.started_ray
+                            else f"Ray disconnected (gcs {self.gcs_address})")
+                self._ray_initialized_here = False
+                self.started_ray = False
+        finally:
+            self._stop_redis()
+            self._restore_sigterm_handler()
+            atexit.unregister(self.stop)
+
+    def kill(self) -> None:
+        """Stop at once (a second Ctrl-C), meant to be followed by `os._exit`: SIGKILL the
+        managed redis-server and, for a Ray started here, every process below this one (raylet,
+        GCS, workers: Ray's agents would outlive a forced exit otherwise), and drop the temp
+        dir. No logging and no locks: it runs from a signal handler."""
+        self._running = False
+        proc, self._redis_proc = self._redis_proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.kill()
+            except OSError:
+                pass
+        if self.started_ray:
+            _kill_descendants()
+        if self._redis_dir is not None:
+            shutil.rmtree(self._redis_dir, ignore_errors=True)
+            self._redis_dir = None
 
     def __enter__(self) -> LocalCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def _phase(self, message: str) -> None:
+        if self._on_phase is not None:
+            self._on_phase(message)
+        else:
+            logger.info("%s", message)
 
     # -- Ray -------------------------------------------------------------------------------
 
@@ -191,13 +238,13 @@ class LocalCluster:
 
         if ray.is_initialized():  # the caller's own Ray: use it, leave it running at stop()
             self.gcs_address = ray.get_runtime_context().gcs_address
-            logger.info("using the Ray this process is already connected to (gcs %s)", self.gcs_address)
+            self._phase(f"Ray connected: the one this process already uses (gcs {self.gcs_address})")
             return
         if self._ray_address:
-            ray.init(address=self._ray_address)
+            ray.init(address=self._ray_address, **self._ray_init_kwargs)
             self._ray_initialized_here = True
             self.gcs_address = ray.get_runtime_context().gcs_address
-            logger.info("connected to Ray at %s (gcs %s)", self._ray_address, self.gcs_address)
+            self._phase(f"Ray connected: {self._ray_address} (gcs {self.gcs_address})")
             if self._given_redis_url is None and sum(1 for n in ray.nodes() if n.get("Alive")) > 1:
                 logger.warning(
                     "the managed redis-server listens on 127.0.0.1 only: replicas on other nodes "
@@ -205,12 +252,14 @@ class LocalCluster:
                 )
             return
         # A fresh head: ray.init() binds its GCS to a free port unless RAY_GCS_SERVER_PORT is set.
-        ray.init(num_cpus=self._num_cpus)
+        context = ray.init(num_cpus=self._num_cpus, **self._ray_init_kwargs)
         self._ray_initialized_here = True
         self.started_ray = True
         self.gcs_address = ray.get_runtime_context().gcs_address
-        logger.info("started local Ray (gcs %s, %s CPUs)", self.gcs_address,
-                    ray.cluster_resources().get("CPU", 0))
+        dashboard = getattr(context, "dashboard_url", None)
+        cpus = ray.cluster_resources().get("CPU", 0)
+        self._phase(f"Ray started: local instance (gcs {self.gcs_address}, {cpus:g} CPUs"
+                    + (f", Ray dashboard http://{dashboard}" if dashboard else "") + ")")
 
     def _excluded_ports(self) -> set[int]:
         excluded = {RAY_DEFAULT_GCS_PORT}
@@ -253,9 +302,11 @@ class LocalCluster:
             "--save", "", "--appendonly", "no", "--dir", str(self._redis_dir),
             "--logfile", str(log_file), "--loglevel", "warning",
         ]
-        # Same process group as ours (no new session): a Ctrl-C or group kill reaches it too.
+        # A session of its own: the terminal's Ctrl-C (sent to our process group) must not stop
+        # the index before the replicas leave it. stop()/kill() stop it; so does our death.
         proc = subprocess.Popen(args, cwd=self._redis_dir, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=_parent_death_signal())
         url = f"redis://127.0.0.1:{port}/0"
         deadline = time.monotonic() + self._redis_start_timeout_s
         while not _answers_ping(url, timeout_s=0.2):
@@ -271,13 +322,13 @@ class LocalCluster:
             time.sleep(0.02)
         self._redis_proc = proc
         self._managed_redis_url = url
-        logger.info("managed redis-server for the prefix index at %s (pid %d)", url, proc.pid)
+        self._phase(f"Redis started: managed redis-server for the prefix index at {url} (pid {proc.pid})")
 
     def _stop_redis(self) -> None:
         proc, self._redis_proc = self._redis_proc, None
         if proc is not None:
             _terminate(proc)
-            logger.info("stopped managed redis-server at %s (pid %d)", self._managed_redis_url, proc.pid)
+            self._phase(f"Redis stopped: managed redis-server at {self._managed_redis_url} (pid {proc.pid})")
         self._managed_redis_url = None
         if self._redis_dir is not None:
             shutil.rmtree(self._redis_dir, ignore_errors=True)
@@ -303,6 +354,46 @@ class LocalCluster:
             if signal.getsignal(signal.SIGTERM) is _raise_system_exit:
                 signal.signal(signal.SIGTERM, self._previous_sigterm)
             self._previous_sigterm = None
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A `preexec_fn` asking Linux to SIGTERM the child when the thread that started it dies,
+    or None: elsewhere, or off the main thread (whose end would not mean ours)."""
+    if not os.uname().sysname == "Linux" or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # we died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def _kill_descendants() -> None:
+    """SIGKILL every process below this one (best effort)."""
+    try:
+        import psutil  # Ray's dependency
+    except ImportError:
+        return
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for child in children:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
 
 
 def _raise_system_exit(signum: int, frame: FrameType | None) -> None:

@@ -4,8 +4,10 @@ builder (``build_app``), the Serve config YAMLs (``args:``) and ``pdserve up``."
 from __future__ import annotations
 
 import enum
+import ipaddress
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -135,3 +137,43 @@ class PDServeArgs(BaseModel):
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
         )
+
+
+def redis_url_is_loopback(redis_url: str) -> bool:
+    """True when the URL names this machine only (localhost, 127.0.0.0/8, ::1, 0.0.0.0)."""
+    host = (urlsplit(redis_url).hostname or "").lower()
+    if host in ("localhost", "localhost.localdomain", "") or host.endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False  # a name: resolved on each node, assumed to mean the same Redis
+    return address.is_loopback or address.is_unspecified
+
+
+def loopback_redis_problem(redis_url: str | None, alive_nodes: int) -> str | None:
+    """Why `redis_url` cannot serve a Ray cluster of `alive_nodes` nodes (None when it can)."""
+    if not redis_url or alive_nodes <= 1 or not redis_url_is_loopback(redis_url):
+        return None
+    from cluster.local import redact_url
+
+    return (
+        f"redis_url {redact_url(redis_url)} names the loopback address, but this Ray cluster has "
+        f"{alive_nodes} nodes: replicas on the other nodes would look for Redis on their own loopback. "
+        "Set redis_url to an address every node can reach, e.g. redis://<head IP>:6380/0 (the head's "
+        "Redis in cluster/*.yaml, bound to the head's address), or leave redis_url unset to route by load alone."
+    )
+
+
+def check_redis_url_for_cluster(redis_url: str | None) -> None:
+    """Start-up check (``build_app``): raise ValueError when a loopback Redis URL is given to a
+    Ray cluster of more than one node. Without a connected Ray there is nothing to check."""
+    if not redis_url or not redis_url_is_loopback(redis_url):
+        return
+    import ray
+
+    if not ray.is_initialized():
+        return
+    problem = loopback_redis_problem(redis_url, sum(1 for node in ray.nodes() if node.get("Alive")))
+    if problem:
+        raise ValueError(problem)

@@ -1,5 +1,16 @@
 """``build_app(args)``: the Serve application (an application builder, usable as
-``import_path: deploy.builder:build_app`` in a Serve config)."""
+``import_path: deploy.builder:build_app`` in a Serve config).
+
+Logging: every deployment gets a Serve ``LoggingConfig`` (``serve_logging``). Serve's per-call
+access log ("CALL prefill OK 3.7ms", "POST /v1/completions 200", one line per internal call) is
+off and Serve's own replica logger says only warnings, unless ``log_level`` is DEBUG or the
+caller asks for the access log (``pdserve up --access-log``): INFO on the console is for state
+changes.
+
+Shutdown: deleting the application stops every replica: the ingress's in-flight requests get
+``INGRESS_DRAIN_S`` to finish, the pools a little longer (they serve those requests), then each
+pool replica ends what still runs and leaves the prefix index. ``pdserve up`` first drains the
+ingress itself (``OpenAIIngress.drain``) and only then deletes the application."""
 
 from __future__ import annotations
 
@@ -7,17 +18,35 @@ from typing import Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
+from ray.serve.schema import LoggingConfig
 
-from deploy.args import Mode, PDServeArgs, PoolArgs
+from deploy.args import Mode, PDServeArgs, PoolArgs, check_redis_url_for_cluster
 from deploy.ingress import OpenAIIngress
 from deploy.servers import ColocatedServer, DecodeServer, PrefillServer
 from workers.engine.config import EngineConfig
 
 PREFIX_ROUTER = "deploy.routers:PrefixAwareRouter"
 DECODE_ROUTER = "deploy.routers:DecodeRouter"
+INGRESS_DRAIN_S = 10.0  # in-flight requests may finish this long after a stop (then they are cut)
+# Serve stops every deployment of a deleted application at once, and a stopping replica takes no
+# new calls: the pools outlive the ingress's drain so that its in-flight requests can finish.
+# (`pdserve up` drains the ingress first, see OpenAIIngress.drain, so the pools are idle by then.)
+POOL_DRAIN_S = INGRESS_DRAIN_S + 5.0
+DRAIN_CHECK_S = 0.5  # how often a stopping replica looks whether its requests are done
 
 
-def _pool_options(pool: PoolArgs, router: str, router_kwargs: dict[str, Any]) -> dict[str, Any]:
+def serve_logging(log_level: str = "INFO", access_log: bool | None = None) -> LoggingConfig:
+    """Serve's logging for pdserve's deployments (and, from ``pdserve up``, its controller and
+    proxy): access log off unless asked for or at DEBUG; Serve's INFO chatter (a line per
+    cancelled call, per handle started, per client that left) only then."""
+    debug = str(log_level).upper() == "DEBUG"
+    access = debug if access_log is None else access_log
+    level = "DEBUG" if debug else "INFO" if access else "WARNING"  # access lines are INFO records
+    return LoggingConfig(log_level=level, enable_access_log=access)
+
+
+def _pool_options(pool: PoolArgs, router: str, router_kwargs: dict[str, Any],
+                  logging_config: LoggingConfig) -> dict[str, Any]:
     return dict(
         num_replicas=pool.replicas,
         max_ongoing_requests=pool.max_ongoing_requests,
@@ -28,11 +57,22 @@ def _pool_options(pool: PoolArgs, router: str, router_kwargs: dict[str, Any]) ->
             request_routing_stats_period_s=1.0, request_routing_stats_timeout_s=5.0,
         ),
         health_check_period_s=5.0,
+        logging_config=logging_config,
+        graceful_shutdown_timeout_s=POOL_DRAIN_S,
+        graceful_shutdown_wait_loop_s=DRAIN_CHECK_S,
     )
 
 
 def build_app(args: dict[str, Any] | PDServeArgs) -> serve.Application:
+    """The application builder (Serve calls it with the config's ``args``)."""
+    return make_app(args)
+
+
+def make_app(args: dict[str, Any] | PDServeArgs, access_log: bool | None = None) -> serve.Application:
+    """``build_app`` with the access log chosen (None: on at log level DEBUG only)."""
     parsed = args if isinstance(args, PDServeArgs) else PDServeArgs.model_validate(args)
+    check_redis_url_for_cluster(parsed.redis_url)  # a loopback Redis on a multi-node cluster fails here
+    logs = serve_logging(parsed.log_level, access_log)
     raw = parsed.model_dump(mode="json")
     router_kwargs = {
         "redis_url": parsed.redis_url,
@@ -41,23 +81,26 @@ def build_app(args: dict[str, Any] | PDServeArgs) -> serve.Application:
         "imbalance_threshold": parsed.prefix_imbalance_threshold,
         "block_size": parsed.block_size,
     }
-    ingress = OpenAIIngress.options(num_replicas=parsed.ingress_replicas)
+    ingress = OpenAIIngress.options(num_replicas=parsed.ingress_replicas, logging_config=logs,
+                                    graceful_shutdown_timeout_s=INGRESS_DRAIN_S,
+                                    graceful_shutdown_wait_loop_s=DRAIN_CHECK_S)
     if parsed.mode is Mode.COLOCATED:
         colocated = ColocatedServer.options(
             **_pool_options(parsed.colocated, PREFIX_ROUTER,
-                            {**router_kwargs, "role": "colocated", "policy": parsed.prefill_routing})).bind(raw)
+                            {**router_kwargs, "role": "colocated", "policy": parsed.prefill_routing}, logs)).bind(raw)
         return ingress.bind(raw, colocated=colocated)
     prefill_kwargs = {**router_kwargs, "role": "prefill", "policy": parsed.prefill_routing}
-    prefill = PrefillServer.options(**_pool_options(parsed.prefill, PREFIX_ROUTER, prefill_kwargs)).bind(raw)
+    prefill = PrefillServer.options(**_pool_options(parsed.prefill, PREFIX_ROUTER, prefill_kwargs, logs)).bind(raw)
     decode = DecodeServer.options(
-        **_pool_options(parsed.decode, DECODE_ROUTER, {**router_kwargs, "role": "decode"})).bind(raw, prefill)
+        **_pool_options(parsed.decode, DECODE_ROUTER, {**router_kwargs, "role": "decode"}, logs)).bind(raw, prefill)
     return ingress.bind(raw, prefill=prefill, decode=decode)
 
 
 def deploy_and_wait(args: dict[str, Any] | PDServeArgs, name: str, route_prefix: str, base_url: str,
                     timeout_s: float = 240.0) -> str:
     """Deploy ``build_app(args)`` without blocking and return ``base_url`` once its ``/health``
-    answers (the tests' and benchmarks' way to bring up an application)."""
+    answers 200, i.e. every pool has a replica the ingress reaches (it is 503 "starting" until
+    then): the tests' and benchmarks' way to bring up an application."""
     import time
     import urllib.error
     import urllib.request

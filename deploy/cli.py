@@ -244,49 +244,234 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--gpus-per-replica", type=float, default=0.0)
     parser.add_argument("--cpus-per-replica", type=float, default=0.5)
     parser.add_argument("--api-key", action="append", default=[], help="accepted Bearer key (repeatable)")
+    parser.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING"), default="INFO",
+                        help="what pdserve and Serve print (default INFO: state changes only; DEBUG adds "
+                             "Serve's internals and the access log)")
+    parser.add_argument("--access-log", action="store_true",
+                        help="log every HTTP request and internal call (Serve's access log; off by default)")
     parser.set_defaults(handler=_run_up)
+
+
+UP_APP_NAME = "pdserve"
+
+
+def _say(message: str) -> None:
+    """One line of `pdserve up` progress on stdout, at once."""
+    print(f"pdserve: {message}", flush=True)
+
+
+class _StopFlag:
+    """Like ``threading.Event`` for the main thread, but safe to set from a signal handler: an
+    Event's ``set()`` takes the lock its ``wait()`` may hold in the very thread the handler
+    interrupts (a deadlock). ``wait`` polls instead (the handler interrupts its sleep)."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._set:
+            left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+            if left <= 0:
+                break
+            time.sleep(left)
+        return self._set
+
+
+class _StopSignals:
+    """Ctrl-C and SIGTERM for `pdserve up`. The first asks for an orderly stop (``stop`` is set;
+    the main thread does the work); another one while stopping exits at once: ``on_force`` runs
+    (it kills what must not outlive us), then ``os._exit(130)``, with no traceback."""
+
+    def __init__(self) -> None:
+        self.stop = _StopFlag()
+        self.on_force: Callable[[], None] | None = None
+
+    def install(self) -> None:
+        import signal
+
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        import os
+
+        if not self.stop.is_set():
+            self.stop.set()
+            return
+        # A signal handler may interrupt a print: write straight to the file descriptor.
+        os.write(2, b"pdserve: stopping at once (second interrupt)\n")
+        try:
+            if self.on_force is not None:
+                self.on_force()
+        finally:
+            os._exit(130)
+
+
+def _up_targets(app_args) -> dict[str, int]:
+    """Replicas each deployment of the application must have running."""
+    from deploy.args import Mode
+
+    if app_args.mode is Mode.COLOCATED:
+        return {"ingress": app_args.ingress_replicas, "colocated": app_args.colocated.replicas}
+    return {"ingress": app_args.ingress_replicas, "prefill": app_args.prefill.replicas,
+            "decode": app_args.decode.replicas}
+
+
+def _probe_url(host: str, port: int) -> str:
+    """Where this machine reaches the server (a wildcard bind is reached on loopback)."""
+    return f"http://{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{port}"
+
+
+def _wait_until_serving(app_name: str, targets: dict[str, int], probe: str, stop, announced: set[str]) -> bool:
+    """Print each deployment's replicas as they come up (adding it to ``announced``), then return
+    True once ``/health`` answers 200 (every pool has a replica the ingress reaches: requests can
+    be served). False when the deployment failed (said on stderr) or a stop was asked for first."""
+    import httpx
+    from ray import serve
+
+    last_health: str | None = None
+    with httpx.Client(timeout=2.0) as client:
+        while not stop.is_set():
+            app = serve.status().applications.get(app_name)
+            if app is not None:
+                if app.status == "DEPLOY_FAILED":
+                    print(f"pdserve: deploying failed: {app.message}", file=sys.stderr, flush=True)
+                    return False
+                for name, want in targets.items():
+                    deployment = app.deployments.get(name)
+                    running = deployment.replica_states.get("RUNNING", 0) if deployment is not None else 0
+                    if name not in announced and running >= want:
+                        announced.add(name)
+                        _say(f"{name}: {running}/{want} {'replica' if want == 1 else 'replicas'} ready")
+            if "ingress" in announced:  # before that Serve's proxy would hold the request
+                try:
+                    resp = client.get(f"{probe}/health")
+                    if resp.status_code == 200:
+                        return True
+                    last_health = f"{resp.status_code} {resp.text[:200]}"
+                except httpx.HTTPError as exc:
+                    last_health = f"{type(exc).__name__}"
+            stop.wait(0.25)
+    if last_health is not None:
+        _say(f"stopped while starting (last /health: {last_health})")
+    return False
+
+
+def _stop_serving(app_name: str, started_ray: bool, ingress_up: bool) -> None:
+    """The orderly stop, before Ray and Redis go. The ingress drains first (no new requests,
+    503; in-flight ones get INGRESS_DRAIN_S to finish, then are cut, which aborts them on the
+    workers), then the application is deleted: the pool replicas, idle by now, leave the prefix
+    index while Redis is still up."""
+    from ray import serve
+
+    from deploy.builder import INGRESS_DRAIN_S
+
+    if ingress_up:
+        _say(f"stopping: no new requests; in-flight ones get up to {INGRESS_DRAIN_S:g} s to finish "
+             "(Ctrl-C again to stop at once)")
+        try:
+            drained = serve.get_app_handle(app_name).drain.remote(INGRESS_DRAIN_S).result(
+                timeout_s=INGRESS_DRAIN_S + 15.0)
+            done = drained["in_flight"] - drained["cut"]
+            _say(f"ingress drained: {done} in-flight {'request' if done == 1 else 'requests'} finished"
+                 + (f", {drained['cut']} cut after {INGRESS_DRAIN_S:g} s" if drained["cut"] else ""))
+        except Exception as exc:  # noqa: BLE001 - the stop goes on without it
+            _say(f"ingress did not drain ({type(exc).__name__}: {exc}); stopping anyway")
+    else:
+        _say("stopping (Ctrl-C again to stop at once)")
+    serve.delete(app_name)
+    _say("application stopped: its replicas left the prefix index")
+    if not started_ray and not serve.status().applications:
+        serve.shutdown()  # a joined cluster: leave no Serve behind that nobody uses
+        _say("Serve stopped")
 
 
 def _run_up(args: argparse.Namespace) -> int:
     import logging
-    import signal
-    import threading
 
     from cluster.local import LocalCluster
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    debug = args.log_level == "DEBUG"
+    logging.basicConfig(level=getattr(logging, args.log_level),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for chatty in ("httpx", "httpcore"):  # a line per /health poll
+        logging.getLogger(chatty).setLevel(logging.DEBUG if debug else logging.WARNING)
+    signals = _StopSignals()
+    signals.install()  # before anything slow: a Ctrl-C while starting stops in order too
     model = resolve_model_arg(args.model)
+    _say(f"model resolved: {model}")
+    local = LocalCluster(redis_url=args.redis_url, ray_address=args.ray_address, on_phase=_say,
+                         ray_init_kwargs={} if debug else {"logging_level": logging.WARNING})
+    signals.on_force = local.kill
+    try:
+        try:
+            local.start()
+        except (OSError, TimeoutError, ValueError) as exc:  # redis-server missing, port taken, ...
+            print(f"pdserve up: {exc}", file=sys.stderr)
+            return 1
+        signals.install()  # ray.init put its own SIGTERM handler (sys.exit) in place of ours
+        if signals.stop.is_set():
+            return 0
+        return _deploy_and_serve(args, model, local, signals, debug)
+    finally:
+        local.stop()  # Ray first, then Redis: nothing is left that talks to the index
+
+
+def _deploy_and_serve(args: argparse.Namespace, model: str, local, signals: _StopSignals, debug: bool) -> int:
+    import logging
+
+    from ray import serve
+
+    from deploy.args import PDServeArgs
+    from deploy.builder import make_app, serve_logging
+
+    if not debug:  # Serve's driver-side INFO ("Started Serve in namespace", ...): our lines say it
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
     pool = {"num_cpus": args.cpus_per_replica, "num_gpus": args.gpus_per_replica}
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with LocalCluster(redis_url=args.redis_url, ray_address=args.ray_address) as local:
-        from ray import serve
+    app_args = PDServeArgs(
+        model=model, served_model_name=args.served_model_name, mode=args.mode,
+        prefill={**pool, "replicas": args.prefill}, decode={**pool, "replicas": args.decode},
+        colocated={**pool, "replicas": args.colocated}, device=args.device, dtype=args.dtype,
+        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_gib=args.kv_cache_memory_gib, kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=args.max_model_len, conversation_reuse=not args.no_conversation_reuse,
+        redis_url=local.redis_url,
+        transport=args.transport, api_keys=tuple(args.api_key), log_level=args.log_level,
+    )
+    access_log = True if args.access_log else None
+    url = f"http://{args.host}:{args.port}"
+    probe = _probe_url(args.host, args.port)
+    targets = _up_targets(app_args)
+    # Serve's controller and proxy: the proxy's "Client ... disconnected" line is INFO.
+    serve.start(http_options={"host": args.host, "port": args.port},
+                logging_config=serve_logging(args.log_level, access_log))
+    plan = ", ".join(f"{name} x{count}" for name, count in targets.items())
+    _say(f"deploying {plan} on {url} (replicas load the model)")
+    serve.run_many([serve.RunTarget(make_app(app_args, access_log), name=UP_APP_NAME, route_prefix="/")],
+                   wait_for_applications_running=False)
+    rc = 0
+    announced: set[str] = set()
+    try:
+        if _wait_until_serving(UP_APP_NAME, targets, probe, signals.stop, announced):
+            from workers.models.gguf import describe_model
 
-        from deploy.args import PDServeArgs
-        from deploy.builder import build_app
-
-        app_args = PDServeArgs(
-            model=model, served_model_name=args.served_model_name, mode=args.mode,
-            prefill={**pool, "replicas": args.prefill}, decode={**pool, "replicas": args.decode},
-            colocated={**pool, "replicas": args.colocated}, device=args.device, dtype=args.dtype,
-            block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-            kv_cache_memory_gib=args.kv_cache_memory_gib, kv_cache_dtype=args.kv_cache_dtype,
-            max_model_len=args.max_model_len, conversation_reuse=not args.no_conversation_reuse,
-            redis_url=local.redis_url,
-            transport=args.transport, api_keys=tuple(args.api_key),
-        )
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(app_args), name="pdserve", route_prefix="/")
-        from workers.models.gguf import describe_model
-
-        url = f"http://{args.host}:{args.port}"
-        print(f"pdserve is up: {url}/v1 (model {app_args.model_name!r}, {describe_model(model)}; {args.mode}); "
-              f"dashboard {url}/dashboard; Ctrl-C to stop", flush=True)
-        stop.wait()
-        print("pdserve: shutting down", flush=True)
-        serve.shutdown()
-    return 0
+            print(f"pdserve is up: {url}/v1 (model {app_args.model_name!r}, {describe_model(model)}; "
+                  f"{args.mode}); dashboard {url}/dashboard; Ctrl-C to stop", flush=True)
+            signals.stop.wait()
+        elif not signals.stop.is_set():
+            rc = 1  # the deployment failed
+    finally:
+        _stop_serving(UP_APP_NAME, local.started_ray, ingress_up="ingress" in announced)
+    return rc
 
 
 def _add_status_parser(subparsers: argparse._SubParsersAction) -> None:

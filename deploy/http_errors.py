@@ -6,17 +6,31 @@ Serve runs a frozen copy of the module-level FastAPI app, so per-deployment sett
 the body limit) cannot live in ``app.state``: they live in ``SETTINGS`` here, which the
 ingress's constructor fills in the replica process, and the handlers below are module-level
 functions (pickled by reference, so they read this module's ``SETTINGS`` in the replica).
+
+A client that leaves is not an error. Serve tells the ingress in two ways: the request's task is
+cancelled (``asyncio.CancelledError``), and the ASGI ``receive`` it hands the app raises Ray's
+``TaskCancelledError`` (its fetch from the proxy was cancelled) instead of returning
+``http.disconnect``. Starlette's ``BaseHTTPMiddleware`` ran ``receive`` in an anyio task group,
+which wrapped that error in an ``ExceptionGroup`` and made every disconnect look like a crash
+("unhandled error on /v1/chat/completions"). So the middleware here is plain ASGI, its
+``receive`` turns those errors into ``http.disconnect``, and what still surfaces as a
+cancellation (``is_cancellation``) is logged at DEBUG only.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from ray.exceptions import TaskCancelledError  # Serve's RequestCancelledError is one too
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from deploy.openai_protocol import RequestError, error_body
 
@@ -30,6 +44,22 @@ class HTTPSettings:
 
 
 SETTINGS = HTTPSettings()
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody receives it
+
+
+def is_cancellation(exc: BaseException | None) -> bool:
+    """Whether ``exc`` means "the client left / the call was cancelled", not a failure: an
+    asyncio cancellation, a closed generator, Ray's or Serve's cancellation errors (also as the
+    cause of a Ray task error), Starlette's ClientDisconnect, or a group holding only those."""
+    if exc is None:
+        return False
+    if isinstance(exc, BaseExceptionGroup):
+        return all(is_cancellation(e) for e in exc.exceptions)
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit, TaskCancelledError, ClientDisconnect)):
+        return True
+    cause = getattr(exc, "cause", None)  # RayTaskError carries the callee's exception here
+    return cause is not exc and isinstance(cause, BaseException) and is_cancellation(cause)
 
 
 def _open_path(path: str) -> bool:
@@ -82,36 +112,110 @@ def _too_large(limit: int, size: str) -> JSONResponse:
                                    "invalid_request_error", None, "request_too_large"), status_code=413)
 
 
+def _client_closed() -> JSONResponse:
+    return JSONResponse(error_body("client closed the request", "invalid_request_error", None,
+                                   "client_closed_request"), status_code=CLIENT_CLOSED_REQUEST)
+
+
 async def server_error(request: Request, exc: Exception) -> JSONResponse:
+    if is_cancellation(exc):  # the client left: nothing failed, and nobody reads this answer
+        logger.debug("client of %s left (%s)", request.url.path, type(exc).__name__)
+        return _client_closed()
     logger.exception("unhandled error on %s", request.url.path)
     return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error", None, None),
                         status_code=500)
 
 
-async def auth_and_size(request: Request, call_next):
-    if SETTINGS.api_keys and not _open_path(request.url.path):
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if token not in SETTINGS.api_keys:
-            return JSONResponse(
-                error_body("Missing or invalid API key: send 'Authorization: Bearer <key>'",
-                           "authentication_error", None, "invalid_api_key"), status_code=401)
-    limit = SETTINGS.max_request_bytes
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        return _too_large(limit, length)
-    if length is None and request.method in ("POST", "PUT", "PATCH"):
-        # Chunked upload: read it here, counting, so the limit holds without Content-Length.
-        body = bytearray()
-        async for piece in request.stream():
-            body += piece
-            if len(body) > limit:
-                return _too_large(limit, f"more than {limit}")
-        request._body = bytes(body)  # Starlette serves later reads from this
-    try:
-        return await call_next(request)
-    except RequestError as exc:
-        return await request_error(request, exc)
+def _disconnect_on_cancel(receive):
+    """``receive``, with Ray's cancellation of Serve's proxy fetch read as a disconnect."""
+    async def wrapped():
+        try:
+            return await receive()
+        except Exception as exc:  # noqa: BLE001 - only cancellations are translated
+            if is_cancellation(exc):
+                return {"type": "http.disconnect"}
+            raise
+    return wrapped
+
+
+def _replay(body: bytes, receive):
+    """``receive`` that first hands out a body already read, then the connection's messages."""
+    sent = False
+
+    async def wrapped():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return wrapped
+
+
+class AuthAndSize:
+    """Pure ASGI middleware (no task group, see the module docstring): API keys, the body limit
+    (also for chunked uploads, read here while counting), and disconnects as disconnects.
+
+    Module-level, so Serve pickles it by reference and it reads this module's ``SETTINGS``."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        receive = _disconnect_on_cancel(receive)
+        headers = Headers(scope=scope)
+        if SETTINGS.api_keys and not _open_path(scope.get("path", "")):
+            header = headers.get("authorization", "")
+            token = header[7:] if header.lower().startswith("bearer ") else ""
+            if token not in SETTINGS.api_keys:
+                await JSONResponse(
+                    error_body("Missing or invalid API key: send 'Authorization: Bearer <key>'",
+                               "authentication_error", None, "invalid_api_key"), status_code=401,
+                )(scope, receive, send)
+                return
+        limit = SETTINGS.max_request_bytes
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            await _too_large(limit, length)(scope, receive, send)
+            return
+        if length is None and scope.get("method") in ("POST", "PUT", "PATCH"):
+            # Chunked upload: read it here, counting, so the limit holds without Content-Length.
+            body = bytearray()
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return  # the client left mid-upload
+                body += message.get("body", b"")
+                if len(body) > limit:
+                    await _too_large(limit, f"more than {limit}")(scope, receive, send)
+                    return
+                if not message.get("more_body", False):
+                    break
+            receive = _replay(bytes(body), receive)
+        started = False
+
+        async def watch(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except RequestError as exc:
+            if started:
+                raise
+            await (await request_error(Request(scope), exc))(scope, receive, send)
+        except Exception as exc:
+            if not is_cancellation(exc):
+                raise
+            # The client left while the route ran (asyncio's own cancellation is not caught
+            # here: it propagates, as it must). Nothing failed; nobody reads an answer.
+            logger.debug("client of %s left (%s)", scope.get("path"), type(exc).__name__)
+            if not started:
+                with contextlib.suppress(Exception):
+                    await _client_closed()(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -119,4 +223,4 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestError, request_error)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Exception, server_error)
-    app.middleware("http")(auth_and_size)
+    app.add_middleware(AuthAndSize)

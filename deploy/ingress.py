@@ -22,11 +22,11 @@ from deploy import http_errors
 from deploy.context_limit import fit_to_context
 from deploy.conversation import ConversationCache, ConversationTurn
 from deploy.dashboard import install_dashboard
-from deploy.http_errors import install_error_handlers
+from deploy.http_errors import install_error_handlers, is_cancellation
 from deploy.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from deploy.output import ChoiceAssembler
 from deploy.responses import ResponseBuilder
-from deploy.worker_calls import WorkerCalls
+from deploy.worker_calls import PoolReadiness, WorkerCalls
 from deploy.cluster_status import extend_status, index_status, pool_status, start_history
 from deploy.metrics import IngressMetrics
 from deploy.request_stats import RequestStats
@@ -70,6 +70,8 @@ class OpenAIIngress:
         self.workers = WorkerCalls(self.args.mode, prefill=prefill, decode=decode, colocated=colocated,
                                    index=self.index)
         self.stats = RequestStats()
+        self.readiness = PoolReadiness(self.pools)  # /health: 503 "starting" until the pools answer
+        self._requests: set[asyncio.Task] = set()  # completion requests in flight (drain() waits for them)
         self.metrics = IngressMetrics(self.args.model_name)
         self.history = start_history(self)  # the dashboard's last 10 minutes, sampled every 5 s
         http_errors.SETTINGS.api_keys = frozenset(self.args.api_keys)
@@ -93,8 +95,34 @@ class OpenAIIngress:
 
     # ------------------------------------------------------------------ routes
     @app.get("/health")
-    async def health(self) -> dict:
-        return {"status": "ok"}
+    async def health(self):
+        """200 ``{"status": "ok"}`` once every pool has a replica that answers; until then 503
+        ``{"status": "starting", "pools": {...}}`` at once (never held: load balancers and
+        ``pdserve up`` poll it with short timeouts); 503 ``{"status": "stopping"}`` once
+        ``drain`` began."""
+        state = self.readiness.status()
+        if state["status"] == "ok":
+            return state
+        return JSONResponse(state, status_code=503, headers={"Retry-After": "1"})
+
+    async def drain(self, timeout_s: float = 10.0) -> dict:
+        """The first step of an orderly stop (``pdserve up`` calls it through a handle before
+        deleting the application): take no new completion requests (503 ``shutting_down``),
+        give the ones in flight ``timeout_s`` to finish, then cut the rest, which aborts them
+        on the workers (their KV blocks are freed). Returns how many were in flight and cut."""
+        self.readiness.stopping = True
+        in_flight = len(self._requests)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._requests and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        cut = [task for task in self._requests if not task.done()]
+        for task in cut:
+            task.cancel()
+        if cut:
+            await asyncio.wait(cut, timeout=5.0)
+        logger.info("ingress drained: %d requests in flight, %d cut", in_flight, len(cut))
+        return {"in_flight": in_flight, "cut": len(cut)}
 
     @app.get("/v1/cluster/status")
     async def cluster_status(self) -> dict:
@@ -170,6 +198,13 @@ class OpenAIIngress:
 
     async def _serve(self, body, prompt_ids: list[int], max_tokens: int | None, logprobs: int | None,
                      chat: bool, raw: Request, turn: ConversationTurn | None = None):
+        if self.readiness.stopping:
+            raise RequestError("the server is shutting down; retry on another replica", None, status=503,
+                               error_type="server_unavailable", code="shutting_down")
+        task = asyncio.current_task()  # this request's task: streaming answers run in it too
+        if task is not None:
+            self._requests.add(task)
+            task.add_done_callback(self._requests.discard)
         max_tokens = fit_to_context(prompt_ids, max_tokens, self.model_config.vocab_size, self.max_model_len,
                                     body.max_model_len)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -206,14 +241,16 @@ class OpenAIIngress:
     async def _choice_deltas(self, choice: GenerateRequest, assembler: ChoiceAssembler,
                              turn: ConversationTurn | None = None):
         """Deltas of one choice; stops the workers' stream when a stop string ends it. A chat
-        turn is recorded before its last delta goes out: the client's next turn can reuse it."""
+        turn is recorded before its last delta goes out: the client's next turn can reuse it.
+
+        Ends as one outcome (``deploy.request_stats``): finished; aborted when the client left
+        (this generator is cancelled or closed, or a worker call was cancelled); else failed.
+        Closing the workers' stream aborts the request there, which frees its KV blocks."""
         stream = self.workers.generate(choice)
         stats = self.stats
-        stats.started += 1
-        stats.active += 1
-        stats.prompt_tokens += len(choice.prompt_token_ids)
+        stats.begin(len(choice.prompt_token_ids))
         last = None
-        ok = False
+        outcome = "failed"
         try:
             async for chunk in stream:
                 now = time.time()
@@ -236,17 +273,17 @@ class OpenAIIngress:
                     await self.conversations.remember(turn, choice.prompt_token_ids, assembler)
                 yield delta
                 if assembler.finish_reason is not None:
-                    ok = True
+                    outcome = "finished"
                     return
+        except BaseException as exc:
+            if is_cancellation(exc):
+                outcome = "aborted"
+                logger.debug("request %s aborted: the client left (%s)", choice.request_id, type(exc).__name__)
+            raise
         finally:
-            stats.active -= 1
-            if ok:
-                stats.finished += 1
-                stats.e2e.add(time.time() - choice.arrival_time)
-                self.metrics.finished(time.time() - choice.arrival_time, "finished")
-            else:
-                stats.failed += 1
-                self.metrics.finished(None, "aborted")
+            e2e = time.time() - choice.arrival_time if outcome == "finished" else None
+            stats.end(outcome, e2e)
+            self.metrics.finished(e2e, outcome)
             await stream.aclose()
 
     async def _stream(self, choices, assemblers, builder: ResponseBuilder, include_usage: bool,
@@ -275,7 +312,10 @@ class OpenAIIngress:
                 if item is None:
                     open_choices -= 1
                 elif isinstance(item, Exception):
-                    logger.warning("request %s choice %d failed: %s", builder.request_id, index, item)
+                    if is_cancellation(item):  # a worker call was cancelled: the client left
+                        logger.debug("request %s choice %d cancelled: %r", builder.request_id, index, item)
+                    else:
+                        logger.warning("request %s choice %d failed: %s", builder.request_id, index, item)
                     yield builder.sse(builder.error_event(item))
                     return
                 elif item.text or item.finish_reason or item.logprobs:

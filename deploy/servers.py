@@ -105,10 +105,22 @@ class _WorkerServer:
             raise RuntimeError(f"{self.role} replica {self.worker_id}: engine loop is dead")
 
     async def __del__(self) -> None:
-        if getattr(self, "publisher", None) is not None:
-            await self.publisher.stop()
-        if getattr(self, "worker", None) is not None:
-            await self.worker.shutdown()
+        """Serve's graceful stop, after the replica stopped taking calls and its in-flight ones
+        drained (or their time ran out): end what still runs (aborting frees its KV blocks),
+        then leave the prefix index while its Redis is still up (``pdserve up`` stops Redis
+        only after the application is gone). Safe to call twice and after a failed start."""
+        if getattr(self, "_stopped", False):
+            return
+        self._stopped = True
+        worker, publisher = getattr(self, "worker", None), getattr(self, "publisher", None)
+        if worker is not None:
+            try:
+                await worker.shutdown()
+            except Exception:  # noqa: BLE001 - the index must still be left
+                logger.warning("%s replica %s: worker shutdown failed", self.role, self.worker_id, exc_info=True)
+        if publisher is not None:
+            await publisher.stop()
+        logger.info("%s replica %s stopped", self.role, getattr(self, "worker_id", "?"))
 
 
 @serve.deployment(name="prefill")

@@ -1,5 +1,6 @@
-"""How the ingress calls the worker pools for one choice, and how their failures map to
-client-facing errors."""
+"""How the ingress calls the worker pools for one choice, how their failures map to
+client-facing errors, and whether the pools can take calls yet (``PoolReadiness``, behind
+``/health``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import ray
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from deploy.args import Mode
+from deploy.http_errors import is_cancellation
 from deploy.openai_protocol import RequestError
 from workers.protocol import GenerateRequest, PrefillResult, TokenChunk, TokenLogprobs
 
@@ -22,6 +24,8 @@ logger = logging.getLogger("pdserve")
 def client_error(exc: BaseException) -> BaseException:
     """A worker's ValueError is the request's fault (400); a full pool is 503 with Retry-After;
     anything else stays a server error."""
+    if is_cancellation(exc):
+        return exc  # the call was cancelled (the client left): not the request's fault, nor ours
     if isinstance(exc, (BackPressureError, DeploymentUnavailableError)):
         return RequestError(f"the server is at capacity, retry shortly ({type(exc).__name__})", None,
                             status=503, error_type="server_overloaded", code="overloaded")
@@ -42,6 +46,7 @@ class WorkerCalls:
         self.prefill, self.decode, self.colocated = prefill, decode, colocated
         self.index = index  # PrefixIndex or None
         self.skipped_prefills = 0
+        self._background: set[asyncio.Task] = set()
 
     async def generate(self, choice: GenerateRequest) -> AsyncIterator[TokenChunk]:
         if self.mode is Mode.COLOCATED:
@@ -57,11 +62,19 @@ class WorkerCalls:
                 yield chunk
             return
         result = await self._prefill(choice)
-        yield first_chunk(result)
-        if result.finish_reason is not None:
-            return
-        async for chunk in self._decode(choice, result):
-            yield chunk
+        handed_off = False
+        try:
+            yield first_chunk(result)
+            if result.finish_reason is not None:
+                return
+            handed_off = True
+            async for chunk in self._decode(choice, result):
+                yield chunk
+        finally:
+            if not handed_off:
+                # Left after the first token (client gone, or a stop string in it): the prefill
+                # replica holds the prompt's blocks for a decode call that will not come.
+                self._release_prefill(result)
 
     async def _decode(self, choice: GenerateRequest, result: PrefillResult) -> AsyncIterator[TokenChunk]:
         """The decode stage. The first token is already out, so a full decode queue is waited
@@ -106,6 +119,23 @@ class WorkerCalls:
                 raise client_error(exc) from exc
         raise AssertionError("unreachable")
 
+    def _release_prefill(self, result: PrefillResult) -> None:
+        """Free the blocks a prefill replica holds for ``result`` now, not when its lease ends.
+        Fire and forget (it runs while this request is being cancelled); the lease covers a
+        call that does not arrive."""
+        handle = result.kv_handle
+        if handle is None or self.prefill is None:
+            return
+
+        async def release() -> None:
+            with contextlib.suppress(Exception):
+                await self.prefill.release_kv.remote(result.request_id, target_replica=handle.prefill_worker_id)
+
+        with contextlib.suppress(RuntimeError):  # no running loop (finalized at exit): the lease frees
+            task = asyncio.get_running_loop().create_task(release())
+            self._background.add(task)  # the loop keeps only a weak reference
+            task.add_done_callback(self._background.discard)
+
     @staticmethod
     async def _relay(stream) -> AsyncIterator[TokenChunk]:
         try:
@@ -130,3 +160,55 @@ def first_chunk(result: PrefillResult) -> TokenChunk:
         finish_reason=result.finish_reason, num_cached_tokens=result.num_cached_tokens,
         timing=result.timing,
     )
+
+
+class PoolReadiness:
+    """``/health``'s state: "starting" until every pool has answered one call (each has a
+    running replica its handle can reach), then "ok" — until ``stopping`` is set (the ingress
+    drains before a stop), which is final.
+
+    ``status()`` never waits: it starts the probe in the background on first use and reports
+    what is known. A probe is a cheap call (``stats``) through the pool's handle: with no
+    replica running yet it waits in the router, and it returns as soon as one runs.
+    """
+
+    def __init__(self, pools: dict[str, object | None], probe_timeout_s: float = 10.0,
+                 retry_s: float = 0.5) -> None:
+        self.pools = {name: handle for name, handle in pools.items() if handle is not None}
+        self.ready: set[str] = set()
+        self.probe_timeout_s = probe_timeout_s
+        self.retry_s = retry_s
+        self.stopping = False
+        self._task: asyncio.Task | None = None
+
+    @property
+    def is_ready(self) -> bool:
+        return len(self.ready) == len(self.pools)
+
+    def status(self) -> dict:
+        if self.stopping:
+            return {"status": "stopping"}
+        if self.is_ready:
+            return {"status": "ok"}
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._probe_all())
+        return {"status": "starting",
+                "pools": {name: "ready" if name in self.ready else "starting" for name in self.pools}}
+
+    async def _probe_all(self) -> None:
+        await asyncio.gather(*(self._probe(name) for name in self.pools if name not in self.ready))
+
+    async def _probe(self, name: str) -> None:
+        while name not in self.ready:
+            try:
+                await asyncio.wait_for(self._call(self.pools[name]), self.probe_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - not up yet: try again
+                logger.debug("pool %s not ready yet: %s: %s", name, type(exc).__name__, exc)
+                await asyncio.sleep(self.retry_s)
+                continue
+            self.ready.add(name)
+            logger.info("pool %s: a replica answers", name)
+
+    @staticmethod
+    async def _call(handle) -> object:
+        return await handle.stats.remote()

@@ -101,6 +101,7 @@ class DecodeWorker(ColocatedWorker):
         self.stats.requests += 1
         self.stats.prompt_tokens += len(prompt)
         extra: dict[str, float] = {}
+        pull: asyncio.Future | None = None
         try:
             reservation = await self.loop.call(
                 lambda e: e.reserve_remote_kv(rid, prompt, prefill.first_token_id, params, request.cache_salt)
@@ -118,7 +119,10 @@ class DecodeWorker(ColocatedWorker):
                 recompute = False
                 if reservation.missing_block_ids:
                     try:
-                        stats = await self._pull(handle, reservation)
+                        # Shielded: the pull thread writes into the reserved blocks whatever we do,
+                        # so a cancelled request frees them only once it is done (see finally).
+                        pull = asyncio.ensure_future(self._pull(handle, reservation))
+                        stats = await asyncio.shield(pull)
                         extra = {"transfer_s": stats.seconds, "transfer_bytes": float(stats.num_bytes)}
                     except (KVTransferError, ValueError) as exc:
                         logger.warning("KV pull of %s from %s failed, recomputing here: %s",
@@ -141,8 +145,16 @@ class DecodeWorker(ColocatedWorker):
                     return
         finally:
             self.loop.detach(rid)
-            if not finished:
-                self.loop.call_future(lambda e: e.abort(rid))
+            if not finished:  # client gone (or a failure): abort, which frees the blocks
+                if pull is not None and not pull.done():
+                    def abort_after_pull(done: asyncio.Future) -> None:
+                        if not done.cancelled():
+                            done.exception()  # retrieved: its failure no longer matters
+                        self.loop.abort(rid)
+
+                    pull.add_done_callback(abort_after_pull)
+                else:
+                    self.loop.abort(rid)
 
     async def _pull(self, handle, reservation):
         loop = asyncio.get_running_loop()

@@ -6,7 +6,7 @@ The event loop never blocks on the engine: outputs cross back by ``call_soon_thr
 
 Lifetime: a request's stream ends when it finishes or is aborted; a consumer that stops
 iterating (client disconnect, cancellation) aborts the request in the engine, which frees its
-blocks. ``shutdown`` aborts everything still running.
+blocks. ``shutdown`` stops the thread; streams still open end with ``EngineDeadError``.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ class EngineLoop:
                     return
         finally:
             self._streams.pop(request_id, None)
-            if not finished and not self._stopped.is_set():
-                self.call_future(lambda engine: engine.abort(request_id))
+            if not finished:
+                self.abort(request_id)
 
     def attach(self, request_id: str) -> asyncio.Queue:
         """Register a stream for a request that another call will add (e.g. after a transfer)."""
@@ -84,7 +84,16 @@ class EngineLoop:
     def detach(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
+    def abort(self, request_id: str) -> concurrent.futures.Future | None:
+        """Abort a request on the engine thread (frees its blocks wherever it is), without
+        waiting: it runs even when the caller is being cancelled. A no-op once stopped."""
+        try:
+            return self.call_future(lambda engine: engine.abort(request_id))
+        except EngineDeadError:
+            return None
+
     def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the engine thread; streams still open end with ``EngineDeadError``."""
         self._stopped.set()
         self._thread.join(timeout_s)
 
@@ -110,6 +119,9 @@ class EngineLoop:
         finally:
             self._stopped.set()
             self._fail_pending_commands()
+            if self._error is None:  # stopped by shutdown(): nothing will reach open streams again
+                for request_id in list(self._streams):
+                    self._deliver(request_id, EngineDeadError("engine loop stopped (the replica is shutting down)"))
 
     def _drain_commands(self, block: bool) -> None:
         try:

@@ -10,13 +10,14 @@ blocks stay in the prefix cache after being freed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from workers.engine import LLMEngine, SamplingParams
-from workers.engine_loop import EngineLoop
+from workers.engine_loop import EngineDeadError, EngineLoop
 from workers.protocol import GenerateRequest, KVHandle, KVLayout, PrefillResult, TransferRequest
 from workers.transfer import KVTransferError, KVTransferServer, LeaseTable, SendResult, TransferConfig
 from workers.worker_stats import WorkerStats
@@ -77,9 +78,16 @@ class PrefillWorker:
         if not needs_decode:
             return result
         if finish is not None:
-            await self.loop.call(lambda e: e.release_kv(rid))
+            await self._release_now(rid)
             return result
-        block_ids = await self.loop.call(lambda e: e.held_block_ids(rid))
+        try:
+            block_ids = await self.loop.call(lambda e: e.held_block_ids(rid))
+        except BaseException:
+            # Cancelled (the client left) before a lease covers the held blocks: nobody would
+            # ever free them. Released on the engine thread even though we are cancelled.
+            with contextlib.suppress(EngineDeadError):
+                self.loop.call_future(lambda e: e.release_kv(rid))
+            raise
         self.leases.grant(rid, self.lease_ttl_s, self._on_lease_end)
         handle = KVHandle(
             request_id=rid, prefill_worker_id=self.worker_id, address=self.server.address,
@@ -115,11 +123,16 @@ class PrefillWorker:
     def connect(self, decode_worker_id: str, epoch: int, transport: str) -> None:
         self.server.connect(decode_worker_id, epoch, transport)
 
+    async def _release_now(self, request_id: str) -> bool:
+        """Free held blocks; the release runs even if this call is cancelled meanwhile (awaiting
+        the engine's future directly would cancel it before it ran)."""
+        return await asyncio.shield(asyncio.wrap_future(self.loop.call_future(lambda e: e.release_kv(request_id))))
+
     async def release(self, request_id: str) -> bool:
         """The decode side needs none of the blocks (it had them all): free them now."""
         if not self.leases.release(request_id):
             return False
-        return await self.loop.call(lambda e: e.release_kv(request_id))
+        return await self._release_now(request_id)
 
     def _on_lease_end(self, request_id: str, reason: str) -> None:
         if reason == "expired":

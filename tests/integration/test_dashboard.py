@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from deploy.dashboard import install_dashboard
+from deploy.status_history import INTERVAL_S
 from tests.integration.conftest import deploy
 
 pytestmark = pytest.mark.timeout(300)
@@ -76,7 +77,7 @@ def _number(text: str) -> float:
 def _history(base: str, since: float | None = None) -> list[dict]:
     params = {"since": since} if since is not None else None
     answer = httpx.get(f"{base}/v1/cluster/history", params=params, timeout=10).json()
-    assert answer["interval_s"] == 2.0 and answer["window_s"] == 600.0
+    assert answer["interval_s"] == INTERVAL_S and answer["window_s"] == 600.0
     return answer["samples"]
 
 

@@ -1,0 +1,181 @@
+"""`pdserve up` as an operator runs it: a subprocess in its own session (as a terminal job),
+started on a tiny model and a free port, stopped with Ctrl-C sent to its whole process group.
+
+What a normal run must show: one line per start-up phase, the banner once requests can be
+served, `/health` answering (503 "starting" or 200, never held once the ingress runs), and on
+Ctrl-C an orderly stop that exits 0 with no error-looking line (the managed redis-server used to
+die first of the group's SIGINT: "Redis index … lost", "could not leave the prefix index"), no
+Serve access log, and nothing left running."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from tests.redis_server import RedisServer, find_redis_server, free_port
+
+pytestmark = [
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(find_redis_server() is None, reason="redis-server not installed"),
+]
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BAD = ("ERROR", "Traceback", "lost", "could not leave", "graceful_shutdown failed")
+ACCESS_LOG = re.compile(r"\bCALL\b|\b(GET|POST) /\S* \d{3} ")  # Serve's access-log lines
+
+
+class Up:
+    """One `pdserve up` run; its stdout and stderr together, line by line."""
+
+    def __init__(self, *args: str) -> None:
+        self.lines: list[str] = []
+        self._new = threading.Condition()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env.pop("RAY_ADDRESS", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "deploy.cli", "up", *args], cwd=REPO_ROOT, env=env,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,  # its own process group, as a shell job: killpg reaches all of it
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self._new:
+                self.lines.append(line.rstrip("\n"))
+                self._new.notify_all()
+
+    def wait_for(self, text: str, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        with self._new:
+            while True:
+                for line in self.lines:
+                    if text in line:
+                        return line
+                left = deadline - time.monotonic()
+                if left <= 0 or self.proc.poll() is not None:
+                    raise AssertionError(f"no {text!r} line (exit {self.proc.poll()}):\n" + self.output)
+                self._new.wait(min(left, 0.5))
+
+    def ctrl_c(self, timeout_s: float = 120) -> int:
+        os.killpg(self.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        return self.proc.wait(timeout=timeout_s)
+
+    def session_processes(self) -> list[str]:
+        out = subprocess.run(["ps", "-o", "pid=,comm=", "--sid", str(self.proc.pid)],
+                             capture_output=True, text=True).stdout
+        return [line for line in out.splitlines() if line.strip()]
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _until(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return condition()
+
+
+def _check_clean(up: Up) -> None:
+    bad = [line for line in up.lines if any(word in line for word in BAD)]
+    assert not bad, "error-looking lines on a normal run:\n" + "\n".join(bad)
+    access = [line for line in up.lines if ACCESS_LOG.search(line)]
+    assert not access, "access-log lines on the console:\n" + "\n".join(access[:10])
+    assert _until(lambda: not up.session_processes(), 30), f"left running: {up.session_processes()}"
+
+
+def _serve_one(base: str) -> dict:
+    prompt = list(range(3, 67))  # four full KV blocks: published to the prefix index
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    resp = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_up_narrates_serves_and_stops_cleanly_on_ctrl_c(tiny_llama):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    up = Up("--model", tiny_llama, "--served-model-name", "tiny", "--port", str(port))
+    try:
+        up.wait_for("model resolved", 60)
+        up.wait_for("Ray started", 120)
+        redis_line = up.wait_for("Redis started", 60)
+        redis_pid = int(re.search(r"\(pid (\d+)\)", redis_line).group(1))
+        assert os.getpgid(redis_pid) != up.proc.pid  # not in the group a Ctrl-C reaches
+        up.wait_for("ingress: 1/1 replica ready", 240)
+
+        # Once the ingress runs, /health answers at once: 503 "starting" until the pools do, then 200.
+        answers: list[int] = []
+        while not any("pdserve is up" in line for line in up.lines):
+            resp = httpx.get(f"{base}/health", timeout=5)  # a hang fails here
+            answers.append(resp.status_code)
+            assert resp.status_code in (200, 503), resp.text
+            if resp.status_code == 503:
+                assert resp.json()["status"] == "starting"
+            assert up.proc.poll() is None, up.output
+            time.sleep(0.2)
+        banner = up.wait_for("pdserve is up", 5)
+        assert f"http://127.0.0.1:{port}/v1" in banner
+        for phase in ("prefill: 1/1 replica ready", "decode: 1/1 replica ready"):
+            up.wait_for(phase, 5)  # each pool said it is ready, before the banner
+        health = httpx.get(f"{base}/health", timeout=5)
+        assert health.status_code == 200 and health.json() == {"status": "ok"}  # the banner means serving
+
+        assert _serve_one(base)["choices"][0]["finish_reason"] in ("length", "stop")
+
+        assert up.ctrl_c() == 0, up.output
+    finally:
+        up.close()
+    up.wait_for("ingress drained", 5)
+    up.wait_for("Redis stopped", 5)
+    _check_clean(up)
+    assert not _alive(redis_pid)
+
+
+def test_up_leaves_the_prefix_index_before_it_stops(tiny_llama):
+    """With a Redis of our own (it outlives pdserve): after Ctrl-C every worker has left the
+    index, i.e. the replicas deregistered while Redis was still reachable."""
+    port = free_port()
+    with RedisServer() as server:
+        up = Up("--model", tiny_llama, "--served-model-name", "tiny", "--port", str(port),
+                "--redis-url", server.url)
+        try:
+            up.wait_for("Redis connected", 120)
+            up.wait_for("pdserve is up", 300)
+            _serve_one(f"http://127.0.0.1:{port}")
+            with redis.Redis.from_url(server.url) as client:
+                assert _until(lambda: len(client.keys("pd:*:worker:*")) == 2, 30)  # both workers joined
+                assert _until(lambda: client.keys("pd:*:blk:*"), 30)  # and published the request's blocks
+            assert up.ctrl_c() == 0, up.output
+        finally:
+            up.close()
+        with redis.Redis.from_url(server.url) as client:
+            assert client.keys("pd:*:worker:*") == []
+            assert client.keys("pd:*:wblocks:*") == [] and client.keys("pd:*:blk:*") == []
+            assert all(client.hlen(key) == 0 for key in client.keys("pd:*:workers"))
+    _check_clean(up)
