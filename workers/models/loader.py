@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 
 import torch
@@ -70,7 +71,10 @@ def load_model(
     for path in files:
         with safe_open(path, framework="pt") as f:
             total += len(list(f.keys()))
-    bar = tqdm(total=total, desc=f"Loading {model_dir.name}", unit="tensor", disable=not progress)
+    # Off a terminal (a Ray replica's output is forwarded line by line) a bar shows only for a load
+    # that takes more than a few seconds, and then at most one line per 15 s.
+    quiet = {} if sys.stderr.isatty() else {"delay": 5.0, "mininterval": 15.0}
+    bar = tqdm(total=total, desc=f"Loading {model_dir.name}", unit="tensor", disable=not progress, **quiet)
     with torch.no_grad():
         for path in files:
             with safe_open(path, framework="pt", device="cpu") as f:
