@@ -33,6 +33,7 @@ from deploy.request_stats import RequestStats
 from kvstore.hashing import hash_prompt_blocks
 from workers.engine.config import EngineConfig
 from workers.models.config import ModelConfig
+from workers.models.gguf import describe_model
 from workers.protocol import GenerateRequest
 
 logger = logging.getLogger("pdserve")
@@ -60,6 +61,7 @@ class OpenAIIngress:
         self.model_config = ModelConfig.from_dir(self.args.model)
         self.model_key = EngineConfig(model_dir=self.args.model).resolved_model_key
         self.max_model_len = self.args.max_model_len or self.model_config.max_position_embeddings
+        self.model_weights = describe_model(self.args.model)  # "RANDOM weights ..." for test models
         self.index = None
         if self.args.redis_url:
             from kvstore import IndexConfig, PrefixIndex
@@ -131,7 +133,8 @@ class OpenAIIngress:
         answers = await asyncio.gather(*(pool_status(self.pools[n], app_name, n) for n in names))
         pools = dict(zip(names, answers))
         return extend_status({
-            "model": self.args.model_name, "mode": self.args.mode.value, "time": time.time(),
+            "model": self.args.model_name, "model_weights": self.model_weights,
+            "mode": self.args.mode.value, "time": time.time(),
             "block_size": self.args.block_size, "pools": pools,
             "index": await index_status(self.index),
             "requests": self.stats.snapshot(),

@@ -61,7 +61,10 @@ def _pair_row(p: dict) -> list[str]:
 
 
 def format_status(status: dict) -> str:
-    lines = [f"model {status['model']}  mode {status['mode']}  block size {status['block_size']} tokens", ""]
+    lines = [f"model {status['model']}  mode {status['mode']}  block size {status['block_size']} tokens"]
+    if status.get("model_weights"):
+        lines.append(f"weights: {status['model_weights']}")
+    lines.append("")
     lines += _table(REPLICA_COLUMNS, [_replica_row(pool, r) for pool, replicas in status["pools"].items()
                                       for r in replicas])
     pairs = status.get("pairs")

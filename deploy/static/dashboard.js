@@ -72,6 +72,8 @@
   function renderTotals(status) {
     const req = status.requests;
     setText("model", status.model);
+    setText("model-weights", status.model_weights || "");
+    document.getElementById("model-weights").classList.toggle("warn", /^RANDOM/.test(status.model_weights || ""));
     setText("mode", status.mode);
     setText("block-size", status.block_size);
     setText("requests-finished", fmtInt(req.finished));

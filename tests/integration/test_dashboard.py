@@ -137,6 +137,8 @@ def test_dashboard_follows_live_traffic(dash):
                     assert row.get_attribute("data-healthy") == "true"
                     assert row.locator('[data-testid="health"]').inner_text() == "healthy"
             assert page.get_by_test_id("requests-finished").inner_text() == "0"
+            weights = page.get_by_test_id("model-weights")  # the tiny model is named as random
+            assert weights.inner_text().startswith("RANDOM weights") and "warn" in weights.get_attribute("class")
             assert page.get_by_test_id("cluster-hit-rate").inner_text() == "0.0%"
             assert page.get_by_test_id("index-health").inner_text() == "healthy"
             # other apps of this test session serve the same model and share its index namespace
