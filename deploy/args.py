@@ -73,6 +73,9 @@ class PDServeArgs(BaseModel):
     redis_url: str | None = Field(default=None, description="Redis for the prefix index; None: route by load")
     transport: str = Field(default="auto", description="auto, gloo, nccl, gloo_staged, object_store")
     transfer_timeout_s: float = Field(default=30.0, gt=0)
+    max_migrations: int = Field(
+        default=2, ge=0, description="times one request's decode stream may resume on another decode replica "
+                                     "after its replica died (0: end the stream with an error event instead)")
     lease_ttl_s: float = Field(default=30.0, gt=0, description="prefill blocks wait this long for decode")
     prefill_routing: str = Field(
         default="cache_aware", description="cache_aware (prefix index + load), power_of_two, round_robin")

@@ -70,7 +70,8 @@ class OpenAIIngress:
         self.conversations = self._conversation_cache()
         self.pools = {"prefill": prefill, "decode": decode, "colocated": colocated}
         self.workers = WorkerCalls(self.args.mode, prefill=prefill, decode=decode, colocated=colocated,
-                                   index=self.index)
+                                   index=self.index, rehash=self._block_hashes,
+                                   max_migrations=self.args.max_migrations, on_migration=self._migrated)
         self.stats = RequestStats()
         self.readiness = PoolReadiness(self.pools)  # /health: 503 "starting" until the pools answer
         self._requests: set[asyncio.Task] = set()  # completion requests in flight (drain() waits for them)
@@ -94,6 +95,12 @@ class OpenAIIngress:
         else:
             store = LocalConversationStore()
         return ConversationCache(self.tokenizer, self.model_key, store)
+
+    def _migrated(self) -> None:
+        self.metrics.migrated()
+
+    def _block_hashes(self, token_ids, cache_salt: str | None) -> tuple[str, ...]:
+        return tuple(h.hex() for h in hash_prompt_blocks(token_ids, self.args.block_size, self.model_key, cache_salt))
 
     # ------------------------------------------------------------------ routes
     @app.get("/health")
@@ -138,7 +145,8 @@ class OpenAIIngress:
             "block_size": self.args.block_size, "pools": pools,
             "index": await index_status(self.index),
             "requests": self.stats.snapshot(),
-            "routing": {"skipped_prefills": self.workers.skipped_prefills},
+            "routing": {"skipped_prefills": self.workers.skipped_prefills,
+                        "migrations": self.workers.migrations, "failed_migrations": self.workers.failed_migrations},
             "conversations": self.conversations.stats() if self.conversations is not None else None,
         }, self)  # + pair table, HTTP outcomes, last-minute rates (deploy/cluster_status.py)
 
@@ -211,8 +219,7 @@ class OpenAIIngress:
         max_tokens = fit_to_context(prompt_ids, max_tokens, self.model_config.vocab_size, self.max_model_len,
                                     body.max_model_len)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        hashes = tuple(h.hex() for h in hash_prompt_blocks(
-            prompt_ids, self.args.block_size, self.model_key, body.cache_salt))
+        hashes = self._block_hashes(prompt_ids, body.cache_salt)
         arrival = time.time()
         choices = [
             GenerateRequest(f"{request_id}-{i}", tuple(prompt_ids), self._sampling(body, max_tokens, logprobs, i),

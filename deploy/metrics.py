@@ -43,6 +43,8 @@ class IngressMetrics:
         self.queries = _get(Counter, "pdserve_prefix_cache_queries_total", "Prompt tokens looked up in a prefix cache", prefix_keys)
         self.hits = _get(Counter, "pdserve_prefix_cache_hits_total", "Prompt tokens served from a prefix cache", prefix_keys)
         self.requests = _get(Counter, "pdserve_requests_total", "Requests by outcome", ("outcome", "model"))
+        self.migrations = _get(Counter, "pdserve_decode_migrations_total",
+                               "Decode streams resumed on another replica after theirs died", ("model",))
 
     def first_token(self, ttft_s: float, prompt_tokens: int, cached_tokens: int) -> None:
         self.ttft.observe(ttft_s, tags=self.tags)
@@ -50,6 +52,9 @@ class IngressMetrics:
         self.queries.inc(prompt_tokens, tags=tags)
         if cached_tokens:
             self.hits.inc(cached_tokens, tags=tags)
+
+    def migrated(self) -> None:
+        self.migrations.inc(1, tags=self.tags)
 
     def token_gap(self, seconds: float) -> None:
         self.itl.observe(seconds, tags=self.tags)

@@ -101,6 +101,12 @@ def format_status(status: dict) -> str:
     else:
         state = "healthy" if index.get("healthy") else "UNREACHABLE (routing by load)"
         lines.append(f"index: {state}, {index.get('live_workers')} live workers")
+    routing = status.get("routing") or {}
+    if routing:
+        failed = routing.get("failed_migrations")
+        lines.append(f"routing: {routing.get('skipped_prefills', 0)} prefills skipped (decode held the prompt), "
+                     f"{routing.get('migrations', 0)} decode streams resumed on another replica"
+                     + (f", {failed} ended after max_migrations" if failed else ""))
     conversations = status.get("conversations")
     if conversations:
         lines.append(f"conversations: {conversations['hits']} of {conversations['lookups']} follow-up turns "

@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import ray
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -38,23 +39,90 @@ def client_error(exc: BaseException) -> BaseException:
 
 
 SKIP_PREFILL_FRACTION = 0.9  # decode holds this much of the prompt: it computes the rest itself
+# A worker replica's process is gone (killed, its node lost): the call did not fail on its own.
+REPLICA_DEATHS = (ray.exceptions.RayActorError,)  # ActorDiedError, ActorUnavailableError
+
+
+class DecodeMigrationError(RuntimeError):
+    """A decode stream broke more often than ``max_migrations`` allows."""
+
+
+def continuation(choice: GenerateRequest, produced: Sequence[int], attempt: int,
+                 rehash: Callable[[Sequence[int], str | None], tuple[str, ...]]) -> GenerateRequest:
+    """The request that resumes ``choice`` after ``produced`` tokens went to the client: those
+    tokens are its forced prefix, it asks for what is left, and its sampling positions continue
+    where they stopped, so position-seeded (and greedy) sampling draws the same tokens."""
+    sampling = dict(choice.sampling)
+    sampling["max_tokens"] = sampling.get("max_tokens", 16) - len(produced)
+    sampling["output_position_offset"] = sampling.get("output_position_offset", 0) + len(produced)
+    prompt = tuple(choice.prompt_token_ids) + tuple(produced)
+    return dataclasses.replace(
+        choice, request_id=f"{choice.request_id}~m{attempt}", prompt_token_ids=prompt, sampling=sampling,
+        block_hashes=rehash(prompt, choice.cache_salt))
 
 
 class WorkerCalls:
-    def __init__(self, mode: Mode, prefill=None, decode=None, colocated=None, index=None) -> None:
+    def __init__(self, mode: Mode, prefill=None, decode=None, colocated=None, index=None,
+                 rehash: Callable[[Sequence[int], str | None], tuple[str, ...]] | None = None,
+                 max_migrations: int = 0, on_migration: Callable[[], None] | None = None) -> None:
         self.mode = mode
         self.prefill, self.decode, self.colocated = prefill, decode, colocated
         self.index = index  # PrefixIndex or None
+        self.rehash = rehash or (lambda ids, salt: ())  # a continuation's block hashes, for routing
+        self.max_migrations = max_migrations
+        self.on_migration = on_migration or (lambda: None)  # the ingress's Prometheus counter
         self.skipped_prefills = 0
+        self.migrations = 0  # decode streams resumed on another replica
+        self.failed_migrations = 0  # streams that broke once more than max_migrations allows
         self._background: set[asyncio.Task] = set()
 
     async def generate(self, choice: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        """One choice's tokens. In disaggregated mode a decode stream whose replica dies resumes
+        on another decode replica (at most ``max_migrations`` times) from the prompt plus the
+        tokens already yielded: the caller sees one uninterrupted stream."""
         if self.mode is Mode.COLOCATED:
             stream = self.colocated.options(stream=True).generate_local.remote(choice)
             async for chunk in self._relay(stream):
                 yield chunk
             return
-        holder = await self._decode_holding_prompt(choice)
+        produced: list[int] = []
+        attempt, current = 0, choice
+        while True:
+            try:
+                async for chunk in self._generate_once(current, allow_skip=attempt == 0):
+                    if attempt:  # the continuation's cache hits cover tokens the client already has
+                        chunk = dataclasses.replace(chunk, num_cached_tokens=0)
+                    produced.extend(chunk.token_ids)
+                    yield chunk
+                return
+            except REPLICA_DEATHS as exc:
+                if not produced:
+                    raise  # nothing went out yet: the prefill stage retries on its own
+                if attempt >= self.max_migrations or not await self._another_decode_replica():
+                    self.failed_migrations += 1
+                    raise DecodeMigrationError(
+                        f"decode replica lost after {len(produced)} tokens and {attempt} migration(s) "
+                        f"(max_migrations {self.max_migrations}; another decode replica: "
+                        f"{'none' if attempt < self.max_migrations else 'not tried'}): {type(exc).__name__}") from exc
+                attempt += 1
+                self.migrations += 1
+                self.on_migration()
+                logger.warning("request %s: decode replica lost after %d tokens (%s); resuming on another "
+                               "replica (migration %d of at most %d)", choice.request_id, len(produced),
+                               type(exc).__name__, attempt, self.max_migrations)
+                current = continuation(choice, produced, attempt, self.rehash)
+
+    async def _another_decode_replica(self) -> bool:
+        """Whether a decode replica besides the lost one may take the rest: the index lists at
+        least two live decode workers (the lost one's record lives until its heartbeat expires).
+        Without the index we cannot tell, and let Serve route the continuation."""
+        if self.index is None:
+            return True
+        workers = await self.index.live_workers(role="decode")
+        return workers is None or len(workers) >= 2
+
+    async def _generate_once(self, choice: GenerateRequest, allow_skip: bool) -> AsyncIterator[TokenChunk]:
+        holder = await self._decode_holding_prompt(choice) if allow_skip else None
         if holder is not None:
             self.skipped_prefills += 1
             stream = self.decode.options(stream=True).generate_local.remote(choice, target_replica=holder)

@@ -108,6 +108,7 @@
     setText("recomputed-prefills", fmtInt(sum(decode, (r) => r.recomputed_prefills)));
     setText("leases-expired", fmtInt(sum(prefill, (r) => r.leases_expired)));
     setText("skipped-prefills", fmtInt(status.routing ? status.routing.skipped_prefills : null));
+    setText("migrations", fmtInt(status.routing ? status.routing.migrations : null));
 
     const index = status.index || {};
     if (!index.configured) {

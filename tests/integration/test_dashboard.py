@@ -148,6 +148,7 @@ def test_dashboard_follows_live_traffic(dash):
             assert page.locator('[data-testid="pairs"] tr[data-testid^="pair-"]').count() == 0
             assert page.get_by_test_id("pairs").inner_text() == "no transfers yet"
             assert page.get_by_test_id("requests-refused").inner_text() == "0"
+            assert page.get_by_test_id("migrations").inner_text() == "0"
             assert page.get_by_test_id("client-errors").inner_text() == "0"
             assert page.get_by_test_id("throughput-tokens").inner_text() == "0.0 tok/s"
             assert page.get_by_test_id("error-rate").inner_text() == "–"  # no request ended yet

@@ -10,7 +10,7 @@ DESIGN_METRICS = {
     "pdserve_kv_cache_usage_perc", "pdserve_num_requests_running", "pdserve_num_requests_waiting",
     "pdserve_prefix_cache_queries_total", "pdserve_prefix_cache_hits_total",
     "pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_seconds", "pdserve_kv_transfer_failures_total",
-    "pdserve_recomputed_prefills_total", "pdserve_preemptions_total",
+    "pdserve_recomputed_prefills_total", "pdserve_preemptions_total", "pdserve_decode_migrations_total",
 }
 
 

@@ -24,7 +24,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
             if seq.params.seed is not None:
                 # A pure function of (seed, output position): the same tokens whichever worker
                 # samples them, after a preemption, or when prefill and decode are split.
-                seq.generator.manual_seed(_position_seed(seq.params.seed, seq.num_output_tokens))
+                position = seq.params.output_position_offset + seq.num_output_tokens
+                seq.generator.manual_seed(_position_seed(seq.params.seed, position))
             tokens[i] = _sample_row(logits[i], seq.params, seq.generator)
     token_list = tokens.tolist()
 

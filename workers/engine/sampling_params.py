@@ -20,6 +20,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the sampled token's only; N: plus the top N
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # Output tokens generated before this request began (a decode stream resumed on another
+    # replica): seeded sampling draws for position offset + i, so the continuation is identical.
+    output_position_offset: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists/strings from callers; store tuples so the params stay hashable and frozen.

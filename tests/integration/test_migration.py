@@ -1,0 +1,128 @@
+"""A decode replica killed mid-request (1 prefill + 2 decode replicas, tiny llama): the ingress
+resumes the request on the other decode replica from prompt + the tokens already sent, and the
+client sees one uninterrupted answer equal to an unkilled run's, streamed and not, greedy and
+seeded; a client that leaves during it aborts everything. Afterwards no replica holds a block."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.integration.conftest import deploy, wait_idle
+from tests.integration.test_faults import MODEL, app_args, kill, replicas, wait_replicas
+from tests.unit.engine_helpers import random_prompts
+
+pytestmark = pytest.mark.timeout(900)
+APP = "migrate"
+NEW_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def two_decode_app(serve_cluster, tiny_llama):
+    base = deploy(serve_cluster, APP, "/migrate", app_args(
+        tiny_llama, serve_cluster.redis.url, decode={"replicas": 2, "num_cpus": 0.5}))
+    yield base
+    from ray import serve
+
+    wait_idle(base, timeout_s=60)
+    serve.delete(APP)
+
+
+def status(base: str) -> dict:
+    return httpx.get(f"{base}/v1/cluster/status", timeout=15).json()
+
+
+def kill_busy_decode_replica(base: str, timeout_s: float = 60) -> str:
+    """Kill the decode replica running a sequence now (the status endpoint says which)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        busy = [r["worker_id"] for r in status(base)["pools"]["decode"] if r.get("healthy") and r["num_running"]]
+        if busy:
+            victim = next(name for name in replicas(APP, "decode") if name.endswith(busy[0]))
+            kill(victim)
+            return busy[0]
+        time.sleep(0.1)
+    raise AssertionError("no decode replica ever ran the request")
+
+
+def body(prompt, stream: bool, **sampling) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "ignore_eos": True, "stream": stream,
+            "stream_options": {"include_usage": True} if stream else None, "temperature": 0, **sampling}
+
+
+def streamed(base: str, payload: dict, on_event=None) -> tuple[str, list[dict], dict | None]:
+    text, events, usage = [], [], None
+    with httpx.stream("POST", f"{base}/v1/completions", json=payload, timeout=300) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            events.append(event)
+            assert "error" not in event, event
+            usage = event.get("usage") or usage
+            text.extend(c["text"] for c in event.get("choices", []))
+            if on_event is not None:
+                on_event(len(events))
+    return "".join(text), events, usage
+
+
+@pytest.mark.parametrize("sampling", [
+    pytest.param({}, id="greedy"),
+    pytest.param({"temperature": 0.8, "seed": 11}, id="seeded"),
+])
+def test_a_killed_decode_replica_is_invisible_to_a_stream(two_decode_app, sampling):
+    base = two_decode_app
+    prompt = random_prompts((40,), seed=91)[0]
+    reference, _, _ = streamed(base, body(prompt, True, **sampling))
+    before = status(base)["routing"]["migrations"]
+
+    def kill_at_fifth(count: int) -> None:
+        if count == 5:
+            kill_busy_decode_replica(base)
+
+    text, events, usage = streamed(base, body(prompt, True, **sampling), on_event=kill_at_fifth)
+    assert text == reference
+    assert len({e["id"] for e in events}) == 1  # one response id throughout
+    assert usage["completion_tokens"] == NEW_TOKENS and usage["prompt_tokens"] == len(prompt)
+    assert status(base)["routing"]["migrations"] == before + 1
+    wait_replicas(APP, "decode", 2, base)
+    wait_idle(base)
+
+
+def test_a_killed_decode_replica_is_invisible_to_a_whole_answer(two_decode_app):
+    base = two_decode_app
+    prompt = random_prompts((55,), seed=92)[0]
+    reference = httpx.post(f"{base}/v1/completions", json=body(prompt, False), timeout=300).json()
+    before = status(base)["routing"]["migrations"]
+    answer: dict = {}
+    thread = threading.Thread(target=lambda: answer.update(
+        httpx.post(f"{base}/v1/completions", json=body(prompt, False), timeout=300).json()))
+    thread.start()
+    kill_busy_decode_replica(base)
+    thread.join(300)
+    assert answer["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert answer["usage"]["completion_tokens"] == NEW_TOKENS
+    assert status(base)["routing"]["migrations"] == before + 1
+    wait_replicas(APP, "decode", 2, base)
+    wait_idle(base)
+
+
+def test_a_client_leaving_during_a_migration_frees_everything(two_decode_app):
+    base = two_decode_app
+    prompt = random_prompts((33,), seed=93)[0]
+    aborted = status(base)["requests"]["aborted"]
+    with httpx.stream("POST", f"{base}/v1/completions", json=body(prompt, True), timeout=300) as resp:
+        lines = resp.iter_lines()
+        for line in lines:
+            if line.startswith("data: "):
+                break
+        kill_busy_decode_replica(base)
+    # the client has gone; the ingress aborts the continuation wherever it got to
+    wait_replicas(APP, "decode", 2, base)
+    wait_idle(base)
+    assert status(base)["requests"]["aborted"] == aborted + 1
