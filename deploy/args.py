@@ -34,6 +34,27 @@ class PoolArgs(BaseModel):
     max_queued_requests: int = Field(
         default=256, ge=-1, description="requests waiting for a replica of this pool; beyond it clients get 503 "
                                         "with Retry-After (-1: unbounded)")
+    autoscaling_config: dict[str, Any] | None = Field(
+        default=None, description="Ray Serve's autoscaling_config for this pool (min_replicas, max_replicas, "
+                                  "target_ongoing_requests, upscale_delay_s, downscale_delay_s, ...); when set, "
+                                  "`replicas` is not used: the pool starts at initial_replicas (else min_replicas)")
+
+    @field_validator("autoscaling_config")
+    @classmethod
+    def _autoscaling(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return None
+        from ray.serve.config import AutoscalingConfig  # Serve's own schema: its messages name the field
+
+        unknown = sorted(set(v) - set(AutoscalingConfig.model_fields))
+        if unknown:  # Serve's model ignores them silently: a typo would autoscale on defaults
+            raise ValueError(f"autoscaling_config: unknown field(s) {', '.join(unknown)}; Serve's fields are "
+                             f"{', '.join(AutoscalingConfig.model_fields)}")
+        AutoscalingConfig(**v)
+        if v.get("min_replicas", 1) < 1:
+            raise ValueError("autoscaling_config.min_replicas must be >= 1: a pool scaled to zero cannot "
+                             "take the other pool's hand-offs")
+        return dict(v)
 
 
 _CHOICES = {

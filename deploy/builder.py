@@ -47,8 +47,10 @@ def serve_logging(log_level: str = "INFO", access_log: bool | None = None) -> Lo
 
 def _pool_options(pool: PoolArgs, router: str, router_kwargs: dict[str, Any],
                   logging_config: LoggingConfig) -> dict[str, Any]:
+    sizing: dict[str, Any] = (
+        {"autoscaling_config": pool.autoscaling_config} if pool.autoscaling_config else {"num_replicas": pool.replicas})
     return dict(
-        num_replicas=pool.replicas,
+        **sizing,
         max_ongoing_requests=pool.max_ongoing_requests,
         max_queued_requests=pool.max_queued_requests,
         ray_actor_options={"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus, "resources": dict(pool.resources)},
