@@ -20,6 +20,20 @@ pytestmark = pytest.mark.skipif(find_redis_server() is None, reason="redis-serve
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+# A process that starts a LocalCluster (Redis only), prints the managed redis-server's pid, and waits.
+LAUNCHER_SCRIPT = textwrap.dedent("""
+    import time
+    from cluster.local import LocalCluster
+    cluster = LocalCluster(start_ray=False).start()
+    print(cluster.redis_pid, flush=True)
+    time.sleep(60)
+""")
+
+
+def start_launcher() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", LAUNCHER_SCRIPT], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -81,14 +95,7 @@ def test_redact_url_hides_password() -> None:
 
 def test_sigterm_stops_managed_redis(tmp_path: Path) -> None:
     """A launcher process killed by SIGTERM leaves no redis-server behind."""
-    script = textwrap.dedent("""
-        import sys, time
-        from cluster.local import LocalCluster
-        cluster = LocalCluster(start_ray=False).start()
-        print(cluster.redis_pid, flush=True)
-        time.sleep(60)
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    proc = start_launcher()
     try:
         assert proc.stdout is not None
         redis_pid = int(proc.stdout.readline())

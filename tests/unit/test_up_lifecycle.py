@@ -18,6 +18,7 @@ import pytest
 from cluster.local import LocalCluster, wait_for_redis
 from deploy.worker_calls import PoolReadiness
 from tests.redis_server import find_redis_server
+from tests.unit.test_local_cluster import start_launcher
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 needs_redis = pytest.mark.skipif(find_redis_server() is None, reason="redis-server not installed")
@@ -166,14 +167,7 @@ def test_sigint_to_the_launchers_group_leaves_redis_up_until_stop():
 @needs_redis
 def test_redis_does_not_outlive_a_sigkilled_launcher():
     """Out of our process group, a group kill no longer reaches it: the parent-death signal does."""
-    script = textwrap.dedent("""
-        import time
-        from cluster.local import LocalCluster
-        cluster = LocalCluster(start_ray=False).start()
-        print(cluster.redis_pid, flush=True)
-        time.sleep(60)
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    proc = start_launcher()
     try:
         redis_pid = int(proc.stdout.readline())
         assert _alive(redis_pid)
