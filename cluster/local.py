@@ -245,11 +245,12 @@ class LocalCluster:
             self._ray_initialized_here = True
             self.gcs_address = ray.get_runtime_context().gcs_address
             self._phase(f"Ray connected: {self._ray_address} (gcs {self.gcs_address})")
-            if self._given_redis_url is None and sum(1 for n in ray.nodes() if n.get("Alive")) > 1:
-                logger.warning(
-                    "the managed redis-server listens on 127.0.0.1 only: replicas on other nodes "
-                    "of this cluster route by load alone; pass a Redis URL every node can reach"
-                )
+            nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+            if self._given_redis_url is None and nodes > 1:
+                raise ValueError(
+                    f"Ray at {self._ray_address} has {nodes} nodes, and a managed redis-server would listen "
+                    "on 127.0.0.1 only, out of the other nodes' reach: pass --redis-url with an address every "
+                    "node can reach, e.g. redis://<head IP>:6380/0 (the head's Redis in cluster/*.yaml)")
             return
         # A fresh head: ray.init() binds its GCS to a free port unless RAY_GCS_SERVER_PORT is set.
         context = ray.init(num_cpus=self._num_cpus, **self._ray_init_kwargs)

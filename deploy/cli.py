@@ -92,10 +92,14 @@ def default_model_dir() -> str:
 
 
 def resolve_model_arg(spec: str | None) -> str:
-    """``--model`` as a local directory (pulling or converting it first when needed)."""
+    """``--model`` as a local directory (pulling or converting it first when needed); a model
+    that cannot be had ends the command with its reason, not a traceback."""
     from workers.models.source import resolve_model
 
-    return str(resolve_model(spec))
+    try:
+        return str(resolve_model(spec))
+    except (ValueError, RuntimeError) as exc:  # UnsupportedGGUFError is a ValueError
+        raise SystemExit(f"pdserve: --model {spec or 'smollm2'}: {exc}") from exc
 
 
 def _add_pull_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -112,13 +116,9 @@ def _add_pull_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_pull(args: argparse.Namespace) -> int:
-    from workers.models.gguf import UnsupportedGGUFError, describe_model
+    from workers.models.gguf import describe_model
 
-    try:
-        path = resolve_model_arg(args.model)
-    except (UnsupportedGGUFError, ValueError, RuntimeError) as exc:
-        print(f"pdserve pull: {exc}", file=sys.stderr)
-        return 2
+    path = resolve_model_arg(args.model)
     print(path)
     print(describe_model(path), file=sys.stderr)
     return 0
@@ -510,6 +510,12 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=lambda a: __import__("bench.serve", fromlist=["main"]).main(a.bench_args))
 
 
+def _add_testbed_parser(subparsers: argparse._SubParsersAction) -> None:
+    from cluster.testbed import add_testbed_parser  # torch-free: the CLI still starts without torch
+
+    add_testbed_parser(subparsers)
+
+
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_pull_parser,
     _add_tiny_model_parser,
@@ -518,6 +524,7 @@ _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_up_parser,
     _add_status_parser,
     _add_bench_parser,
+    _add_testbed_parser,
 )
 
 

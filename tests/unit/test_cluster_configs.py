@@ -26,6 +26,10 @@ from deploy.args import PDServeArgs  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_YAMLS = sorted((REPO_ROOT / "cluster").glob("*.yaml"))
+# The GPU clusters serve deploy/serve.gpu.yaml; testbed.yaml (namespaces on one machine, no GPUs)
+# serves the CPU pools of `pdserve testbed serve-config` and is checked at the end of this file.
+TESTBED_YAML = REPO_ROOT / "cluster" / "testbed.yaml"
+GPU_CLUSTER_YAMLS = [p for p in CLUSTER_YAMLS if p != TESTBED_YAML]
 SERVE_YAMLS = [REPO_ROOT / "deploy" / "serve.dev.yaml", REPO_ROOT / "deploy" / "serve.gpu.yaml"]
 RAY_GCS_PORT = 6379
 POOLS = ("prefill", "decode")
@@ -101,8 +105,8 @@ def _pool_demand(pool: dict, with_cpus: bool) -> dict[str, float]:
 # -- cluster YAMLs -------------------------------------------------------------------------------
 
 
-def test_the_three_cluster_yamls_are_shipped() -> None:
-    assert [p.name for p in CLUSTER_YAMLS] == ["aws.yaml", "gcp.yaml", "onprem.yaml"]
+def test_the_cluster_yamls_are_shipped() -> None:
+    assert [p.name for p in CLUSTER_YAMLS] == ["aws.yaml", "gcp.yaml", "onprem.yaml", "testbed.yaml"]
 
 
 @pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
@@ -114,7 +118,7 @@ def test_cluster_yaml_passes_ray_schema(path: Path, ray_cluster_schema: dict) ->
     validate_config(prepare_config(config))
 
 
-@pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", GPU_CLUSTER_YAMLS, ids=lambda p: p.name)
 def test_every_gpu_pool_fits_some_node_type(path: Path) -> None:
     config = _load(path)
     nodes = _node_resources(config)
@@ -128,7 +132,7 @@ def test_every_gpu_pool_fits_some_node_type(path: Path) -> None:
         assert fitting, f"{path.name}: no node type has {demand} for the {pool_name} pool; nodes: {nodes}"
 
 
-@pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", GPU_CLUSTER_YAMLS, ids=lambda p: p.name)
 def test_pool_resources_mark_gpu_nodes_only(path: Path) -> None:
     """A node's pool resource counts the replicas it can hold, one GPU each; the head has none."""
     config = _load(path)
@@ -148,7 +152,7 @@ def test_pool_resources_mark_gpu_nodes_only(path: Path) -> None:
         assert all(roles.values()), f"{path.name}: every pool needs a worker: {roles}"
 
 
-@pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", GPU_CLUSTER_YAMLS, ids=lambda p: p.name)
 def test_head_redis_is_the_one_serve_gpu_yaml_uses_and_not_the_gcs_port(path: Path) -> None:
     config = _load(path)
     start = " ".join(config["head_start_ray_commands"])
@@ -162,7 +166,7 @@ def test_head_redis_is_the_one_serve_gpu_yaml_uses_and_not_the_gcs_port(path: Pa
     assert "systemctl disable --now redis-server" in setup  # the distro's Redis would take 6379
 
 
-@pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", GPU_CLUSTER_YAMLS, ids=lambda p: p.name)
 def test_setup_installs_pdserve_from_the_mounted_repo(path: Path) -> None:
     config = _load(path)
     mount = next(remote for remote, local in config["file_mounts"].items() if local == ".")
@@ -202,3 +206,87 @@ def test_serve_gpu_yaml_pins_one_gpu_per_replica_to_its_pool(tiny_model_dir: str
     assert (args.prefill.num_gpus, args.decode.num_gpus) == (1, 1)
     assert args.prefill.resources == {"prefill": 1} and args.decode.resources == {"decode": 1}
     assert (args.dtype, args.transport, args.device) == ("bfloat16", "auto", "cuda")
+
+
+# -- the testbed (cluster/testbed.py: hosts as network namespaces on this machine) ----------------
+
+
+def _run_testbed_commands(config: dict, kind: str, ip: str, home: Path) -> list[list[str]]:
+    """Run `<kind>_start_ray_commands` as on host `ip`, with `hostname`, `ray`, `serve`, `redis-*`
+    stubbed to print their arguments; returns each stubbed call's argv."""
+    script = "; ".join(config[f"{kind}_start_ray_commands"])
+    stubs = ('hostname() { echo "$STUB_IP "; }; '
+             'for tool in ray serve redis-server; do eval "$tool() { printf CALL; printf \\" %q\\" $tool \\"\\$@\\"; echo; }"; done; '
+             'redis-cli() { return 1; }; ulimit() { :; }; mkdir() { :; }; ')
+    env = dict(os.environ, STUB_IP=ip, RAY_HEAD_IP=config["provider"]["head_ip"], PDTB_DIR="/tmp/pdtb",
+               HOME=str(home))
+    result = subprocess.run(["bash", "-c", stubs + script], env=env, capture_output=True, text=True, timeout=10)
+    assert result.returncode == 0, f"{kind} {ip}: {result.stderr}"
+    return [shlex.split(line)[1:] for line in result.stdout.splitlines() if line.startswith("CALL ")]
+
+
+def _flags(argv: list[str]) -> dict[str, str]:
+    return dict(arg.removeprefix("--").split("=", 1) for arg in argv if arg.startswith("--") and "=" in arg)
+
+
+def test_testbed_yaml_addresses_are_the_testbeds_plan() -> None:
+    from cluster.testbed import DEFAULT_PREFIX, DEFAULT_STATE_DIR, DEFAULT_SUBNET, plan_hosts
+
+    config = _load(TESTBED_YAML)
+    hosts = plan_hosts(DEFAULT_PREFIX, DEFAULT_SUBNET, 1, 1)
+    assert config["provider"]["head_ip"] == hosts[0].ip
+    assert config["provider"]["worker_ips"] == [h.ip for h in hosts[1:]]
+    assert config["auth"]["ssh_private_key"] == f"{DEFAULT_STATE_DIR}/ssh/id_ed25519"
+    assert config["file_mounts"] == {}  # one filesystem: nothing is copied, nothing reinstalled
+    assert not any("pip install" in cmd for cmd in config["setup_commands"])  # never touch the shared venv
+
+
+def test_testbed_head_runs_ray_redis_and_the_proxy_on_its_own_address(tmp_path: Path) -> None:
+    from cluster.testbed import Testbed, plan_hosts
+
+    config = _load(TESTBED_YAML)
+    head = config["provider"]["head_ip"]
+    calls = _run_testbed_commands(config, "head", head, tmp_path)
+    assert calls[0] == ["ray", "stop"]  # the testbed's wrapper: this host's Ray only
+    (redis,) = [c for c in calls if c[0] == "redis-server"]
+    (ray_start,) = [c for c in calls if c[:3] == ["ray", "start", "--head"]]
+    (serve_start,) = [c for c in calls if c[:2] == ["serve", "start"]]
+    assert redis[redis.index("--port") + 1] == "6380" and redis[redis.index("--bind") + 1] == head
+    flags = _flags(ray_start)
+    assert flags["node-ip-address"] == head and int(flags["port"]) == RAY_GCS_PORT
+    assert flags["temp-dir"] == f"/tmp/pdtb/ray/{head}"
+    assert "autoscaling-config" not in flags  # no ~/ray_bootstrap_config.yaml: the testbed's own start
+    (tmp_path / "ray_bootstrap_config.yaml").write_text("{}")  # as `ray up` leaves it
+    again = [c for c in _run_testbed_commands(config, "head", head, tmp_path) if c[:3] == ["ray", "start", "--head"]]
+    assert _flags(again[0])["autoscaling-config"] == f"{tmp_path}/ray_bootstrap_config.yaml"
+    assert _flags(serve_start) == {"address": f"{head}:{RAY_GCS_PORT}", "http-host": head, "http-port": "8000",
+                                   "proxy-location": "HeadOnly"}
+    tb = Testbed(prefix="pdtb", subnet=head.rsplit(".", 1)[0], state_dir="/tmp/pdtb", rate="1gbit", venv="/v",
+                 hosts=plan_hosts("pdtb", head.rsplit(".", 1)[0], 1, 1), bridge="pdtb-br")
+    assert urlsplit(tb.redis_url).hostname == head and urlsplit(tb.redis_url).port == 6380
+
+
+def test_testbed_workers_carry_their_pool_and_the_serve_config_fits_them(tmp_path: Path, tiny_model_dir: str) -> None:
+    from cluster.testbed import Testbed, plan_hosts
+
+    config = _load(TESTBED_YAML)
+    head = config["provider"]["head_ip"]
+    subnet = head.rsplit(".", 1)[0]
+    tb = Testbed(prefix="pdtb", subnet=subnet, state_dir="/tmp/pdtb", rate="1gbit", venv="/v",
+                 hosts=plan_hosts("pdtb", subnet, 2, 2), bridge="pdtb-br")
+    serve_config = tb.serve_config(tiny_model_dir)
+    ServeDeploySchema.model_validate(serve_config)
+    args = PDServeArgs.model_validate(_pdserve_app(serve_config)["args"])
+    assert (args.prefill.replicas, args.decode.replicas) == (2, 2) and args.redis_url == tb.redis_url
+    for host in tb.hosts[1:]:
+        (ray_start,) = [c for c in _run_testbed_commands(config, "worker", host.ip, tmp_path) if c[:2] == ["ray", "start"]]
+        flags = _flags(ray_start)
+        assert flags["address"] == f"{head}:{RAY_GCS_PORT}" and flags["node-ip-address"] == host.ip
+        resources = json.loads(flags["resources"])
+        assert resources == {host.role: 1}, (host, resources)
+        pool = getattr(args, host.role)
+        assert pool.resources == resources and pool.num_cpus <= float(flags["num-cpus"]) and pool.num_gpus == 0
+    stray = subprocess.run(["bash", "-c", "hostname() { echo 10.231.0.30; }; ray() { :; }; " +
+                            "; ".join(config["worker_start_ray_commands"])], capture_output=True, text=True,
+                           env=dict(os.environ, RAY_HEAD_IP=head, PDTB_DIR="/tmp/pdtb"), timeout=10)
+    assert stray.returncode == 1 and "not a testbed prefill" in stray.stderr

@@ -1,0 +1,217 @@
+"""pdserve across hosts: the disaggregated app on a testbed of namespace hosts (1 head + prefill
+hosts + decode hosts, each its own Ray node at its own address), deployed through the head's
+dashboard like `serve deploy`, used through the head's ingress like a client would.
+
+- a loopback redis_url is refused at start-up on a multi-node cluster, saying what to change;
+- each pool's replicas run only on its own hosts (Serve's replica -> node placement);
+- greedy output through the head's ingress equals transformers;
+- a transfer's bytes cross the decode host's link (and not the head's): the KV goes host to host
+  over the pair group's own addresses;
+- the prefill host's link goes down during transfers and comes back: every request in flight
+  completes (by recompute) with the same text, then transfers resume over a recreated pair group.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.conftest import wait_idle
+from tests.multihost.conftest import APP, MODEL_NAME, serve_deploy, wait_app, wait_health
+from tests.unit.engine_helpers import hf_greedy, random_prompts
+
+pytestmark = pytest.mark.timeout(900)
+MAX_TOKENS = 12
+
+
+def expected_text(model_dir: str, prompt: list[int], n: int = MAX_TOKENS) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir).decode(hf_greedy(model_dir, tuple(prompt), n),
+                                                           skip_special_tokens=True)
+
+
+def complete(base: str, prompt, max_tokens: int = MAX_TOKENS, timeout: float = 180, **extra) -> httpx.Response:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    return httpx.post(f"{base}/v1/completions", json=body, timeout=timeout)
+
+
+def pair_totals(base: str, prefill_ids: set[str] | None = None) -> dict[str, int]:
+    """Transfers, failures and recomputes over the prefill -> decode pairs (decode's counters),
+    all of them or those of the prefill replicas `prefill_ids`."""
+    pairs = httpx.get(f"{base}/v1/cluster/status", timeout=30).json()["pairs"]
+    pairs = [p for p in pairs if prefill_ids is None or p["prefill"] in prefill_ids]
+    return {key: sum(p[key] for p in pairs) for key in ("transfers", "transfer_failures", "recomputed_prefills")}
+
+
+def replica_placement(testbed) -> dict[str, dict[str, str]]:
+    """{deployment: {replica id: node IP}} from Serve's replica actors (the state API over the
+    head's dashboard)."""
+    from ray.util.state import list_actors, list_nodes
+
+    nodes = {n.node_id: n.node_ip for n in list_nodes(address=testbed.dashboard_url, raise_on_missing_output=False,
+                                                      filters=[("state", "=", "ALIVE")])}
+    placed: dict[str, dict[str, str]] = {}
+    for actor in list_actors(address=testbed.dashboard_url, filters=[("state", "=", "ALIVE")],
+                             raise_on_missing_output=False):
+        if actor.class_name.startswith(f"ServeReplica:{APP}:"):
+            deployment = actor.class_name.rsplit(":", 1)[1]
+            placed.setdefault(deployment, {})[actor.name.rsplit("#", 1)[1]] = nodes[actor.node_id]
+    return placed
+
+
+@pytest.fixture(scope="module")
+def app(testbed, wide_tiny_model) -> str:
+    """The app, pools pinned to their hosts, Redis on the head's address; its base URL."""
+    config = testbed.serve_config(wide_tiny_model, served_model_name=MODEL_NAME, num_kv_blocks=256,
+                                  transfer_timeout_s=5.0, lease_ttl_s=20.0)
+    started = time.monotonic()
+    serve_deploy(testbed, config)  # replaces whatever was deployed (the loopback app of the first test)
+    wait_app(testbed)
+    wait_health(testbed.http_url)
+    print(f"\napp running in {time.monotonic() - started:.1f}s at {testbed.http_url}")
+    yield testbed.http_url
+    wait_idle(testbed.http_url, timeout_s=60)  # every replica's blocks back to free once traffic stops
+
+
+def test_a_loopback_redis_url_is_refused_on_a_multi_node_cluster(testbed, wide_tiny_model):
+    config = testbed.serve_config(wide_tiny_model, redis_url="redis://127.0.0.1:6380/0")
+    config["applications"][0].update(name="loopback", route_prefix="/loopback")
+    serve_deploy(testbed, config)
+    status = wait_app(testbed, "loopback", want=("DEPLOY_FAILED",), timeout_s=240)
+    message = status["message"]
+    assert "redis_url redis://127.0.0.1:6380/0 names the loopback address" in message, message[-2000:]
+    assert f"this Ray cluster has {len(testbed.hosts)} nodes" in message
+    assert "Set redis_url to an address every node can reach" in message
+
+
+def test_each_pool_runs_only_on_its_own_hosts(app, testbed):
+    placed = replica_placement(testbed)
+    print(f"\nreplica placement: {placed}")
+    for role in ("prefill", "decode"):
+        hosts = sorted(h.ip for h in testbed.role(role))
+        assert sorted(placed[role].values()) == hosts, (role, placed)  # one replica per host of its role, nowhere else
+    assert set(placed["ingress"].values()) <= {h.ip for h in testbed.hosts}
+    status = httpx.get(f"{app}/v1/cluster/status", timeout=30).json()
+    assert {r["worker_id"] for r in status["pools"]["prefill"]} == set(placed["prefill"])
+
+
+def test_greedy_output_through_the_heads_ingress_equals_transformers(app, wide_tiny_model):
+    client = openai.OpenAI(base_url=f"{app}/v1", api_key="unused", max_retries=0, timeout=180)
+    for prompt in random_prompts((5, 37, 150), seed=61):
+        expected_ids = hf_greedy(wide_tiny_model, tuple(prompt), MAX_TOKENS)
+        out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert out.choices[0].text == expected_text(wide_tiny_model, prompt)
+        assert out.usage.completion_tokens == len(expected_ids) and out.usage.prompt_tokens == len(prompt)
+
+
+def test_a_transfer_crosses_the_decode_hosts_link_not_the_heads(app, testbed, wide_tiny_model):
+    prompt = random_prompts((300,), seed=62)[0]  # 19 blocks of 128 KiB: ~2.4 MB to move
+    expected = expected_text(wide_tiny_model, prompt)
+    before = {h.name: testbed.link_bytes(h) for h in testbed.hosts}
+    resp = complete(app, prompt, return_timing=True)
+    after = {h.name: testbed.link_bytes(h) for h in testbed.hosts}
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["choices"][0]["text"] == expected
+    moved = int(body["usage"]["timing"]["transfer_bytes"])
+    delta = {h.name: {k: after[h.name][k] - before[h.name][k] for k in ("rx", "tx")} for h in testbed.hosts}
+    print(f"\ntransfer {moved} B; link counters during the request: {delta}")
+    assert moved >= 18 * 128 * 1024
+    # The KV left one prefill host and reached one decode host over their own links...
+    assert max(delta[h.name]["tx"] for h in testbed.role("prefill")) >= moved
+    assert max(delta[h.name]["rx"] for h in testbed.role("decode")) >= moved
+    # ...and not through the head: host to host, at the addresses the KVHandle advertised.
+    assert delta[testbed.head.name]["rx"] < moved
+
+
+@pytest.mark.slow
+def test_prefill_link_down_during_transfers_recomputes_then_transfers_resume(app, testbed, wide_tiny_model):
+    prompts = random_prompts((300,) * 18, seed=63)  # distinct prompts: every one needs a transfer
+    expected = [expected_text(wide_tiny_model, p) for p in prompts]
+    totals_before = {host.ip: pair_totals(app, {rid for rid, ip in replica_placement(testbed)["prefill"].items()
+                                                if ip == host.ip}) for host in testbed.role("prefill")}
+    results: dict[int, tuple[float, float, int, str]] = {}
+    queue = iter(range(len(prompts)))
+    lock = threading.Lock()
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = next(queue, None)
+            if i is None:
+                return
+            start = time.monotonic()
+            resp = complete(app, prompts[i])
+            text = resp.json()["choices"][0]["text"] if resp.status_code == 200 else resp.text
+            results[i] = (start, time.monotonic(), resp.status_code, text)
+
+    prefill_hosts = testbed.role("prefill")
+    for host in prefill_hosts:
+        testbed.set_rate(host, "40mbit")  # ~0.5 s a transfer: the cut lands inside one
+    threads = [threading.Thread(target=client) for _ in range(3)]
+    cut = None
+    try:
+        for t in threads:
+            t.start()
+        # Cut the prefill host whose link is sending at transfer speed: a transfer is on the wire.
+        deadline = time.monotonic() + 60
+        last = {h.name: testbed.link_bytes(h)["tx"] for h in prefill_hosts}
+        while cut is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            for host in prefill_hosts:
+                now = testbed.link_bytes(host)["tx"]
+                if now - last[host.name] > 100_000:
+                    cut = host
+                last[host.name] = now
+        assert cut is not None, "no transfer seen on a prefill host's link within 60 s"
+        testbed.set_link(cut, False)
+        cut_at = time.monotonic()
+        time.sleep(7.0)  # past transfer_timeout_s (5 s): the pulls in flight fail
+        testbed.set_link(cut, True)
+        restored_at = time.monotonic()
+    finally:
+        for host in prefill_hosts:
+            testbed.set_link(host, True)
+            testbed.set_rate(host, "1gbit")
+        for t in threads:
+            t.join(timeout=300)
+    assert len(results) == len(prompts)
+    failed = {i: r for i, r in results.items() if r[2] != 200}
+    assert not failed, failed
+    assert all(results[i][3] == expected[i] for i in range(len(prompts)))
+    in_flight = [i for i, (start, end, _, _) in results.items() if start < cut_at < end]
+    assert in_flight, "no request was in flight when the link went down"
+    cut_ids = {rid for rid, ip in replica_placement(testbed)["prefill"].items() if ip == cut.ip}
+    before = totals_before[cut.ip]
+    during = pair_totals(app, cut_ids)
+    print(f"\n{cut.name}'s link down {restored_at - cut_at:.1f}s; {len(in_flight)} requests in flight at the cut, all "
+          f"completed with the reference text; its pairs before {before}, after {during}")
+    assert during["transfer_failures"] > before["transfer_failures"]
+    assert during["recomputed_prefills"] > before["recomputed_prefills"]
+    # Transfers resume on the cut host's pairs: a failed pair is torn down on both sides, so a
+    # transfer after it runs over a new group (new epoch, new rendezvous).
+    # Bursts of concurrent requests: with two prefill hosts, idle replicas tie on load and a lone
+    # request may keep going to the other one.
+    deadline = time.monotonic() + 90
+    resumed = during
+    fresh = iter(random_prompts((300,) * 60, seed=64))
+    while resumed["transfers"] <= during["transfers"] and time.monotonic() < deadline:
+        burst = [next(fresh) for _ in range(4)]
+        answers: dict[int, httpx.Response] = {}
+        senders = [threading.Thread(target=lambda i=i: answers.__setitem__(i, complete(app, burst[i])))
+                   for i in range(len(burst))]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join(timeout=300)
+        for i, prompt in enumerate(burst):
+            assert answers[i].status_code == 200, answers[i].text
+            assert answers[i].json()["choices"][0]["text"] == expected_text(wide_tiny_model, prompt)
+        resumed = pair_totals(app, cut_ids)
+    print(f"transfers from {cut.name} resumed {time.monotonic() - restored_at:.1f}s after its link came back: {resumed}")
+    assert resumed["transfers"] > during["transfers"], "no transfer from the cut host after its link came back"
