@@ -75,3 +75,17 @@ def test_cli_prints_the_table_and_exit_code(llama3_8b, capsys):
                  "--concurrency", "1"]) == 1  # weights alone exceed 90 % of 10 GiB
     out = capsys.readouterr().out
     assert "does not fit" in out and "leave no room for a KV block" in out
+
+
+def test_quantized_plan_names_its_scales_and_refuses_blocks_wider_than_a_head(llama3_8b, capsys):
+    model = ModelConfig.from_dir(llama3_8b)
+    # head_dim 128: the V extra row holds 128 bytes per head, one scale per token of a block
+    assert plan_kv(model, 80, 8192, 1, kv_cache_dtype="int8", block_size=128).bytes_per_block == \
+        32 * 2 * 129 * 8 * 128
+    with pytest.raises(ValueError, match="block_size 256 must be at most head_dim 128"):
+        plan_kv(model, 80, 8192, 1, kv_cache_dtype="fp8", block_size=256)
+    plan_kv(model, 80, 8192, 1, kv_cache_dtype="auto", block_size=256)  # full precision: any size
+    main(["kv-plan", "--model", llama3_8b, "--gpu-mem", "80", "--context", "8192", "--concurrency", "1",
+          "--kv-cache-dtype", "int8"])
+    out = capsys.readouterr().out
+    assert "int8/fp8 scales: K per channel with an fp8 offset (asymmetric), V per token" in out

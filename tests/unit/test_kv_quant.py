@@ -1,5 +1,7 @@
-"""Quantized KV cache (int8, fp8): the block format, greedy agreement with the full-precision
-cache, the bytes a transfer moves, and disaggregation over quantized blocks."""
+"""Quantized KV cache (int8, fp8): the block format (K per channel, V per token, scales in the
+block's extra row), greedy agreement with the full-precision cache on the tiny models, the bytes a
+transfer moves, and disaggregation over quantized blocks. The real-weight floors are in
+``test_kv_quality_real.py``."""
 
 from __future__ import annotations
 
@@ -33,10 +35,10 @@ def record_logits(eng: LLMEngine) -> dict[str, list[torch.Tensor]]:
     execute = eng.runner.execute
 
     def wrapped(out):
-        logits, sampled = execute(out)
+        logits, sampled, prompt = execute(out)
         for row, item in zip(logits, sampled):
             seen.setdefault(item.seq.request_id, []).append(row.clone())
-        return logits, sampled
+        return logits, sampled, prompt
 
     eng.runner.execute = wrapped
     return seen
@@ -75,49 +77,93 @@ def report(arch: str, kind: str, a: Agreement) -> None:
           f"max |logit diff| {a.max_logit_diff:.2e}")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_int8_greedy_agrees_with_full_precision(tiny_model_dirs, arch):
-    a = agreement(tiny_model_dirs[arch], "int8")
+@pytest.fixture(scope="module")
+def tiny_wide_heads(tmp_path_factory) -> str:
+    """A tiny llama with head_dim 64, wide enough for asymmetric K (the real models' format); the
+    session's tiny models have head_dim 16 (symmetric per-channel K)."""
+    from workers.models.tiny import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-wide") / "llama64", arch="llama",
+                               hidden_size=128, num_heads=2, num_kv_heads=1, head_dim=64, seed=0))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama-head64"])
+def test_int8_greedy_agrees_with_full_precision(tiny_model_dirs, tiny_wide_heads, arch):
+    model_dir = tiny_wide_heads if arch == "llama-head64" else tiny_model_dirs[arch]
+    a = agreement(model_dir, "int8")
     report(arch, "int8", a)
-    # The random-weight tiny models have small top-1/top-2 logit gaps: even per-token int8 (finer
-    # than per block) flips some greedy choices, 81 % / 75 % of prompts identical on llama / qwen3
-    # (BENCHMARKS.md). Floors at the measured figures: llama 84.4 % / 90.8 %, qwen3 56 % / 68 %.
-    floor_prompts, floor_tokens = {"llama": (0.8, 0.9), "qwen3": (0.5, 0.6)}[arch]
+    # Random-weight tiny models have small top-1/top-2 logit gaps, so any rounding of the cache
+    # flips some greedy choices. Measured with K per channel, V per token (BENCHMARKS.md):
+    # llama 90.6 % / 95.5 %, qwen3 75.0 % / 84.5 %, head_dim-64 llama (asymmetric K) in the test
+    # output; the previous per-block scales gave 84.4 % / 90.8 % and 56.2 % / 68.4 %.
+    floor_prompts, floor_tokens = {"llama": (0.85, 0.9), "qwen3": (0.7, 0.8), "llama-head64": (0.85, 0.9)}[arch]
     assert a.prompts >= floor_prompts and a.tokens >= floor_tokens
-    assert 0 < a.max_logit_diff < 0.1  # quantization is visible, and small
+    assert 0 < a.max_logit_diff < 0.05  # quantization is visible, and small
 
 
 def test_fp8_greedy_mostly_agrees(tiny_llama):
     a = agreement(tiny_llama, "fp8")
     report("llama", "fp8 (e4m3)", a)
-    assert a.tokens >= 0.5 and 0 < a.max_logit_diff < 1.0
+    # measured 56.2 % / 75.5 % (per-block scales: 46.9 % / 67.8 %); e4m3's 3-bit mantissa dominates
+    assert a.prompts >= 0.5 and a.tokens >= 0.7 and 0 < a.max_logit_diff < 0.3
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_block_carries_its_scales_and_roundtrips(tiny_llama, kind):
-    cfg = ModelConfig.from_dir(tiny_llama)
-    kv = PagedKVCache(cfg, num_blocks=8, block_size=16, kv_cache_dtype=kind, model_dtype=torch.float32,
-                      device=torch.device("cpu"))
-    assert kv.layers[0].shape == (2, 8, 17, cfg.num_kv_heads, cfg.head_dim)
-    k = torch.randn(40, cfg.num_kv_heads, cfg.head_dim) * torch.linspace(0.1, 5, 40)[:, None, None]
-    v = torch.randn(40, cfg.num_kv_heads, cfg.head_dim)
-    # 40 tokens into blocks 3, 5, 6, written as a 20-token chunk then one token at a time: the
-    # first block's scale grows as larger tokens arrive and its earlier tokens are requantized.
-    table = [3, 5, 6]
+def write_tokens(kv: PagedKVCache, table: list[int], k: torch.Tensor, v: torch.Tensor, chunks: list[int]) -> None:
+    """Write ``k``/``v`` (``[T, H, D]``) at positions 0.. of ``table`` in steps of ``chunks`` tokens."""
     position = 0
-    for n in [20] + [1] * 20:
+    for n in chunks:
         positions = list(range(position, position + n))
         plan = kv.write_plan([table[p // 16] for p in positions], [p % 16 for p in positions], k.device)
         kv.write(0, plan, k[position : position + n], v[position : position + n])
         position += n
+
+
+def quant_cache(model_dir: str, kind: str) -> tuple[ModelConfig, PagedKVCache]:
+    cfg = ModelConfig.from_dir(model_dir)
+    return cfg, PagedKVCache(cfg, num_blocks=8, block_size=16, kv_cache_dtype=kind, model_dtype=torch.float32,
+                             device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("heads", ["head16", "head64"])
+def test_block_carries_its_scales_and_roundtrips(tiny_llama, tiny_wide_heads, kind, heads):
+    cfg, kv = quant_cache(tiny_llama if heads == "head16" else tiny_wide_heads, kind)
+    assert kv.layers[0].shape == (2, 8, 17, cfg.num_kv_heads, cfg.head_dim)
+    assert kv.k_offsets == (heads == "head64")
+    gen = torch.Generator().manual_seed(0)
+    # K: channels with large constant offsets (as RoPE's slow channels have) and growing tokens
+    offsets = torch.linspace(-30, 30, cfg.head_dim)
+    k = torch.randn(40, cfg.num_kv_heads, cfg.head_dim, generator=gen) * torch.linspace(0.1, 3, 40)[:, None, None]
+    k = k + offsets
+    v = torch.randn(40, cfg.num_kv_heads, cfg.head_dim, generator=gen) * torch.linspace(0.1, 5, 40)[:, None, None]
+    # 40 tokens into blocks 3, 5, 6, written as a 20-token chunk then one token at a time: block
+    # 1's channels widen as larger tokens arrive and their earlier tokens are requantized.
+    table = [3, 5, 6]
+    write_tokens(kv, table, k, v, [20] + [1] * 20)
     got = kv.gather(0, torch.tensor(table))[:, :40]
-    tolerance = 0.02 if kind == "int8" else 0.13  # of each block's absolute maximum
-    for i, (want, back) in enumerate(((k, got[0]), (v, got[1]))):
-        for b in range(3):
-            rows = slice(16 * b, min(16 * b + 16, 40))
-            amax = want[rows].abs().amax(dim=(0, 2))  # per head
-            err = (back[rows] - want[rows]).abs().amax(dim=(0, 2))
-            assert (err <= tolerance * amax).all(), (i, b, err / amax)
+    step = 1 / 127 if kind == "int8" else 1 / 16  # int8: a step of the range; e4m3: relative
+    for b in range(3):
+        rows = slice(16 * b, min(16 * b + 16, 40))
+        want_k, back_k = k[rows], got[0][rows]
+        if kv.k_offsets:
+            # asymmetric: within a step of the channel's own spread (+ the offset's e4m3 rounding),
+            # nowhere near a step of the channel's offset
+            spread = (want_k.amax(0) - want_k.amin(0)) / 2 + offsets.abs() / 16
+            spread = torch.maximum(spread, spread.amax(-1, keepdim=True) / 14)  # 4-bit steps below the head's widest
+        else:
+            spread = want_k.abs().amax(0)  # symmetric per channel
+        # half a step when quantized once; each requantization of a widened channel can add up to
+        # half a step of its new scale (measured: 1.2 steps in block 1)
+        assert ((back_k - want_k).abs() <= 2 * step * spread + 1e-6).all(), (b, kind)
+        # V, per token: in the rotated basis each value is within half a step of the token's
+        # largest, so the token's error vector is at most sqrt(D) half-steps long
+        err = (got[1][rows] - v[rows]).norm(dim=-1)
+        bound = (1.2 * step * cfg.head_dim**0.5 * v[rows].norm(dim=-1)) if kind == "int8" else 1.2 * step * v[rows].norm(dim=-1)
+        assert (err <= bound + 1e-6).all(), (b, kind, (err / v[rows].norm(dim=-1)).max())
+    if kv.k_offsets and kind == "int8":
+        # the offsets are what makes K exact enough: one symmetric scale per channel would err by
+        # up to 30 / 254 on the offset channels
+        assert (got[0] - k).abs().max() < 0.05
     # The scale row travels with the block: copy blocks to another cache by raw bytes.
     other = PagedKVCache(cfg, 8, 16, kind, torch.float32, torch.device("cpu"))
     layout = layout_of(kv.layers)
@@ -126,6 +172,45 @@ def test_block_carries_its_scales_and_roundtrips(tiny_llama, kind):
     gather_blocks(kv.layers, table, buf)
     scatter_blocks(buf, other.layers, [0, 1, 2])
     assert torch.equal(other.gather(0, torch.tensor([0, 1, 2])), kv.gather(0, torch.tensor(table)))
+    # A block's extra rows hold what it needs: continuing to write into the copy gives the same
+    # bytes as continuing in the original.
+    k2, v2 = torch.randn(1, cfg.num_kv_heads, cfg.head_dim) * 4 + offsets, torch.randn(1, cfg.num_kv_heads, cfg.head_dim)
+    for cache, block in ((kv, 6), (other, 2)):
+        cache.write(0, cache.write_plan([block], [8], k2.device), k2, v2)
+    assert torch.equal(kv.layers[0][:, 6], other.layers[0][:, 2])
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_only_widened_channels_are_requantized(tiny_wide_heads, kind):
+    cfg, kv = quant_cache(tiny_wide_heads, kind)
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(16, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+    v = torch.randn(16, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+    write_tokens(kv, [2], k[:8], v[:8], [8])
+    before = kv.layers[0][:, 2].clone()
+    # token 8 stays inside every channel's range but channel 5's, which it widens four-fold
+    inside = (k[:8].amin(0) + k[:8].amax(0)) / 2
+    token = inside.clone()[None]
+    token[0, :, 5] = k[:8, :, 5].amax(0) + 4 * (k[:8, :, 5].amax(0) - k[:8, :, 5].amin(0))
+    plan = kv.write_plan([2], [8], token.device)
+    kv.write(0, plan, token, v[8:9])
+    after = kv.layers[0][:, 2]
+    k_before, k_after = before[0, :8].view(torch.uint8), after[0, :8].view(torch.uint8)
+    others = torch.ones(cfg.head_dim, dtype=torch.bool)
+    others[5] = False
+    assert torch.equal(k_before[..., others], k_after[..., others])  # the other channels kept their bytes
+    assert not torch.equal(k_before[..., 5], k_after[..., 5])  # channel 5 was requantized
+    assert torch.equal(before[1, :8], after[1, :8])  # V never requantizes (per-token scales)
+    back = kv.gather(0, torch.tensor([2]))[0, :9]
+    tolerance = 0.05 if kind == "int8" else 0.4
+    assert (back - torch.cat([k[:8], token])).abs().max() < tolerance
+
+
+def test_block_wider_than_a_head_is_refused(tiny_llama):
+    cfg = ModelConfig.from_dir(tiny_llama)  # head_dim 16
+    with pytest.raises(ValueError, match="block_size 32 must be at most head_dim 16"):
+        PagedKVCache(cfg, 4, 32, "int8", torch.float32, torch.device("cpu"))
+    PagedKVCache(cfg, 4, 32, "auto", torch.float32, torch.device("cpu"))
 
 
 def test_int8_transfer_moves_at_most_55_percent(tiny_llama):

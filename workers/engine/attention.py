@@ -14,7 +14,9 @@ With a sliding window (Mistral-style ``sliding_window``), a query at position ``
 query's window have been freed by the block manager).
 
 K/V go through ``PagedKVCache``, which quantizes on write and dequantizes on gather for an
-int8/fp8 cache. On CUDA with flash-attn installed, a block size it accepts (a multiple of 256), a
+int8/fp8 cache. A quantized cache stores V rotated (``PagedKVCache.rotation``): attention over
+gathered values runs in the rotated basis and its output is rotated back once
+(``unrotate_values``), which is exact up to rounding since the rotation is orthonormal. On CUDA with flash-attn installed, a block size it accepts (a multiple of 256), a
 full-precision cache and full attention, the decode batch uses ``flash_attn_with_kvcache`` over
 the block tables instead of gathering.
 """
@@ -109,16 +111,16 @@ class PagedAttention:
                         enable_gqa=True,
                     )
             else:
-                kv = self.kv.gather(layer, span.block_table)  # [2, n_blocks * bs, Hkv, D]
+                kv = self.kv.gather(layer, span.block_table, rotated_values=True)  # [2, n_blocks * bs, Hkv, D]
                 length = span.context_len - span.first_key_pos
                 ks = kv[0, :length].transpose(0, 1).unsqueeze(0)
                 vs = kv[1, :length].transpose(0, 1).unsqueeze(0)
                 query_pos = torch.arange(span.context_len - span.num_tokens, span.context_len, device=q.device)
                 key_pos = torch.arange(span.first_key_pos, span.context_len, device=q.device)
-                o = F.scaled_dot_product_attention(
+                o = self.kv.unrotate_values(F.scaled_dot_product_attention(
                     qs, ks, vs, attn_mask=attention_mask(query_pos, key_pos, window), scale=self.scale,
                     enable_gqa=True,
-                )
+                ))
             out[rows] = o.squeeze(0).transpose(0, 1)
         return out
 
@@ -133,8 +135,8 @@ class PagedAttention:
                 softmax_scale=self.scale, causal=True,
             )
             return o.squeeze(1)
-        kv = self.kv.gather(layer, meta.decode_block_tables).transpose(2, 3)  # [2, B, Hkv, L, D]
+        kv = self.kv.gather(layer, meta.decode_block_tables, rotated_values=True).transpose(2, 3)  # [2, B, Hkv, L, D]
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), kv[0], kv[1], attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
         )
-        return o.squeeze(2)
+        return self.kv.unrotate_values(o.squeeze(2))

@@ -57,7 +57,20 @@ class RequestOutput:
     num_cached_tokens: int
     logprobs: list[TokenLogprob] | None = None
     timing: dict[str, float] | None = None  # on the final output: queue_s, prefill_s, decode_s
+    # With ``SamplingParams.prompt_logprobs``, once the prompt is computed: entry i is prompt token
+    # i's logprob given tokens [0, i) (plus the top N there); entry 0 is None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
+
+class _BlockManager(BlockManager):
+    """A request asking for prompt logprobs takes no prefix-cache hit: a cached block holds K/V,
+    not the logits its positions would score (vLLM does the same). Its own blocks are still
+    cached for later requests."""
+
+    def find_cached_prefix(self, seq: Sequence) -> CachedPrefix:
+        if seq.params.prompt_logprobs is not None:
+            return CachedPrefix()
+        return super().find_cached_prefix(seq)
 
 
 class LLMEngine:
@@ -104,7 +117,7 @@ class LLMEngine:
         self.kv = PagedKVCache(self.model_config, num_blocks, cfg.block_size, cfg.kv_cache_dtype, self.dtype,
                                self.device)
         self.kv_caches = self.kv.layers  # what the transfer layer moves blocks of
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, self.model_key, cfg.enable_prefix_caching)
+        self.block_manager = _BlockManager(num_blocks, cfg.block_size, self.model_key, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, max_chunk)
         self.runner = ModelRunner(self.model, self.kv, self.sliding_window)
         self.tokenizer = _load_tokenizer(cfg.model_dir)
@@ -281,7 +294,9 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.decodes and not out.prefills:
             return []
-        logits, sampled = self.runner.execute(out)
+        logits, sampled, prompt = self.runner.execute(out)
+        for seq, first, scored in prompt:
+            seq.prompt_logprobs[first + 1 :] = scored  # position p scores entry p + 1
         for item in out.decodes + out.prefills:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(item.seq)
@@ -372,6 +387,8 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens or 0,
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
             timing=_timing(seq) if seq.is_finished else None,
+            # Complete once the first token is sampled, never changed after: shared, not copied.
+            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
         )
 
 

@@ -3,8 +3,9 @@
 Pure arithmetic over ``config.json`` (no weights, no torch device), so an operator can size
 pools before deploying: ``pdserve kv-plan --model DIR --gpu-mem 80 --context 8192 --concurrency 64``.
 The figures follow the engine's own allocation (``workers.engine.kv_cache.bytes_per_block``):
-a quantized block carries one extra row of scales, and a sliding-window sequence never holds
-more than its window's blocks plus one.
+a quantized block carries one extra row of scales (K per channel, V per token: one row of
+``block_size`` tokens + 1, i.e. 17/16 byte per value at block size 16), and a sliding-window
+sequence never holds more than its window's blocks plus one.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.kv_cache import bytes_per_block
+from workers.engine.kv_cache import bytes_per_block, scale_granularity
 from workers.models.config import ModelConfig
 from workers.models.loader import resolve_dtype
 from workers.protocol import KV_CACHE_DTYPES
@@ -83,6 +84,10 @@ def format_plan(model: ModelConfig, plans: list[KVPlan], context: int, gpu_mem_g
         f"model: {model.architecture}, {model.num_layers} layers x {model.num_kv_heads} KV heads x "
         f"head_dim {model.head_dim}{window}; weights {first.model_dtype} {first.weight_bytes / 2**30:.2f} GiB",
         f"replica: {gpu_mem_gib:g} GiB, context {context} tokens, block size {first.block_size}",
+    ]
+    if any(plan.kv_cache_dtype != "auto" for plan in plans):
+        lines.append(f"int8/fp8 scales: {scale_granularity(first.block_size, model.head_dim)}")
+    lines += [
         "",
         f"{'kv dtype':<16}{'bytes/token':>12}{'KV budget GiB':>15}{'blocks':>14}{'tokens':>16}"
         f"{'blocks/seq':>12}{'max seqs':>12}{'replicas for ' + str(first.concurrency):>20}",

@@ -1,7 +1,9 @@
 """Turns a scheduled step into tensors, runs the model over the paged cache, returns logits.
 
 Only rows that end a sequence's scheduled tokens (and reach its last token) go through the LM
-head: a 300-token prefill chunk costs one row of logits, not 300.
+head: a 300-token prefill chunk costs one row of logits, not 300. A request asking for prompt
+logprobs also sends its chunk's prompt rows through it (in slices, so a long chunk never holds
+``[tokens, vocab]`` logits at once) and gets their logprobs back.
 
 With a sliding window, each sequence's attention reads blocks from ``first_window_block`` on:
 earlier ones are outside every future query's window (and freed).
@@ -16,8 +18,16 @@ from workers.engine.attention import (
 )
 from workers.engine.block_manager import first_window_block
 from workers.engine.kv_cache import PagedKVCache
+from workers.engine.sampler import prompt_logprobs
 from workers.engine.scheduler import ScheduledSeq, SchedulerOutput
+from workers.engine.sequence import Sequence, TokenLogprob
 from workers.models.llama import LlamaForCausalLM
+
+PROMPT_LOGITS_ROWS = 512  # rows of prompt logits computed at once ([rows, vocab] fp32)
+
+# One sequence's prompt logprobs from a step: (sequence, first position scored, logprobs); the
+# logprob at position p is prompt token p + 1's.
+PromptLogprobs = tuple[Sequence, int, list[TokenLogprob]]
 
 
 class ModelRunner:
@@ -30,18 +40,23 @@ class ModelRunner:
         self.use_flash_attn = flash_attn_usable(self.device, self.block_size, kv, sliding_window)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        """Run one step. Returns logits ``[N, V]`` for the N sequences that sample, in order."""
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq], list[PromptLogprobs]]:
+        """Run one step. Returns logits ``[N, V]`` for the N sequences that sample, in order, and
+        the prompt logprobs of the positions this step computed for requests that ask for them."""
         items = out.decodes + out.prefills
         input_ids: list[int] = []
         positions: list[int] = []
         write_blocks: list[int] = []
         sample_rows: list[int] = []
         sampled: list[ScheduledSeq] = []
+        prompt_rows: list[tuple[Sequence, range, int]] = []  # (seq, positions scored, first row)
         bs = self.block_size
         for item in items:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
+            targets = seq.prompt_logprob_targets(start, end)
+            if targets:
+                prompt_rows.append((seq, targets, len(input_ids) + targets.start - start))
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             table = seq.block_table
@@ -74,10 +89,23 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long, device=dev),
             attn,
         )
+        prompt = [(seq, targets.start, self._prompt_logprobs(hidden, seq, targets, row))
+                  for seq, targets, row in prompt_rows]
         if not sample_rows:
-            return hidden.new_empty((0, 0), dtype=torch.float32), sampled
+            return hidden.new_empty((0, 0), dtype=torch.float32), sampled, prompt
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-        return logits, sampled
+        return logits, sampled, prompt
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, seq: Sequence, targets: range, row: int) -> list[TokenLogprob]:
+        """Logprobs of prompt tokens ``targets + 1`` from the hidden rows of positions ``targets``
+        (starting at ``row``)."""
+        result: list[TokenLogprob] = []
+        for first in range(0, len(targets), PROMPT_LOGITS_ROWS):
+            n = min(PROMPT_LOGITS_ROWS, len(targets) - first)
+            logits = self.model.compute_logits(hidden[row + first : row + first + n])
+            ids = seq.token_ids[targets.start + first + 1 : targets.start + first + n + 1]
+            result.extend(prompt_logprobs(logits, ids, seq.params.prompt_logprobs))
+        return result
 
     def _decode_metadata(self, meta: AttentionMetadata, decodes: list[ScheduledSeq]) -> None:
         bs, dev = self.block_size, self.device

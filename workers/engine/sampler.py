@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs, and
+prompt logprobs.
 
 Logprobs are those of the model's distribution (log-softmax of the raw logits), as vLLM and
 OpenAI report them, whatever the sampling transforms did.
@@ -41,6 +42,19 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
                 top = tuple(zip(ids.tolist(), values.tolist()))
             logprobs[i] = TokenLogprob(token_list[i], log_probs[row, token_list[i]].item(), top)
     return token_list, logprobs
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[TokenLogprob]:
+    """Row i of ``logits`` ([n, V]) scores prompt token ``targets[i]``: its logprob, plus the
+    ``top`` most likely tokens at that position (best first)."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    index = torch.tensor(targets, dtype=torch.long, device=log_probs.device)
+    chosen = log_probs.gather(1, index[:, None])[:, 0].tolist()
+    if not top:
+        return [TokenLogprob(t, lp) for t, lp in zip(targets, chosen)]
+    values, ids = log_probs.topk(top, dim=-1)
+    return [TokenLogprob(t, lp, tuple(zip(i, v)))
+            for t, lp, i, v in zip(targets, chosen, ids.tolist(), values.tolist())]
 
 
 def _position_seed(seed: int, position: int) -> int:

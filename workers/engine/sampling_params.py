@@ -18,6 +18,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's only; N: plus the top N
+    # None: none; 0: each prompt token's logprob given its prefix; N: plus the top N at each position.
+    # Such a request takes no prefix-cache hit (a cached block holds no logits), as in vLLM.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
     # Output tokens generated before this request began (a decode stream resumed on another
@@ -40,6 +43,7 @@ class SamplingParams:
             "top_k": self.top_k < 0 and "must be -1, 0 (disabled) or positive",
             "min_p": not (0.0 <= self.min_p <= 1.0) and "must be in [0, 1]",
             "logprobs": self.logprobs is not None and self.logprobs < 0 and "must be >= 0",
+            "prompt_logprobs": self.prompt_logprobs is not None and self.prompt_logprobs < 0 and "must be >= 0",
             "stop": any(not s for s in self.stop) and "must not contain empty strings",
         }
         for name, problem in problems.items():

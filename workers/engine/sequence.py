@@ -60,11 +60,16 @@ class Sequence:
     num_preemptions: int = 0
     hold_kv: bool = False  # prefill worker: keep the blocks after finishing, for a transfer
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With ``params.prompt_logprobs``: entry i is prompt token i given tokens [0, i) (entry 0 is
+    # None: nothing precedes it), filled chunk by chunk as the prompt is computed.
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+        if self.params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +86,17 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def prompt_logprob_targets(self, start: int, end: int) -> range:
+        """Positions whose logits a step computing tokens ``[start, end)`` must add to
+        ``prompt_logprobs``: position p predicts prompt token p + 1. Empty without
+        ``prompt_logprobs``, and for positions already done (a recompute after preemption)."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        done = len(self.prompt_logprobs) - 1  # positions already scored
+        if start > done:  # positions before this step's were not computed here (a cache hit)
+            return range(0)
+        return range(done, min(end, self.num_prompt_tokens - 1))
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
