@@ -69,13 +69,13 @@ class OpenAIIngress:
             self.index = PrefixIndex(IndexConfig(redis_url=self.args.redis_url, model_key=self.model_key))
         self.conversations = self._conversation_cache()
         self.pools = {"prefill": prefill, "decode": decode, "colocated": colocated}
+        self.metrics = IngressMetrics(self.args.model_name)
         self.workers = WorkerCalls(self.args.mode, prefill=prefill, decode=decode, colocated=colocated,
                                    index=self.index, rehash=self._block_hashes,
-                                   max_migrations=self.args.max_migrations, on_migration=self._migrated)
+                                   max_migrations=self.args.max_migrations, on_migration=self.metrics.migrated)
         self.stats = RequestStats()
         self.readiness = PoolReadiness(self.pools)  # /health: 503 "starting" until the pools answer
         self._requests: set[asyncio.Task] = set()  # completion requests in flight (drain() waits for them)
-        self.metrics = IngressMetrics(self.args.model_name)
         self.history = start_history(self)  # the dashboard's last 10 minutes, sampled every 5 s
         http_errors.SETTINGS.api_keys = frozenset(self.args.api_keys)
         http_errors.SETTINGS.max_request_bytes = self.args.max_request_bytes
@@ -95,9 +95,6 @@ class OpenAIIngress:
         else:
             store = LocalConversationStore()
         return ConversationCache(self.tokenizer, self.model_key, store)
-
-    def _migrated(self) -> None:
-        self.metrics.migrated()
 
     def _block_hashes(self, token_ids, cache_salt: str | None) -> tuple[str, ...]:
         return tuple(h.hex() for h in hash_prompt_blocks(token_ids, self.args.block_size, self.model_key, cache_salt))

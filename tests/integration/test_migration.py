@@ -49,6 +49,13 @@ def kill_busy_decode_replica(base: str, timeout_s: float = 60) -> str:
     raise AssertionError("no decode replica ever ran the request")
 
 
+def assert_migrated_once(base: str, before: int) -> None:
+    """One migration more than ``before``; then Serve's replacement is up and every block is free."""
+    assert status(base)["routing"]["migrations"] == before + 1
+    wait_replicas(APP, "decode", 2, base)
+    wait_idle(base)
+
+
 def body(prompt, stream: bool, **sampling) -> dict:
     return {"model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "ignore_eos": True, "stream": stream,
             "stream_options": {"include_usage": True} if stream else None, "temperature": 0, **sampling}
@@ -89,9 +96,7 @@ def test_a_killed_decode_replica_is_invisible_to_a_stream(two_decode_app, sampli
     assert text == reference
     assert len({e["id"] for e in events}) == 1  # one response id throughout
     assert usage["completion_tokens"] == NEW_TOKENS and usage["prompt_tokens"] == len(prompt)
-    assert status(base)["routing"]["migrations"] == before + 1
-    wait_replicas(APP, "decode", 2, base)
-    wait_idle(base)
+    assert_migrated_once(base, before)
 
 
 def test_a_killed_decode_replica_is_invisible_to_a_whole_answer(two_decode_app):
@@ -107,9 +112,7 @@ def test_a_killed_decode_replica_is_invisible_to_a_whole_answer(two_decode_app):
     thread.join(300)
     assert answer["choices"][0]["text"] == reference["choices"][0]["text"]
     assert answer["usage"]["completion_tokens"] == NEW_TOKENS
-    assert status(base)["routing"]["migrations"] == before + 1
-    wait_replicas(APP, "decode", 2, base)
-    wait_idle(base)
+    assert_migrated_once(base, before)
 
 
 def test_a_client_leaving_during_a_migration_frees_everything(two_decode_app):
