@@ -119,9 +119,10 @@ class BlockManager:
         """Longest run of the sequence's leading blocks held in the cache, verified by tokens.
 
         At least one token is always left to compute: the last prompt position's logits are
-        needed to sample, and a block holds no logits.
+        needed to sample, and a block holds no logits. For the same reason a request asking for
+        prompt logprobs takes no hit at all (as in vLLM); its own blocks are still cached.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return CachedPrefix()
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []

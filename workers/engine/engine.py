@@ -62,16 +62,6 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
-class _BlockManager(BlockManager):
-    """A request asking for prompt logprobs takes no prefix-cache hit: a cached block holds K/V,
-    not the logits its positions would score (vLLM does the same). Its own blocks are still
-    cached for later requests."""
-
-    def find_cached_prefix(self, seq: Sequence) -> CachedPrefix:
-        if seq.params.prompt_logprobs is not None:
-            return CachedPrefix()
-        return super().find_cached_prefix(seq)
-
 
 class LLMEngine:
     def __init__(
@@ -117,7 +107,7 @@ class LLMEngine:
         self.kv = PagedKVCache(self.model_config, num_blocks, cfg.block_size, cfg.kv_cache_dtype, self.dtype,
                                self.device)
         self.kv_caches = self.kv.layers  # what the transfer layer moves blocks of
-        self.block_manager = _BlockManager(num_blocks, cfg.block_size, self.model_key, cfg.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, self.model_key, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, max_chunk)
         self.runner = ModelRunner(self.model, self.kv, self.sliding_window)
         self.tokenizer = _load_tokenizer(cfg.model_dir)
