@@ -26,6 +26,9 @@ class PoolArgs(BaseModel):
 
     replicas: int = Field(default=1, ge=1, description="replicas of this pool")
     num_cpus: float = Field(default=1.0, ge=0, description="CPUs per replica")
+    num_threads: int | None = Field(
+        default=None, ge=1, description="torch threads of each replica's engine; None: what num_cpus grants, "
+                                        "max(1, floor(num_cpus))")
     num_gpus: float = Field(default=0.0, ge=0, description="GPUs per replica (1 on GPU clusters)")
     resources: dict[str, float] = Field(
         default_factory=dict, description="custom resources per replica, e.g. {'prefill': 1} to pin a node type"

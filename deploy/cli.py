@@ -8,6 +8,7 @@ ray) stay inside the handlers so `pdserve --help` returns at once.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -237,7 +238,11 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
                              "reuses its token ids, so the earlier turns' KV blocks are hits)")
     parser.add_argument("--transport", default="auto", choices=("auto", "gloo", "nccl", "gloo_staged", "object_store"))
     parser.add_argument("--gpus-per-replica", type=float, default=0.0)
-    parser.add_argument("--cpus-per-replica", type=float, default=0.5)
+    parser.add_argument("--cpus-per-replica", type=float, default=0.5,
+                        help="Ray's scheduling share per engine replica (default 0.5)")
+    parser.add_argument("--threads-per-replica", type=_positive_int, default=None,
+                        help="torch threads per engine replica (default: on a local CPU cluster, this "
+                             "machine's cores split among the engine replicas; else max(1, floor(cpus-per-replica)))")
     parser.add_argument("--api-key", action="append", default=[], help="accepted Bearer key (repeatable)")
     parser.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING"), default="INFO",
                         help="what pdserve and Serve print (default INFO: state changes only; DEBUG adds "
@@ -421,6 +426,17 @@ def _run_up(args: argparse.Namespace) -> int:
         local.stop()  # Ray first, then Redis: nothing is left that talks to the index
 
 
+def _threads_per_replica(args: argparse.Namespace) -> int | None:
+    """The engines' torch threads: as given; on a local CPU cluster this machine's cores split
+    among the engine replicas (prefill + decode, or colocated), at least one each; else None
+    (each replica takes what its num_cpus grants)."""
+    if args.threads_per_replica is not None or args.ray_address or args.gpus_per_replica:
+        return args.threads_per_replica
+    engines = args.colocated if args.mode == "colocated" else args.prefill + args.decode
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // engines)
+
+
 def _deploy_and_serve(args: argparse.Namespace, model: str, local, signals: _StopSignals, debug: bool) -> int:
     import logging
 
@@ -431,7 +447,8 @@ def _deploy_and_serve(args: argparse.Namespace, model: str, local, signals: _Sto
 
     if not debug:  # Serve's driver-side INFO ("Started Serve in namespace", ...): our lines say it
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    pool = {"num_cpus": args.cpus_per_replica, "num_gpus": args.gpus_per_replica}
+    pool = {"num_cpus": args.cpus_per_replica, "num_gpus": args.gpus_per_replica,
+            "num_threads": _threads_per_replica(args)}
     app_args = PDServeArgs(
         model=model, served_model_name=args.served_model_name, mode=args.mode,
         prefill={**pool, "replicas": args.prefill}, decode={**pool, "replicas": args.decode},

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator
 
+import ray
 import torch
 from ray import serve
 
-from deploy.args import PDServeArgs
+from deploy.args import PDServeArgs, PoolArgs
 from deploy.metrics import WorkerMetrics
 from kvstore import IndexConfig, IndexPublisher, WorkerSpec
 from workers.decode import ColocatedWorker, DecodeWorker
@@ -34,9 +36,22 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
-def transfer_config(args: PDServeArgs) -> TransferConfig:
-    import ray
+def engine_threads(pool: PoolArgs) -> int:
+    """Torch threads for a replica of ``pool``: ``num_threads`` when given, else what ``num_cpus``
+    grants, ``max(1, floor(num_cpus))``. Set explicitly: Ray sets OMP_NUM_THREADS=1 for an actor
+    with num_cpus <= 1, which torch would otherwise follow."""
+    if pool.num_threads is not None:
+        return pool.num_threads
+    return max(1, math.floor(pool.num_cpus))
 
+
+def set_engine_threads(pool: PoolArgs) -> int:
+    """Apply ``engine_threads(pool)`` to this process's torch; returns the count now in force."""
+    torch.set_num_threads(engine_threads(pool))
+    return torch.get_num_threads()
+
+
+def transfer_config(args: PDServeArgs) -> TransferConfig:
     return TransferConfig(
         transport=args.transport, host=ray.util.get_node_ip_address(),
         node_id=ray.get_runtime_context().get_node_id(),
@@ -53,7 +68,12 @@ class _WorkerServer:
         self.args = PDServeArgs.model_validate(args)
         logging.getLogger("pdserve").setLevel(self.args.log_level)
         self.worker_id = serve.get_replica_context().replica_id.unique_id
+        self.node_ip = ray.util.get_node_ip_address()  # what status shows and the KVHandle advertises
         self.device = resolve_device(self.args.device)
+        pool = getattr(self.args, self.role)
+        self.torch_threads = set_engine_threads(pool)
+        logger.info("%s replica %s: engine runs torch with %d thread(s) (num_threads %s, num_cpus %g)",
+                    self.role, self.worker_id, self.torch_threads, pool.num_threads, pool.num_cpus)
         engine = LLMEngine(self.args.model, load_progress=True, **self.args.engine_kwargs(self.device))
         self.publisher: IndexPublisher | None = None
         self.metrics = WorkerMetrics(self.worker_id, self.role, self.args.model_name)
@@ -98,7 +118,9 @@ class _WorkerServer:
         if self.publisher is not None:
             index = {"registered": self.publisher.registered, "buffered_events": self.publisher.buffered_events,
                      "dropped_events": self.publisher.dropped_events}
-        return {"worker_id": self.worker_id, "role": self.role, "device": self.device, "index": index, **snapshot}
+        return {"worker_id": self.worker_id, "role": self.role, "device": self.device,
+                "node_ip": self.node_ip, "torch_threads": self.torch_threads, "index": index,
+                **snapshot}
 
     def check_health(self) -> None:
         if not self.worker.loop.alive:
