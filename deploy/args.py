@@ -60,6 +60,49 @@ class PoolArgs(BaseModel):
         return dict(v)
 
 
+class PoolBoundsArgs(BaseModel):
+    """One pool's bounds under the pd policy (it starts at the pool's ``replicas``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_replicas: int = Field(default=1, ge=1, description="never fewer (a pool at zero takes no hand-offs)")
+    max_replicas: int | None = Field(default=None, ge=1, description="never more (default: the budget "
+                                                                     "less the other pool's minimum)")
+
+
+class AutoscalingArgs(BaseModel):
+    """``autoscaling: pd``: one decision for both pools within a total replica budget
+    (``deploy/autoscaling.py``), applied by the ``autoscaler`` deployment through Serve's
+    external-scaler API. ``autoscaling: pd`` alone takes every default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    policy: str = Field(default="pd", description="pd (the only policy; per-pool Serve autoscaling is "
+                                                  "prefill/decode.autoscaling_config instead)")
+    max_total_replicas: int | None = Field(
+        default=None, ge=2, description="prefill + decode replicas at most, e.g. one per GPU "
+                                        "(default: prefill.replicas + decode.replicas)")
+    prefill: PoolBoundsArgs = Field(default_factory=PoolBoundsArgs)
+    decode: PoolBoundsArgs = Field(default_factory=PoolBoundsArgs)
+    ttft_target_s: float = Field(default=2.0, gt=0, description="the prefill queue should drain well within it")
+    tpot_target_s: float = Field(default=0.1, gt=0, description="time per output token a decode replica should keep")
+    kv_usage_target: float = Field(default=0.8, gt=0, le=1, description="decode KV usage to stay under")
+    prefill_tokens_per_s: float = Field(
+        default=2000.0, gt=0, description="a prefill replica's prompt tokens/s until it is measured under load")
+    interval_s: float = Field(default=2.0, gt=0, description="how often the replicas are read and a decision made")
+    upscale_delay_s: float = Field(default=4.0, ge=0, description="a change that grows a pool must hold this long")
+    downscale_delay_s: float = Field(default=30.0, ge=0, description="a change that only shrinks must hold this long")
+    cooldown_s: float = Field(default=10.0, ge=0, description="no change this soon after the last one")
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, v: str) -> str:
+        if v != "pd":
+            raise ValueError(f"autoscaling.policy {v!r}: the only policy is 'pd' (per-pool queue-length "
+                             "autoscaling is prefill.autoscaling_config / decode.autoscaling_config)")
+        return v
+
+
 _CHOICES = {
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "transport": ("auto", "gloo", "nccl", "gloo_staged", "object_store"),
@@ -100,6 +143,10 @@ class PDServeArgs(BaseModel):
     max_migrations: int = Field(
         default=2, ge=0, description="times one request's decode stream may resume on another decode replica "
                                      "after its replica died (0: end the stream with an error event instead)")
+    autoscaling: AutoscalingArgs | None = Field(
+        default=None, description="'pd' or {policy: pd, max_total_replicas, ttft_target_s, tpot_target_s, "
+                                  "prefill: {min_replicas, max_replicas}, decode: {...}, ...}: size both pools "
+                                  "together (disaggregated mode; the app needs external_scaler_enabled)")
     lease_ttl_s: float = Field(default=30.0, gt=0, description="prefill blocks wait this long for decode")
     prefill_routing: str = Field(
         default="cache_aware", description="cache_aware (prefix index + load), power_of_two, round_robin")
@@ -129,6 +176,11 @@ class PDServeArgs(BaseModel):
             raise ValueError(f"{info.field_name} {v!r}: choose one of {', '.join(allowed)}")
         return v
 
+    @field_validator("autoscaling", mode="before")
+    @classmethod
+    def _autoscaling_shorthand(cls, v: Any) -> Any:
+        return {"policy": v} if isinstance(v, str) else v
+
     @field_validator("model")
     @classmethod
     def _model(cls, v: str) -> str:
@@ -149,7 +201,46 @@ class PDServeArgs(BaseModel):
                 f"max_model_len {self.max_model_len} does not fit in num_kv_blocks {self.num_kv_blocks} "
                 f"x block_size {self.block_size}: raise num_kv_blocks or lower max_model_len"
             )
+        self._check_autoscaling()
         return self
+
+    def _check_autoscaling(self) -> None:
+        if self.autoscaling is None:
+            return
+        if self.mode is not Mode.DISAGGREGATED:
+            raise ValueError("autoscaling: pd sizes the prefill and decode pools: use mode disaggregated")
+        for name in ("prefill", "decode"):
+            if getattr(self, name).autoscaling_config is not None:
+                raise ValueError(f"autoscaling: pd sets each pool's replicas itself: remove "
+                                 f"{name}.autoscaling_config (Serve refuses both on one application)")
+        budget = self.autoscaling_budget
+        for name in ("prefill", "decode"):
+            lo, hi = self.autoscaling_bounds(name)
+            start = getattr(self, name).replicas
+            if lo > hi:
+                raise ValueError(f"autoscaling.{name}: min_replicas {lo} > max_replicas {hi} (budget {budget})")
+            if not lo <= start <= hi:
+                raise ValueError(f"{name}.replicas {start} is outside autoscaling.{name} bounds [{lo}, {hi}]: "
+                                 "the pool starts at its replicas")
+        if self.prefill.replicas + self.decode.replicas > budget:
+            raise ValueError(f"prefill.replicas + decode.replicas = {self.prefill.replicas + self.decode.replicas} "
+                             f"exceeds autoscaling.max_total_replicas {budget}")
+        if self.autoscaling.prefill.min_replicas + self.autoscaling.decode.min_replicas > budget:
+            raise ValueError(f"autoscaling: the pools' min_replicas add up to more than max_total_replicas {budget}")
+
+    @property
+    def autoscaling_budget(self) -> int:
+        """The pd policy's total replica budget (its own or the pools' starting replicas)."""
+        assert self.autoscaling is not None
+        return self.autoscaling.max_total_replicas or self.prefill.replicas + self.decode.replicas
+
+    def autoscaling_bounds(self, pool: str) -> tuple[int, int]:
+        """(min, max) replicas of ``pool`` under the pd policy."""
+        assert self.autoscaling is not None
+        other = "decode" if pool == "prefill" else "prefill"
+        own = getattr(self.autoscaling, pool)
+        hi = own.max_replicas or self.autoscaling_budget - getattr(self.autoscaling, other).min_replicas
+        return own.min_replicas, min(hi, self.autoscaling_budget - getattr(self.autoscaling, other).min_replicas)
 
     @property
     def model_name(self) -> str:

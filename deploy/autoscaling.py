@@ -1,0 +1,213 @@
+"""The P/D-aware autoscaling policy (``autoscaling: pd``): one decision for both pools, as a pure
+function of their signals (``decide``: signals and the previous state in, replica counts and
+the next state out). ``deploy/autoscaler.py`` runs it and applies what it decides.
+
+What Ray Serve 2.60 offers, and why pdserve runs its own loop (read in the installed
+``ray/serve``):
+
+- Replica-reported custom stats work: a deployment method ``record_autoscaling_stats()``
+  returning ``{name: number}`` is polled by the replica (``_private/replica.py``,
+  ``_fetch_custom_autoscaling_metrics``) and reaches a policy as ``ctx.aggregated_metrics``;
+  but only for a deployment that has an ``autoscaling_config``.
+- Custom policies work per deployment (``autoscaling_config.policy.policy_function``): each sees
+  its own deployment's ``AutoscalingContext``, never the other pool's, so a joint decision within
+  one budget cannot be written as one.
+- An application-level policy exists in the controller (``ApplicationAutoscalingState``: one
+  call with every deployment's context), but only through the declarative config path
+  (``ServeApplicationSchema.autoscaling_policy``, whose own description says "under development
+  and not yet supported"); ``serve.run``, which ``pdserve up``, the tests and the benchmarks use,
+  has no such argument.
+- External scaling is public: ``serve.run(..., external_scaler_enabled=True)`` (or
+  ``external_scaler_enabled: true`` on the application in a Serve config) hands the
+  deployments' replica counts to an outside caller, and ``POST /api/v1/applications/<app>/
+  deployments/<name>/scale`` on the Ray dashboard (``ScaleDeploymentRequest``) sets one; that
+  endpoint forwards to the controller's ``update_deployment_replicas``, which refuses unless the
+  application enabled external scaling.
+
+So the policy lives here, the pools are deployed with ``external_scaler_enabled``, and a small
+controller deployment (``deploy/autoscaler.py``) reads the replicas' own stats (the ``stats``
+call ``pdserve status`` uses), decides, and sets each pool's target through the external-scaler
+entry point. It calls ``update_deployment_replicas`` itself, the call the REST endpoint makes,
+because the dashboard's HTTP server is optional (``ray.init(include_dashboard=False)`` test
+clusters have none) and its address is not known inside a replica.
+
+The policy, per decision:
+
+- prefill need (replicas, fractional) = max(queued prompt tokens / (tokens/s per replica x
+  ``drain_fraction`` x TTFT target), pool prompt tokens/s / (tokens/s per replica x
+  ``utilization``)): enough replicas to drain the queue well within the TTFT target and to keep
+  up with what arrives. Tokens/s per replica is measured while replicas are busy (a prior
+  until then).
+- decode need = replicas x max(TPOT / TPOT target, KV usage / KV target), scaled up by waiting /
+  running sequences when sequences wait for blocks.
+- each pool's count follows its need with a dead band (up once need > count + ``up_tolerance``,
+  down once count - 1 replicas would run below ``down_utilization`` of their targets), within its
+  bounds; when the two exceed the budget, replicas go one by one to the pool whose need is
+  least covered.
+- a proposed change is applied only once it has held for ``upscale_delay_s`` (growing) or
+  ``downscale_delay_s`` (only shrinking), and not while the last change is still landing
+  (replicas starting or stopping) or within ``cooldown_s`` of it: no oscillation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class PoolBounds:
+    min_replicas: int
+    max_replicas: int
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    max_total_replicas: int
+    prefill: PoolBounds
+    decode: PoolBounds
+    ttft_target_s: float = 2.0
+    tpot_target_s: float = 0.1
+    kv_usage_target: float = 0.8
+    prefill_tokens_per_s: float = 2000.0  # per replica, until measured
+    drain_fraction: float = 0.5  # the queue should drain within this share of the TTFT target
+    utilization: float = 0.8  # of a prefill replica's measured tokens/s
+    up_tolerance: float = 0.1
+    down_utilization: float = 0.7
+    upscale_delay_s: float = 4.0
+    downscale_delay_s: float = 30.0
+    cooldown_s: float = 10.0
+    landing_timeout_s: float = 120.0  # a change not landed by then no longer holds decisions
+
+
+@dataclass(frozen=True)
+class PrefillSignals:
+    replicas: int  # the pool's current target
+    ready_replicas: int  # replicas answering now
+    queued_prompt_tokens: int  # prompt tokens not yet computed, waiting or running, pool-wide
+    prompt_tokens_per_s: float  # computed by the pool, recent
+    tokens_per_s_per_replica: float | None  # measured while busy; None: not measured yet
+
+
+@dataclass(frozen=True)
+class DecodeSignals:
+    replicas: int
+    ready_replicas: int
+    running_seqs: int
+    waiting_seqs: int
+    kv_usage: float  # mean over the pool's replicas, 0..1
+    tpot_s: float | None  # recent time per output token of a running sequence; None: idle
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    pending: tuple[int, int] | None = None  # the proposal waiting out its delay
+    pending_since: float | None = None
+    last_change: float | None = None  # the controller starts it at its own start
+
+
+@dataclass(frozen=True)
+class Decision:
+    prefill: int
+    decode: int
+    changed: bool
+    prefill_need: float
+    decode_need: float
+    state: PolicyState = field(default_factory=PolicyState)
+    held: str | None = None  # why a wanted change waits (delay, cooldown, landing)
+
+
+def prefill_need(s: PrefillSignals, config: PolicyConfig) -> float:
+    rate = s.tokens_per_s_per_replica or config.prefill_tokens_per_s
+    drain = s.queued_prompt_tokens / (rate * config.drain_fraction * config.ttft_target_s)
+    keep_up = s.prompt_tokens_per_s / (rate * config.utilization)
+    return max(drain, keep_up)
+
+
+def decode_need(s: DecodeSignals, config: PolicyConfig) -> float:
+    if s.running_seqs == 0 and s.waiting_seqs == 0:
+        return 0.0
+    pressure = s.kv_usage / config.kv_usage_target
+    if s.tpot_s is not None:
+        pressure = max(pressure, s.tpot_s / config.tpot_target_s)
+    if s.waiting_seqs and s.running_seqs:
+        pressure *= (s.running_seqs + s.waiting_seqs) / s.running_seqs
+    elif s.waiting_seqs:
+        pressure = max(pressure, 1.0 + config.up_tolerance + 1e-9)  # nothing runs yet: at least one more
+    return s.replicas * pressure
+
+
+def follow(current: int, need: float, bounds: PoolBounds, config: PolicyConfig) -> int:
+    """The count a pool wants alone: up past the tolerance, down only with a margin."""
+    wanted = current
+    up = math.ceil(need - config.up_tolerance)
+    if up > current:
+        wanted = up
+    else:
+        down = math.ceil(need / config.down_utilization)
+        if down < current:
+            wanted = down
+    return min(max(wanted, bounds.min_replicas), bounds.max_replicas)
+
+
+def fit_budget(wanted: tuple[int, int], needs: tuple[float, float], config: PolicyConfig) -> tuple[int, int]:
+    """Both wanted counts when they fit; else from the minimums, each next replica to the pool
+    whose need is least covered (need / count), never past what the pool wants."""
+    if sum(wanted) <= config.max_total_replicas:
+        return wanted
+    counts = [config.prefill.min_replicas, config.decode.min_replicas]
+    while sum(counts) < config.max_total_replicas:
+        open_pools = [i for i in (0, 1) if counts[i] < wanted[i]]
+        if not open_pools:
+            break
+        i = max(open_pools, key=lambda k: (needs[k] / counts[k], -k))
+        counts[i] += 1
+    return counts[0], counts[1]
+
+
+def decide(prefill: PrefillSignals, decode: DecodeSignals, config: PolicyConfig, state: PolicyState,
+           now: float) -> Decision:
+    """One decision for both pools (pure: the caller keeps ``Decision.state`` for the next)."""
+    needs = (prefill_need(prefill, config), decode_need(decode, config))
+    current = (prefill.replicas, decode.replicas)
+    wanted = fit_budget((follow(prefill.replicas, needs[0], config.prefill, config),
+                         follow(decode.replicas, needs[1], config.decode, config)), needs, config)
+
+    def keep(held: str | None, next_state: PolicyState) -> Decision:
+        return Decision(current[0], current[1], False, needs[0], needs[1], next_state, held)
+
+    if wanted == current:
+        return keep(None, replace(state, pending=None, pending_since=None))
+    grows = any(w > c for w, c in zip(wanted, current))
+    if state.pending is None or _direction(state.pending, current) != _direction(wanted, current):
+        state = replace(state, pending=wanted, pending_since=now)
+    else:
+        state = replace(state, pending=wanted)
+    landing = prefill.ready_replicas != prefill.replicas or decode.ready_replicas != decode.replicas
+    if landing and state.last_change is not None and now - state.last_change < config.landing_timeout_s:
+        return keep("the last change is still landing (replicas starting or stopping)", state)
+    if state.last_change is not None and now - state.last_change < config.cooldown_s:
+        return keep(f"cooldown ({config.cooldown_s:g} s after the last change)", state)
+    delay = config.upscale_delay_s if grows else config.downscale_delay_s
+    if now - state.pending_since < delay:
+        return keep(f"{'upscale' if grows else 'downscale'} delay ({delay:g} s)", state)
+    return Decision(wanted[0], wanted[1], True, needs[0], needs[1], PolicyState(last_change=now))
+
+
+def _direction(proposal: tuple[int, int], current: tuple[int, int]) -> tuple[int, int]:
+    return tuple((p > c) - (p < c) for p, c in zip(proposal, current))  # type: ignore[return-value]
+
+
+def describe(decision: Decision, prefill: PrefillSignals, decode: DecodeSignals, config: PolicyConfig) -> str:
+    """The operator's line for a change: new counts and the signals that caused them."""
+    rate = prefill.tokens_per_s_per_replica
+    tpot = "-" if decode.tpot_s is None else f"{decode.tpot_s * 1000:.0f} ms"
+    return (
+        f"prefill {prefill.replicas} -> {decision.prefill}, decode {decode.replicas} -> {decision.decode} "
+        f"(budget {config.max_total_replicas}) | prefill: {prefill.queued_prompt_tokens} queued prompt tokens, "
+        f"{prefill.prompt_tokens_per_s:.0f} tok/s, "
+        f"{'prior ' if rate is None else ''}{rate or config.prefill_tokens_per_s:.0f} tok/s per replica, "
+        f"need {decision.prefill_need:.2f} | decode: {decode.running_seqs} running, {decode.waiting_seqs} waiting, "
+        f"KV {decode.kv_usage:.0%}, TPOT {tpot} (target {config.tpot_target_s * 1000:.0f} ms), "
+        f"need {decision.decode_need:.2f}"
+    )

@@ -1,0 +1,100 @@
+"""The pd policy's signals, read from the pool replicas' own ``stats`` answers (what ``pdserve
+status`` shows) two samples at a time: rates are the counters' deltas over the interval.
+
+- prefill: queued prompt tokens = (waiting + running sequences) x the recent mean prompt
+  length (a prefill replica's running sequences are the ones still prefilling; held KV is
+  not counted); tokens/s per replica = computed (uncached) prompt tokens per second of a
+  replica that had work queued at both samples, smoothed, so an idle pool keeps its last
+  measure.
+- decode: running and waiting sequences and KV usage as reported; TPOT = mean running
+  sequences / generated tokens per second (each running sequence gains one token per step),
+  per replica, weighted by running sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from deploy.autoscaling import DecodeSignals, PrefillSignals
+
+SMOOTHING = 0.5  # weight of the newest busy interval in tokens/s per replica
+
+
+@dataclass
+class SignalReader:
+    """Keeps the previous sample of each replica; ``read`` turns a new one into signals."""
+
+    tokens_per_s_per_replica: float | None = None
+    _previous: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
+    _mean_prompt_tokens: float = 0.0
+
+    def read(self, now: float, prefill: list[dict[str, Any]], decode: list[dict[str, Any]],
+             prefill_target: int, decode_target: int) -> tuple[PrefillSignals, DecodeSignals]:
+        live_p = [r for r in prefill if r.get("healthy")]
+        live_d = [r for r in decode if r.get("healthy")]
+        p = self._prefill(now, live_p, prefill_target)
+        d = self._decode(now, live_d, decode_target)
+        self._previous = {r["worker_id"]: (now, r) for r in live_p + live_d}
+        return p, d
+
+    def _delta(self, now: float, r: dict[str, Any], key: str) -> tuple[float, float] | None:
+        """(counter delta, seconds) since this replica's previous sample; None for a new replica."""
+        prev = self._previous.get(r["worker_id"])
+        if prev is None or now <= prev[0]:
+            return None
+        return r[key] - prev[1][key], now - prev[0]
+
+    def _prefill(self, now: float, replicas: list[dict[str, Any]], target: int) -> PrefillSignals:
+        requests = prompt = computed = 0.0
+        seconds = 0.0
+        for r in replicas:
+            d_req, d_prompt = self._delta(now, r, "requests"), self._delta(now, r, "prompt_tokens")
+            d_cached = self._delta(now, r, "cached_prompt_tokens")
+            if d_req is None or d_prompt is None or d_cached is None:
+                continue
+            requests += d_req[0]
+            prompt += d_prompt[0]
+            computed += d_prompt[0] - d_cached[0]
+            seconds = max(seconds, d_req[1])
+            prev = self._previous[r["worker_id"]][1]
+            busy = (prev["num_waiting"] + prev["num_running"]) and (r["num_waiting"] + r["num_running"])
+            if busy and d_prompt[0] - d_cached[0] > 0:
+                rate = (d_prompt[0] - d_cached[0]) / d_prompt[1]
+                old = self.tokens_per_s_per_replica
+                self.tokens_per_s_per_replica = rate if old is None else SMOOTHING * rate + (1 - SMOOTHING) * old
+        if requests:
+            self._mean_prompt_tokens = prompt / requests
+        elif not self._mean_prompt_tokens:
+            total_req = sum(r["requests"] for r in replicas)
+            self._mean_prompt_tokens = sum(r["prompt_tokens"] for r in replicas) / total_req if total_req else 0.0
+        in_flight = sum(r["num_waiting"] + r["num_running"] for r in replicas)
+        return PrefillSignals(
+            replicas=target, ready_replicas=len(replicas),
+            queued_prompt_tokens=round(in_flight * self._mean_prompt_tokens),
+            prompt_tokens_per_s=computed / seconds if seconds else 0.0,
+            tokens_per_s_per_replica=self.tokens_per_s_per_replica,
+        )
+
+    def _decode(self, now: float, replicas: list[dict[str, Any]], target: int) -> DecodeSignals:
+        weighted_tpot = weight = 0.0
+        for r in replicas:
+            d_gen = self._delta(now, r, "generated_tokens")
+            if d_gen is None:
+                continue
+            prev = self._previous[r["worker_id"]][1]
+            running = (prev["num_running"] + r["num_running"]) / 2
+            if running <= 0:
+                continue
+            tokens_per_s = d_gen[0] / d_gen[1]
+            tpot = running / tokens_per_s if tokens_per_s > 0 else d_gen[1]  # stalled: a whole interval
+            weighted_tpot += tpot * running
+            weight += running
+        usage = [r["kv_usage"] for r in replicas]
+        return DecodeSignals(
+            replicas=target, ready_replicas=len(replicas),
+            running_seqs=sum(r["num_running"] for r in replicas),
+            waiting_seqs=sum(r["num_waiting"] for r in replicas),
+            kv_usage=sum(usage) / len(usage) if usage else 0.0,
+            tpot_s=weighted_tpot / weight if weight else None,
+        )

@@ -1,0 +1,231 @@
+"""The pd autoscaling policy as a pure function (deploy/autoscaling.py): budget, bounds,
+hysteresis and a load that shifts between the pools; its signals from replica stats
+(deploy/autoscaling_signals.py); its arguments (deploy/args.py); its line in pdserve status."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from pydantic import ValidationError
+
+from deploy.autoscaling import (
+    DecodeSignals, PolicyConfig, PolicyState, PoolBounds, PrefillSignals, decide, decode_need, describe,
+    fit_budget, follow, prefill_need,
+)
+from deploy.autoscaling_signals import SignalReader
+
+CONFIG = PolicyConfig(max_total_replicas=4, prefill=PoolBounds(1, 3), decode=PoolBounds(1, 3),
+                      ttft_target_s=1.0, tpot_target_s=0.05, prefill_tokens_per_s=1000.0,
+                      upscale_delay_s=4.0, downscale_delay_s=20.0, cooldown_s=10.0)
+
+
+def prefill(replicas=2, queued=0, rate=0.0, per_replica=1000.0, ready=None) -> PrefillSignals:
+    return PrefillSignals(replicas, replicas if ready is None else ready, queued, rate, per_replica)
+
+
+def decode(replicas=2, running=0, waiting=0, kv=0.0, tpot=None, ready=None) -> DecodeSignals:
+    return DecodeSignals(replicas, replicas if ready is None else ready, running, waiting, kv, tpot)
+
+
+def run(p, d, state=PolicyState(), start=0.0, seconds=30, step=2.0):
+    """Decide every ``step`` seconds on the same signals; the decisions and the last state."""
+    decisions, t = [], start
+    while t <= start + seconds:
+        decision = decide(p, d, CONFIG, state, t)
+        state = decision.state
+        decisions.append(decision)
+        t += step
+    return decisions, state
+
+
+# ------------------------------------------------------------------ needs
+def test_prefill_need_drains_the_queue_within_half_the_ttft_target():
+    # 1500 queued tokens at 1000 tok/s per replica, to drain in 0.5 s: 3 replicas
+    assert prefill_need(prefill(queued=1500), CONFIG) == pytest.approx(3.0)
+    # no queue but 1600 tok/s arriving, each replica to run at 80 %: 2 replicas
+    assert prefill_need(prefill(rate=1600.0), CONFIG) == pytest.approx(2.0)
+    # not measured yet: the prior per-replica rate
+    assert prefill_need(prefill(queued=500, per_replica=None), CONFIG) == pytest.approx(1.0)
+
+
+def test_decode_need_follows_tpot_kv_and_waiting_sequences():
+    assert decode_need(decode(running=0), CONFIG) == 0.0
+    assert decode_need(decode(running=8, tpot=0.1, kv=0.2), CONFIG) == pytest.approx(4.0)  # TPOT 2x its target
+    assert decode_need(decode(running=8, tpot=0.01, kv=0.6), CONFIG) == pytest.approx(1.5)  # KV 0.6 / 0.8
+    # 8 running and 8 waiting at TPOT on target: twice the replicas
+    assert decode_need(decode(running=8, waiting=8, tpot=0.05), CONFIG) == pytest.approx(4.0)
+    # nothing running, something waiting: at least one more replica
+    assert follow(2, decode_need(decode(running=0, waiting=3), CONFIG), CONFIG.decode, CONFIG) == 3
+
+
+# ------------------------------------------------------------------ dead band, bounds, budget
+@pytest.mark.parametrize("need, wanted", [
+    (0.0, 1), (0.69, 1), (0.71, 2), (2.0, 2), (2.1, 2), (2.11, 3), (9.0, 3),
+])
+def test_follow_keeps_a_dead_band_and_the_bounds(need, wanted):
+    # from 2: down once 1 replica would run at <= 70 % of its target (need <= 0.7), up past 2.1;
+    # within [1, 3]
+    assert follow(2, need, PoolBounds(1, 3), CONFIG) == wanted
+
+
+def test_budget_goes_to_the_least_covered_need():
+    assert fit_budget((3, 1), (2.5, 0.5), CONFIG) == (3, 1)  # fits: unchanged
+    assert fit_budget((3, 3), (6.0, 2.0), CONFIG) == (3, 1)  # prefill's need is 3x decode's
+    assert fit_budget((3, 3), (2.0, 6.0), CONFIG) == (1, 3)
+    assert fit_budget((3, 3), (4.0, 4.0), CONFIG) == (2, 2)  # equal needs split evenly
+
+
+def test_decisions_never_exceed_the_budget_or_the_bounds():
+    for queued in (0, 500, 3000, 30000):
+        for running, tpot in ((0, None), (4, 0.02), (32, 0.5)):
+            decisions, _ = run(prefill(queued=queued), decode(running=running, tpot=tpot, kv=0.5), seconds=60)
+            for d in decisions:
+                assert d.prefill + d.decode <= 4
+                assert 1 <= d.prefill <= 3 and 1 <= d.decode <= 3
+
+
+# ------------------------------------------------------------------ hysteresis
+def test_a_change_waits_for_its_delay_then_applies_once():
+    p, d = prefill(queued=2500), decode(running=1, tpot=0.01)  # prefill wants 3 (need 5), decode 1
+    decisions, state = run(p, d, seconds=10)
+    changed = [x for x in decisions if x.changed]
+    assert [(x.prefill, x.decode) for x in changed] == [(3, 1)]
+    assert changed[0] is decisions[2]  # t=4 s: the upscale delay after t=0
+    assert decisions[0].held == "upscale delay (4 s)"
+    assert state.last_change == 4.0
+
+
+def test_shrinking_waits_for_the_longer_downscale_delay():
+    decisions, _ = run(prefill(queued=0), decode(running=0), seconds=30)  # idle: both want 1
+    first = next(x for x in decisions if x.changed)
+    assert (first.prefill, first.decode) == (1, 1)
+    assert decisions.index(first) == 10  # t=20 s
+
+
+def test_no_change_while_the_last_one_lands_nor_within_the_cooldown():
+    p = prefill(replicas=3, ready=2, queued=0)  # a replica of the last change still starting
+    d = decode(replicas=1, running=30, tpot=0.2)
+    state = PolicyState(last_change=0.0)
+    held = decide(p, d, CONFIG, state, 30.0)
+    assert not held.changed and held.held.startswith("the last change is still landing")
+    landed = prefill(replicas=3, queued=0)
+    assert decide(landed, d, CONFIG, PolicyState(last_change=25.0), 30.0).held.startswith("cooldown")
+    # a change that never lands stops holding decisions after landing_timeout_s
+    late = decide(p, d, CONFIG, PolicyState(last_change=0.0, pending=(1, 3), pending_since=100.0), 130.0)
+    assert late.changed and (late.prefill, late.decode) == (1, 3)
+
+
+def test_noise_inside_the_dead_band_never_changes_anything():
+    state, t = PolicyState(), 0.0
+    for i in range(200):  # need wobbles between 1.5 and 2.1 around a count of 2
+        queued = 750 + (300 if i % 2 else 0)
+        decision = decide(prefill(queued=queued), decode(running=4, tpot=0.05 * (1.5 + 0.6 * (i % 2)) / 2),
+                          CONFIG, state, t)
+        assert not decision.changed and decision.held is None
+        state, t = decision.state, t + 2.0
+
+
+def test_a_flapping_proposal_restarts_its_delay():
+    state = decide(prefill(queued=2500), decode(running=1, tpot=0.01), CONFIG, PolicyState(), 0.0).state
+    # at t=2 the queue is gone and the idle prefill pool would shrink instead: a new delay starts
+    state = decide(prefill(queued=0), decode(running=1, tpot=0.01), CONFIG, state, 2.0).state
+    assert state.pending == (1, 1) and state.pending_since == 2.0
+    again = decide(prefill(queued=2500), decode(running=1, tpot=0.01), CONFIG, state, 4.0)
+    assert not again.changed and again.state.pending_since == 4.0
+
+
+# ------------------------------------------------------------------ a load that shifts
+def test_shifting_load_moves_replicas_between_the_pools_and_back():
+    prompt_heavy = (lambda n: prefill(replicas=n[0], queued=4000, rate=2000.0),
+                    lambda n: decode(replicas=n[1], running=4, tpot=0.01, kv=0.1))
+    output_heavy = (lambda n: prefill(replicas=n[0], queued=0, rate=100.0),
+                    lambda n: decode(replicas=n[1], running=48, tpot=0.12, kv=0.7))
+    counts, state, t, seen = (2, 2), PolicyState(), 0.0, []
+    for phase in (prompt_heavy, output_heavy, prompt_heavy):
+        for _ in range(30):  # 60 s per phase, a decision every 2 s
+            decision = decide(phase[0](counts), phase[1](counts), CONFIG, state, t)
+            state, t = decision.state, t + 2.0
+            if decision.changed:
+                counts = (decision.prefill, decision.decode)
+                seen.append(counts)
+        seen.append(("end of phase", counts))
+    assert seen == [(3, 1), ("end of phase", (3, 1)), (1, 3), ("end of phase", (1, 3)), (3, 1),
+                    ("end of phase", (3, 1))]
+
+
+# ------------------------------------------------------------------ the operator's line
+def test_describe_names_the_change_and_its_signals():
+    p, d = prefill(queued=2500, rate=1800.0), decode(running=3, waiting=0, kv=0.2, tpot=0.012)
+    decision = decide(p, d, CONFIG, PolicyState(pending=(3, 1), pending_since=0.0), 10.0)
+    assert decision.changed
+    assert describe(decision, p, d, CONFIG) == (
+        "prefill 2 -> 3, decode 2 -> 1 (budget 4) | prefill: 2500 queued prompt tokens, 1800 tok/s, "
+        "1000 tok/s per replica, need 5.00 | decode: 3 running, 0 waiting, KV 20%, TPOT 12 ms "
+        "(target 50 ms), need 0.50")
+
+
+# ------------------------------------------------------------------ signals from stats
+def _replica(wid, **kw):
+    base = {"worker_id": wid, "healthy": True, "requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0,
+            "generated_tokens": 0, "num_running": 0, "num_waiting": 0, "kv_usage": 0.0}
+    return {**base, **kw}
+
+
+def test_signals_come_from_two_samples_of_the_replicas_stats():
+    reader = SignalReader()
+    p0 = [_replica("p1", requests=10, prompt_tokens=20000, num_waiting=2, num_running=1)]
+    d0 = [_replica("d1", generated_tokens=1000, num_running=8, kv_usage=0.5)]
+    first_p, first_d = reader.read(100.0, p0, d0, 1, 1)
+    assert first_p.queued_prompt_tokens == 3 * 2000 and first_p.tokens_per_s_per_replica is None
+    assert first_d.tpot_s is None  # no interval yet
+    p1 = [_replica("p1", requests=14, prompt_tokens=28000, cached_prompt_tokens=0, num_waiting=1, num_running=1)]
+    d1 = [_replica("d1", generated_tokens=1400, num_running=8, kv_usage=0.6),
+          _replica("d2", healthy=False)]
+    p, d = reader.read(102.0, p1, d1, 1, 2)
+    assert p.tokens_per_s_per_replica == pytest.approx(4000.0)  # busy all along: 8000 tokens in 2 s
+    assert p.prompt_tokens_per_s == pytest.approx(4000.0)
+    assert p.queued_prompt_tokens == 2 * 2000
+    assert d.tpot_s == pytest.approx(8 / 200.0)  # 8 running, 200 tokens/s
+    assert (d.replicas, d.ready_replicas, d.running_seqs, d.kv_usage) == (2, 1, 8, 0.6)
+
+
+# ------------------------------------------------------------------ arguments
+def test_args_take_the_shorthand_and_check_budget_and_bounds(tmp_path):
+    from deploy.args import PDServeArgs
+
+    (tmp_path / "config.json").write_text("{}")
+    base = {"model": str(tmp_path), "prefill": {"replicas": 2}, "decode": {"replicas": 2}}
+    short = PDServeArgs.model_validate({**base, "autoscaling": "pd"})
+    assert short.autoscaling_budget == 4 and short.autoscaling_bounds("prefill") == (1, 3)
+    full = PDServeArgs.model_validate({**base, "autoscaling": {
+        "policy": "pd", "max_total_replicas": 6, "decode": {"min_replicas": 2, "max_replicas": 3}}})
+    assert full.autoscaling_bounds("prefill") == (1, 4) and full.autoscaling_bounds("decode") == (2, 3)
+    with pytest.raises(ValidationError, match="exceeds autoscaling.max_total_replicas 3"):
+        PDServeArgs.model_validate({**base, "autoscaling": {"max_total_replicas": 3}})
+    with pytest.raises(ValidationError, match="the only policy is 'pd'"):
+        PDServeArgs.model_validate({**base, "autoscaling": "queue"})
+    with pytest.raises(ValidationError, match="remove decode.autoscaling_config"):
+        PDServeArgs.model_validate({**base, "decode": {"autoscaling_config": {"max_replicas": 2}},
+                                    "autoscaling": "pd"})
+    with pytest.raises(ValidationError, match="use mode disaggregated"):
+        PDServeArgs.model_validate({**base, "mode": "colocated", "autoscaling": "pd"})
+
+
+def test_status_table_shows_targets_signals_and_changes():
+    from deploy.status_table import _autoscaling_lines
+
+    state = {"budget": 4, "bounds": {"prefill": [1, 3], "decode": [1, 3]}, "targets": {"prefill": 3, "decode": 1},
+             "ttft_target_s": 1.0, "tpot_target_s": 0.05, "error": None,
+             "last": {"prefill": {"queued_prompt_tokens": 2500}, "prefill_need": 2.5,
+                      "decode": {"running_seqs": 3, "waiting_seqs": 0, "kv_usage": 0.25, "tpot_s": 0.012},
+                      "decode_need": 0.7, "held": "cooldown (10 s after the last change)"},
+             "decisions": [{"time": 90.0, "line": "prefill 2 -> 3, decode 2 -> 1 (budget 4) | ..."}]}
+    assert _autoscaling_lines(state, 100.0) == [
+        "autoscaling (pd): budget 4 replicas; prefill 3 (bounds 1..3), decode 1 (bounds 1..3); "
+        "targets TTFT 1000 ms, TPOT 50 ms",
+        "  now: prefill 2500 queued prompt tokens, need 2.50; decode 3 running, 0 waiting, KV 25%, TPOT 12 ms, "
+        "need 0.70; waiting: cooldown (10 s after the last change)",
+        "  10 s ago: prefill 2 -> 3, decode 2 -> 1 (budget 4) | ...",
+    ]
+    assert _autoscaling_lines(None, 100.0) == []
