@@ -467,7 +467,10 @@ def _deploy_and_serve(args: argparse.Namespace, model: str, local, signals: _Sto
     serve.start(http_options={"host": args.host, "port": args.port},
                 logging_config=serve_logging(args.log_level, access_log))
     plan = ", ".join(f"{name} x{count}" for name, count in targets.items())
-    _say(f"deploying {plan} on {url} (replicas load the model)")
+    threads = pool["num_threads"]
+    engine_threads = (f"{threads} torch thread(s) per engine" if threads
+                      else "torch threads per engine: max(1, floor(num_cpus))")
+    _say(f"deploying {plan} on {url} (replicas load the model; {engine_threads})")
     serve.run_many([serve.RunTarget(make_app(app_args, access_log), name=UP_APP_NAME, route_prefix="/")],
                    wait_for_applications_running=False)
     rc = 0

@@ -108,7 +108,7 @@ class _WorkerServer:
                 self.publisher.submit(events)
             self.publisher.set_load(bm.num_free_blocks, len(sched.running), len(sched.waiting))
 
-    def record_routing_stats(self) -> dict:
+    async def record_routing_stats(self) -> dict:  # async: Serve runs a sync one on a new thread each second
         return dict(self._load)
 
     async def stats(self, target_replica: str | None = None) -> dict:

@@ -76,6 +76,8 @@ class IndexPublisher:
         # Owned by the event loop.
         self._io_lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake = asyncio.Event()  # set (on the loop) when events are queued
         self._registered = False
         self._disabled = False  # superseded by a newer start, or incompatible with the pool
         self._run_id: str | None = None
@@ -87,10 +89,12 @@ class IndexPublisher:
 
     def submit(self, events: Iterable[KVEvent]) -> None:
         """Record block events and queue them for Redis. Never blocks on I/O, never raises."""
+        queued = False
         with self._lock:
             if self._stopped:
                 return
             for event in events:
+                queued = True
                 if isinstance(event, BlockStored):
                     self._held.update(event.block_hashes)
                 elif isinstance(event, BlockRemoved):
@@ -102,6 +106,8 @@ class IndexPublisher:
             overflow = len(self._queue) - self.config.max_buffered_events
             if overflow > 0:
                 self._drop_oldest(overflow)
+        if queued:
+            self._notify()
 
     def set_load(self, free_blocks: int, num_running: int = 0, num_waiting: int = 0) -> None:
         """Latest load; written to the worker record with the next heartbeat."""
@@ -142,6 +148,7 @@ class IndexPublisher:
             log.warning("worker %s will register in the prefix index when Redis is back",
                         self.worker.worker_id)
         self._next_purge = time.monotonic() + self._purge_delay()
+        self._loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._run(), name=f"index-publisher-{self.worker.worker_id}")
 
     async def flush(self) -> bool:
@@ -191,7 +198,30 @@ class IndexPublisher:
                 self._disabled = True
             except Exception:  # a bug must not kill publishing silently
                 log.exception("worker %s: prefix index publisher step failed", self.worker.worker_id)
-            await asyncio.sleep(max(self.config.flush_interval_s, self.link.seconds_until_retry()))
+            await self._wait_for_work()
+
+    async def _wait_for_work(self) -> None:
+        """Sleep until there is something to send: queued events (then ``flush_interval_s`` more,
+        to batch), the next heartbeat or purge, or the link's retry time. Idle, that is one
+        wake-up per heartbeat, not one per flush interval."""
+        pace = max(self.config.flush_interval_s, self.link.seconds_until_retry())
+        self._wake.clear()  # before looking at the queue: a submit after this sets it again
+        if self._queue or self._needs_resync or not self._registered:
+            await asyncio.sleep(pace)
+            return
+        until = min(self._next_heartbeat, self._next_purge) - time.monotonic()
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=max(pace, until))
+        except asyncio.TimeoutError:
+            return
+        await asyncio.sleep(self.config.flush_interval_s)
+
+    def _notify(self) -> None:
+        """Any thread: wake the background task (events were queued)."""
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to wake
+                loop.call_soon_threadsafe(self._wake.set)
 
     async def _sync(self) -> None:
         """Bring Redis up to date: re-register if it may have lost us, heartbeat, flush events."""

@@ -23,7 +23,11 @@ from workers.engine.engine import LLMEngine, RequestOutput
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-_IDLE_WAIT_S = 0.05
+# Idle, the thread sleeps on the command queue. The observer runs after every step and after
+# every batch of commands; once the engine goes idle it runs once more after this long (the
+# metrics refresh at most every 0.5 s and may have skipped the last steps), then the thread
+# waits with no timeout until the next command: an idle replica wakes for nothing.
+_IDLE_OBSERVE_S = 0.6
 
 
 class EngineDeadError(RuntimeError):
@@ -95,6 +99,7 @@ class EngineLoop:
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop the engine thread; streams still open end with ``EngineDeadError``."""
         self._stopped.set()
+        self._commands.put((lambda: None, concurrent.futures.Future()))  # wake an idle thread
         self._thread.join(timeout_s)
 
     @property
@@ -104,13 +109,21 @@ class EngineLoop:
     # ----------------------------------------------------------- engine thread
     def _run(self) -> None:
         engine = self.engine
+        idle_observed = False  # a first look once the engine is up and idle
         try:
             while not self._stopped.is_set():
-                self._drain_commands(block=not engine.has_unfinished())
                 if engine.has_unfinished():
-                    for output in engine.step():
-                        self._deliver(output.request_id, output)
-                    self._observe()
+                    self._drain_commands(block=False)
+                else:
+                    ran = self._drain_commands(block=True, timeout=None if idle_observed else _IDLE_OBSERVE_S)
+                    if not self._stopped.is_set() and not engine.has_unfinished():
+                        self._observe()  # after commands (events, load) or the last idle look
+                        idle_observed = not ran
+                    continue
+                for output in engine.step():
+                    self._deliver(output.request_id, output)
+                self._observe()
+                idle_observed = False
         except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish
             logger.exception("engine loop died")
             self._error = exc
@@ -123,13 +136,13 @@ class EngineLoop:
                 for request_id in list(self._streams):
                     self._deliver(request_id, EngineDeadError("engine loop stopped (the replica is shutting down)"))
 
-    def _drain_commands(self, block: bool) -> None:
+    def _drain_commands(self, block: bool, timeout: float | None = None) -> bool:
+        """Run every queued command; with ``block``, first wait up to ``timeout`` (None: for
+        ever) for one. Returns whether any ran."""
         try:
-            fn, future = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            fn, future = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
         except queue.Empty:
-            if block:
-                self._observe()  # idle tick: flush events, refresh gauges
-            return
+            return False
         while True:
             if future.set_running_or_notify_cancel():
                 try:
@@ -139,7 +152,7 @@ class EngineLoop:
             try:
                 fn, future = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _observe(self) -> None:
         """Run the step observer; its failure is logged, never fatal to the engine."""
