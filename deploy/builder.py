@@ -7,6 +7,11 @@ off and Serve's own replica logger says only warnings, unless ``log_level`` is D
 caller asks for the access log (``pdserve up --access-log``): INFO on the console is for state
 changes.
 
+P/D-aware autoscaling (``autoscaling: pd``): the pools start at their ``replicas`` and an
+``autoscaler`` deployment (``deploy/autoscaler.py``) sets both pools' counts through Serve's
+external-scaler API, so the application must be deployed with ``external_scaler_enabled``
+(``deploy_and_wait`` does; in a Serve config, ``external_scaler_enabled: true`` beside ``args``).
+
 Shutdown: deleting the application stops every replica: the ingress's in-flight requests get
 ``INGRESS_DRAIN_S`` to finish, the pools a little longer (they serve those requests), then each
 pool replica ends what still runs and leaves the prefix index. ``pdserve up`` first drains the
@@ -21,6 +26,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 
 from deploy.args import Mode, PDServeArgs, PoolArgs, check_redis_url_for_cluster
+from deploy.autoscaler import PDAutoscaler
 from deploy.ingress import OpenAIIngress
 from deploy.servers import ColocatedServer, DecodeServer, PrefillServer
 from workers.engine.config import EngineConfig
@@ -95,7 +101,20 @@ def make_app(args: dict[str, Any] | PDServeArgs, access_log: bool | None = None)
     prefill = PrefillServer.options(**_pool_options(parsed.prefill, PREFIX_ROUTER, prefill_kwargs, logs)).bind(raw)
     decode = DecodeServer.options(
         **_pool_options(parsed.decode, DECODE_ROUTER, {**router_kwargs, "role": "decode"}, logs)).bind(raw, prefill)
-    return ingress.bind(raw, prefill=prefill, decode=decode)
+    if parsed.autoscaling is None:
+        return ingress.bind(raw, prefill=prefill, decode=decode)
+    # INFO: its decision lines go through Serve's replica logger (access log as for the rest)
+    autoscaler_logs = LoggingConfig(log_level="DEBUG" if logs.log_level == "DEBUG" else "INFO",
+                                    enable_access_log=logs.enable_access_log)
+    autoscaler = PDAutoscaler.options(logging_config=autoscaler_logs).bind(raw, prefill, decode)
+    return ingress.bind(raw, prefill=prefill, decode=decode, autoscaler=autoscaler)
+
+
+def needs_external_scaler(args: dict[str, Any] | PDServeArgs) -> bool:
+    """True when the application sizes its pools itself (``autoscaling: pd``): deploy it with
+    ``serve.run(..., external_scaler_enabled=True)``."""
+    parsed = args if isinstance(args, PDServeArgs) else PDServeArgs.model_validate(args)
+    return parsed.autoscaling is not None
 
 
 def deploy_and_wait(args: dict[str, Any] | PDServeArgs, name: str, route_prefix: str, base_url: str,
@@ -107,7 +126,8 @@ def deploy_and_wait(args: dict[str, Any] | PDServeArgs, name: str, route_prefix:
     import urllib.error
     import urllib.request
 
-    serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False)
+    serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False,
+              external_scaler_enabled=needs_external_scaler(args))
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         try:

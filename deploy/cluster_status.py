@@ -63,6 +63,17 @@ async def index_status(index) -> dict[str, Any]:
     }
 
 
+async def autoscaling_status(autoscaler, timeout_s: float = 5.0) -> dict[str, Any] | None:
+    """The pd autoscaler's state (``deploy/autoscaler.py``: targets, last signals, recent
+    changes, the targets' timeline); None without ``autoscaling: pd``."""
+    if autoscaler is None:
+        return None
+    try:
+        return await asyncio.wait_for(autoscaler.status.remote(), timeout_s)
+    except Exception as exc:  # noqa: BLE001 - shown as such; the pools' figures still answer
+        return {"policy": "pd", "error": f"autoscaler not reachable: {type(exc).__name__}: {exc}"[:200]}
+
+
 # ------------------------------------------------------------------ figures the dashboard adds
 def pair_table(pools: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per (prefill replica, decode replica) pair that moved KV or tried to, merged from

@@ -27,7 +27,7 @@ from deploy.openai_protocol import ChatCompletionRequest, CompletionRequest, Req
 from deploy.output import ChoiceAssembler
 from deploy.responses import ResponseBuilder
 from deploy.worker_calls import PoolReadiness, WorkerCalls
-from deploy.cluster_status import extend_status, index_status, pool_status, start_history
+from deploy.cluster_status import autoscaling_status, extend_status, index_status, pool_status, start_history
 from deploy.metrics import IngressMetrics
 from deploy.request_stats import RequestStats
 from kvstore.hashing import hash_prompt_blocks
@@ -53,7 +53,7 @@ install_dashboard(app)  # before @serve.ingress: Serve freezes a copy of the app
 @serve.deployment(name="ingress", max_ongoing_requests=1024)
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, args: dict, prefill=None, decode=None, colocated=None) -> None:
+    def __init__(self, args: dict, prefill=None, decode=None, colocated=None, autoscaler=None) -> None:
         from transformers import AutoTokenizer
 
         self.args = PDServeArgs.model_validate(args)
@@ -69,6 +69,7 @@ class OpenAIIngress:
             self.index = PrefixIndex(IndexConfig(redis_url=self.args.redis_url, model_key=self.model_key))
         self.conversations = self._conversation_cache()
         self.pools = {"prefill": prefill, "decode": decode, "colocated": colocated}
+        self.autoscaler = autoscaler  # autoscaling: pd (deploy/autoscaler.py); shown in the status
         self.metrics = IngressMetrics(self.args.model_name)
         self.workers = WorkerCalls(self.args.mode, prefill=prefill, decode=decode, colocated=colocated,
                                    index=self.index, rehash=self._block_hashes,
@@ -142,9 +143,10 @@ class OpenAIIngress:
             "block_size": self.args.block_size, "pools": pools,
             "index": await index_status(self.index),
             "requests": self.stats.snapshot(),
-            "routing": {"skipped_prefills": self.workers.skipped_prefills,
+            "routing": {"skipped_prefills": self.workers.skipped_prefills, "prefill_retries": self.workers.prefill_retries,
                         "migrations": self.workers.migrations, "failed_migrations": self.workers.failed_migrations},
             "conversations": self.conversations.stats() if self.conversations is not None else None,
+            "autoscaling": await autoscaling_status(self.autoscaler),
         }, self)  # + pair table, HTTP outcomes, last-minute rates (deploy/cluster_status.py)
 
     @app.get("/v1/cluster/history")

@@ -105,11 +105,44 @@ def format_status(status: dict) -> str:
     if routing:
         failed = routing.get("failed_migrations")
         lines.append(f"routing: {routing.get('skipped_prefills', 0)} prefills skipped (decode held the prompt), "
+                     f"{routing.get('prefill_retries', 0)} prefills retried after their replica died, "
                      f"{routing.get('migrations', 0)} decode streams resumed on another replica"
                      + (f", {failed} ended after max_migrations" if failed else ""))
+    lines += _autoscaling_lines(status.get("autoscaling"), status.get("time"))
     conversations = status.get("conversations")
     if conversations:
         lines.append(f"conversations: {conversations['hits']} of {conversations['lookups']} follow-up turns "
                      f"reused a recorded turn ({conversations['reused_tokens']} tokens), "
                      f"{conversations['recorded']} turns recorded")
     return "\n".join(lines)
+
+
+def _autoscaling_lines(a: dict | None, now: float | None) -> list[str]:
+    """``autoscaling: pd``: the targets within their bounds and budget, what the last round saw,
+    and the most recent changes (each with the signals that caused it)."""
+    if not a:
+        return []
+    if "targets" not in a:
+        return [f"autoscaling (pd): {a.get('error', 'no state')}"]
+    bounds, targets = a["bounds"], a["targets"]
+    lines = [f"autoscaling (pd): budget {a['budget']} replicas; prefill {targets['prefill']} "
+             f"(bounds {bounds['prefill'][0]}..{bounds['prefill'][1]}), decode {targets['decode']} "
+             f"(bounds {bounds['decode'][0]}..{bounds['decode'][1]}); targets TTFT {_ms(a['ttft_target_s'])} ms, "
+             f"TPOT {_ms(a['tpot_target_s'])} ms"]
+    if a.get("error"):
+        lines.append(f"  ERROR: {a['error']}")
+    last = a.get("last")
+    if last:
+        p, d = last["prefill"], last["decode"]
+        tpot = "-" if d["tpot_s"] is None else f"{d['tpot_s'] * 1000:.0f} ms"
+        lines.append(f"  now: prefill {p['queued_prompt_tokens']} queued prompt tokens, need "
+                     f"{last['prefill_need']:.2f}; decode {d['running_seqs']} running, {d['waiting_seqs']} waiting, "
+                     f"KV {d['kv_usage']:.0%}, TPOT {tpot}, need {last['decode_need']:.2f}"
+                     + (f"; waiting: {last['held']}" if last.get("held") else ""))
+    decisions = a.get("decisions") or []
+    if not decisions:
+        lines.append("  no change yet")
+    for change in decisions[-5:]:
+        ago = f"{now - change['time']:.0f} s ago" if now is not None else ""
+        lines.append(f"  {ago}: {change['line']}")
+    return lines

@@ -1,0 +1,143 @@
+"""The ``autoscaler`` deployment (``autoscaling: pd``): one replica that, every ``interval_s``,
+reads both pools' replicas, runs the pd policy (``deploy/autoscaling.py``) and sets each pool's
+target replica count through Serve's external-scaler API (the application is deployed with
+``external_scaler_enabled``; see the policy module for what Serve 2.60 offers and why).
+
+Each change is logged at INFO, one line with the signals that caused it, through Serve's own
+replica logger (``ray.serve``: this replica's file under the session's ``logs/serve/`` and the
+driver's console; a plain logger has no handler in a Ray worker), and kept (the last
+``DECISIONS_KEPT``) with a timeline of the targets for ``state()``, which the ingress's status
+endpoint, ``pdserve status`` and the dashboard show."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from ray import serve
+
+from deploy.args import PDServeArgs
+from deploy.autoscaling import Decision, PolicyConfig, PolicyState, PoolBounds, decide, describe
+from deploy.autoscaling_signals import SignalReader
+from deploy.cluster_status import pool_status
+
+logger = logging.getLogger("ray.serve.pdserve")  # Serve's handlers; its LoggingConfig sets the level
+
+DECISIONS_KEPT = 50
+TIMELINE_S = 600.0  # the targets' timeline covers the last 10 minutes
+STATS_TIMEOUT_S = 5.0
+
+
+def policy_config(args: PDServeArgs) -> PolicyConfig:
+    a = args.autoscaling
+    assert a is not None
+    return PolicyConfig(
+        max_total_replicas=args.autoscaling_budget,
+        prefill=PoolBounds(*args.autoscaling_bounds("prefill")),
+        decode=PoolBounds(*args.autoscaling_bounds("decode")),
+        ttft_target_s=a.ttft_target_s, tpot_target_s=a.tpot_target_s, kv_usage_target=a.kv_usage_target,
+        prefill_tokens_per_s=a.prefill_tokens_per_s, upscale_delay_s=a.upscale_delay_s,
+        downscale_delay_s=a.downscale_delay_s, cooldown_s=a.cooldown_s,
+    )
+
+
+async def set_target(app_name: str, deployment: str, num_replicas: int) -> None:
+    """Serve's external-scaler entry point: what ``POST /api/v1/applications/<app>/deployments/
+    <name>/scale`` on the Ray dashboard calls. Raises ExternalScalerDisabledError when the
+    application was deployed without ``external_scaler_enabled``."""
+    import ray
+    from ray.serve._private.common import DeploymentID
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    await controller.update_deployment_replicas.remote(DeploymentID(name=deployment, app_name=app_name), num_replicas)
+
+
+@serve.deployment(name="autoscaler", num_replicas=1, ray_actor_options={"num_cpus": 0})
+class PDAutoscaler:
+    async def __init__(self, args: dict, prefill, decode) -> None:
+        self.args = PDServeArgs.model_validate(args)
+        self.config = policy_config(self.args)
+        self.interval_s = self.args.autoscaling.interval_s
+        self.app_name = serve.get_replica_context().app_name
+        self.pools = {"prefill": prefill, "decode": decode}
+        self.targets = {"prefill": self.args.prefill.replicas, "decode": self.args.decode.replicas}
+        self.reader = SignalReader()
+        self.state = PolicyState(last_change=time.time())
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
+        self.timeline: deque[tuple[float, int, int, int, int]] = deque()
+        self.last: dict[str, Any] | None = None
+        self.error: str | None = None
+        self._task: asyncio.Task | None = None
+        self._ensure_running()
+        logger.info("autoscaling (pd): budget %d replicas, prefill %s, decode %s, TTFT target %.2f s, "
+                    "TPOT target %.0f ms", self.config.max_total_replicas, self.config.prefill, self.config.decode,
+                    self.config.ttft_target_s, self.config.tpot_target_s * 1000)
+
+    def _ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - one failed round must not stop the loop
+                logger.warning("autoscaling: a decision round failed: %s", exc, exc_info=True)
+            await asyncio.sleep(self.interval_s)
+
+    async def step(self) -> Decision:
+        """Read both pools, decide, apply a change (one round of the loop)."""
+        prefill, decode = await asyncio.gather(
+            *(pool_status(self.pools[n], self.app_name, n, STATS_TIMEOUT_S) for n in ("prefill", "decode")))
+        now = time.time()
+        p, d = self.reader.read(now, prefill, decode, self.targets["prefill"], self.targets["decode"])
+        decision = decide(p, d, self.config, self.state, now)
+        self.state = decision.state
+        self.last = {"time": now, "prefill_need": decision.prefill_need, "decode_need": decision.decode_need,
+                     "held": decision.held, "pending": decision.state.pending,
+                     "prefill": p.__dict__, "decode": d.__dict__}
+        if decision.changed:
+            line = describe(decision, p, d, self.config)
+            try:
+                for name, count in (("prefill", decision.prefill), ("decode", decision.decode)):
+                    if count != self.targets[name]:
+                        await set_target(self.app_name, name, count)
+                        self.targets[name] = count
+                self.error = None
+                logger.info("autoscaling: %s", line)
+                self.decisions.append({"time": now, "prefill": decision.prefill, "decode": decision.decode,
+                                       "from": {"prefill": p.replicas, "decode": d.replicas}, "line": line})
+            except Exception as exc:  # noqa: BLE001 - shown in status; the next round tries again
+                self.error = (f"could not set the pools' replicas ({type(exc).__name__}: {exc}); deploy the "
+                              "application with external_scaler_enabled (serve.run(..., external_scaler_enabled=True)"
+                              " or external_scaler_enabled: true in the Serve config)")[:400]
+                logger.error("autoscaling: %s", self.error)
+        self.timeline.append((now, self.targets["prefill"], self.targets["decode"], p.ready_replicas,
+                              d.ready_replicas))
+        while self.timeline and self.timeline[0][0] < now - TIMELINE_S:
+            self.timeline.popleft()
+        return decision
+
+    async def status(self) -> dict[str, Any]:
+        """What the status endpoint shows: bounds, targets, the last round's signals, the
+        recent changes and the targets' timeline."""
+        self._ensure_running()
+        c = self.config
+        return {
+            "policy": "pd", "budget": c.max_total_replicas, "interval_s": self.interval_s,
+            "ttft_target_s": c.ttft_target_s, "tpot_target_s": c.tpot_target_s,
+            "bounds": {"prefill": [c.prefill.min_replicas, c.prefill.max_replicas],
+                       "decode": [c.decode.min_replicas, c.decode.max_replicas]},
+            "targets": dict(self.targets), "last": self.last, "error": self.error,
+            "decisions": list(self.decisions),
+            "timeline": [list(t) for t in self.timeline],
+        }
+
+    async def check_health(self) -> None:
+        self._ensure_running()  # a loop that died of something unforeseen starts again

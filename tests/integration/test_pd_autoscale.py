@@ -1,0 +1,110 @@
+"""autoscaling: pd on a real Ray Serve with a real redis-server: under a prompt-heavy load the
+policy grows the prefill pool within its budget, logs the change with its signals and shows it
+in the status endpoint and pdserve status; idle, it shrinks the pool back; every answer is
+exact and afterwards no block is held."""
+
+from __future__ import annotations
+
+import glob
+import os
+import threading
+import time
+
+import httpx
+import pytest
+
+from deploy.status_table import format_status
+from tests.integration.conftest import deploy, wait_idle
+from tests.integration.test_faults import MODEL, app_args, expected_text
+from tests.unit.engine_helpers import random_prompts
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
+
+# Quick to react, so the test runs in a minute or two: with a TTFT target this short a busy
+# prefill replica is never enough; decode stays at its minimum (two-token outputs, a loose TPOT).
+PD = {"policy": "pd", "max_total_replicas": 3, "ttft_target_s": 0.05, "tpot_target_s": 5.0,
+      "interval_s": 0.5, "upscale_delay_s": 1.0, "downscale_delay_s": 3.0, "cooldown_s": 1.0}
+NUM_PROMPTS = 3000  # each sent once: a repeated prompt would be a decode-side hit that skips prefill
+
+
+def status(base: str) -> dict:
+    return httpx.get(f"{base}/v1/cluster/status", timeout=15).json()
+
+
+def targets(base: str) -> dict:
+    """The autoscaler's targets ({} while a loaded machine makes its answer late)."""
+    return status(base)["autoscaling"].get("targets", {})
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{what} within {timeout_s:.0f}s")
+
+
+def autoscaler_log_lines(app: str) -> list[str]:
+    """The lines of this session's Serve replica log files of ``app``'s autoscaler."""
+    import ray
+
+    session = ray._private.worker._global_node.get_session_dir_path()  # noqa: SLF001 - tests only
+    lines = []
+    for path in glob.glob(os.path.join(session, "logs", "serve", f"replica_{app}_autoscaler_*.log")):
+        with open(path, errors="replace") as f:
+            lines += f.readlines()
+    return lines
+
+
+def test_pd_policy_grows_the_prefill_pool_under_prompt_load_and_logs_it(serve_cluster, tiny_llama):
+    base = deploy(serve_cluster, "pdscale", "/pdscale", app_args(tiny_llama, serve_cluster.redis.url, autoscaling=PD))
+    first = status(base)["autoscaling"]
+    assert first["targets"] == {"prefill": 1, "decode": 1} and first["budget"] == 3
+    assert first["bounds"] == {"prefill": [1, 2], "decode": [1, 2]} and first["error"] is None
+    prompts = random_prompts([300 + i % 40 for i in range(NUM_PROMPTS)], seed=5)
+    unsent = list(range(NUM_PROMPTS))
+    stop = threading.Event()
+    answers: list[tuple[int, int, str]] = []
+
+    def client() -> None:
+        while not stop.is_set() and unsent:
+            i = unsent.pop()
+            body = {"model": MODEL, "prompt": prompts[i], "max_tokens": 2, "temperature": 0}
+            resp = httpx.post(f"{base}/v1/completions", json=body, timeout=300)
+            answers.append((i, resp.status_code, resp.json()["choices"][0]["text"] if resp.status_code == 200
+                            else resp.text))
+
+    threads = [threading.Thread(target=client) for _ in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: targets(base).get("prefill") == 2, 180,
+                 "the pd policy did not grow the prefill pool to 2")
+        wait_for(lambda: sum(r.get("healthy", False) for r in status(base)["pools"]["prefill"]) == 2, 180,
+                 "the second prefill replica did not come up")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(300)
+    assert answers and all(code == 200 for _, code, _ in answers), [a for a in answers if a[1] != 200][:3]
+    for i, _, text in answers[::10]:  # a sample: the reference is slow beside the server
+        assert text == expected_text(tiny_llama, prompts[i], 2), i
+    grown = status(base)
+    change = grown["autoscaling"]["decisions"][0]
+    assert (change["from"], change["prefill"], change["decode"]) == ({"prefill": 1, "decode": 1}, 2, 1)
+    assert change["line"].startswith("prefill 1 -> 2, decode 1 -> 1 (budget 3) | prefill: ")
+    assert "queued prompt tokens" in change["line"] and "TPOT" in change["line"]
+    assert "autoscaling (pd): budget 3 replicas; prefill 2" in format_status(grown)
+    wait_for(lambda: any(f"autoscaling: {change['line']}" in line for line in autoscaler_log_lines("pdscale")), 30,
+             "the change was not logged in the autoscaler's replica log")
+    # idle: back to the minimum
+    wait_for(lambda: targets(base).get("prefill") == 1, 180,
+             "the idle prefill pool did not shrink back to 1")
+    shrunk = status(base)["autoscaling"]["decisions"][-1]
+    assert (shrunk["prefill"], shrunk["decode"]) == (1, 1)
+    wait_for(lambda: len(status(base)["pools"]["prefill"]) == 1, 120, "the retired prefill replica did not stop")
+    wait_idle(base)
+    from ray import serve
+
+    serve.delete("pdscale")
