@@ -39,6 +39,7 @@ from workers.transfer import (  # noqa: E402
     TransferConfig,
     Transport,
 )
+from workers.transfer.pair import new_process_group  # noqa: E402
 
 MIB = 1 << 20
 
@@ -54,18 +55,14 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def raw_group(host: str, port: int, rank: int, backend: str, device: str):
-    """A plain 2-rank group for the baseline (its store hosted by the sender): no gather, no scatter."""
+def raw_group(host: str, port: int, rank: int, backend: str, device: str, bind_host: str | None = None):
+    """A plain 2-rank group for the baseline (its store hosted by the sender at `host`; gloo binds
+    to `bind_host`, default `host`): no gather, no scatter."""
     store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        with torch.cuda.device(torch.device(device)):
-            return dist.ProcessGroupNCCL(dist.PrefixStore("raw", store), rank, 2, options), store
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = datetime.timedelta(seconds=60)
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    return dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, 2, options), store
+    pg = new_process_group(dist.PrefixStore("raw", store), rank, 2, backend, datetime.timedelta(seconds=60),
+                           bind_host=bind_host or host, device=torch.device(device))
+    return pg, store
 
 
 def raw_tensor(nbytes: int, backend: str, device: str) -> torch.Tensor:

@@ -207,6 +207,46 @@ class Testbed:
         for argv in _tbf_argv("change", host.veth, rate), self.exec_argv(host, _tbf_argv("change", _NS_IFACE, rate)):
             _run(argv)
 
+    # -- host loss
+    def kill_host(self, host: Host) -> int:
+        """The host dies: SIGKILL, at once, every process in its namespace (its Ray node, its
+        replicas, its sshd), as a power cut would; the namespace and its link stay, so the host
+        can be started again (`restart_host`). Returns how many processes were killed."""
+        if host.role == "head":
+            raise TestbedError("kill_host: the head carries the GCS and the Serve controller; kill a worker host")
+        killed: set[int] = set()
+        for _ in range(10):  # a process may be forking while we scan
+            victims = [p for p in _pids_in_netns({host.netns_inode}) if p not in killed or _alive(p)]
+            if not victims:
+                break
+            for pid in victims:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.add(pid)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.05)
+        self.pids[host.name] = []
+        self.save()
+        return len(killed)
+
+    def restart_host(self, host: Host, timeout_s: float = 180.0, say=print) -> None:
+        """Start a worker host's node again after `kill_host` (its start commands, as at `up`)
+        and wait until the head sees it alive."""
+        if host.role == "head":
+            raise TestbedError("restart_host: worker hosts only")
+        # The head may still list the killed node as alive (until its health checks fail):
+        # wait for a node at this address that was not there before.
+        before = {n["node_id"] for n in self.alive_nodes() if n["node_ip"] == host.ip}
+        deadline = time.monotonic() + timeout_s
+        start_commands(self, host, yaml_commands("worker"), deadline, say)
+        while not any(n["node_ip"] == host.ip and n["node_id"] not in before for n in self.alive_nodes()):
+            if time.monotonic() > deadline:
+                raise TestbedError(f"{host.name}: its Ray node did not rejoin within {timeout_s:g}s")
+            time.sleep(1.0)
+        _record_pids(self)
+        say(f"{host.name} {host.ip}: Ray node started again")
+
     # -- the Ray cluster on it
     def alive_nodes(self) -> list[dict]:
         """The Ray nodes alive, from the head's dashboard (state API over HTTP: no driver here)."""
@@ -234,6 +274,52 @@ class Testbed:
                 "args": app_args,
             }],
         }
+
+    def app_status(self, app: str = "pdserve") -> dict:
+        """Serve's status of application `app` (the dashboard's REST API; {} when it has none)."""
+        import httpx
+
+        resp = httpx.get(f"{self.dashboard_url}/api/serve/applications/", timeout=30)
+        resp.raise_for_status()
+        return (resp.json().get("applications") or {}).get(app) or {}
+
+    def deploy(self, config: dict, app: str = "pdserve", want: tuple[str, ...] = ("RUNNING",),
+               timeout_s: float = 300.0) -> dict:
+        """`serve deploy` of `config` through the head's dashboard (the REST API the CLI uses: no
+        driver in this process); waits until `app` is in a `want` state, and, for RUNNING, until
+        the ingress's /health answers 200. Returns the app's status."""
+        import httpx
+
+        resp = httpx.put(f"{self.dashboard_url}/api/serve/applications/", json=config, timeout=60)
+        if resp.status_code != 200:
+            raise TestbedError(f"serve deploy refused ({resp.status_code}): {resp.text[-2000:]}")
+        deadline = time.monotonic() + timeout_s
+        status: dict = {}
+        while True:
+            try:
+                status = self.app_status(app)
+            except httpx.HTTPError:
+                status = {}
+            if status.get("status") in want:
+                break
+            if status.get("status") == "DEPLOY_FAILED":
+                raise TestbedError(f"{app} failed to deploy: {status.get('message', '')[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TestbedError(f"{app} not {'/'.join(want)} after {timeout_s:g}s: {status}")
+            time.sleep(2.0)
+        if status.get("status") == "RUNNING":
+            route = next((a.get("route_prefix") or "/" for a in config.get("applications", [])
+                          if a.get("name", "default") == app), "/")
+            while True:
+                try:
+                    if httpx.get(f"{self.http_url}{route.rstrip('/')}/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TestbedError(f"{self.http_url}{route.rstrip('/')}/health: no 200 within {timeout_s:g}s")
+                time.sleep(1.0)
+        return status
 
     # -- state file
     def save(self) -> None:
@@ -554,29 +640,36 @@ def yaml_commands(kind: str) -> list[str]:
         return list(yaml.safe_load(f)[f"{kind}_start_ray_commands"])
 
 
+def start_commands(tb: Testbed, host: Host, commands: list[str], deadline: float, say=print,
+                   attempts: int = 3) -> None:
+    """Run a host's start commands (testbed.yaml's) inside its namespace, before `deadline`.
+
+    `ray start` gives a node 30 s (hard-coded) to register with the GCS; on a loaded machine
+    that can pass, so the host's commands run again (they begin with this host's `ray stop`)."""
+    log = tb.host_dir(host) / "start.log"
+    for attempt in range(1, attempts + 1):
+        for command in commands:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TestbedError(f"{host.name}: start commands ran past their deadline")
+            rc, output = tb.run(host, command, timeout_s=left, log=log)
+            if rc != 0:
+                break
+        else:
+            return
+        error = f"{host.name}: `{command[:120]}` failed ({rc}): {output.strip()[-800:]}"
+        if attempt == attempts:
+            raise TestbedError(error)
+        say(f"{error.splitlines()[0][:200]}...; starting {host.name} again ({attempt + 1}/{attempts})")
+
+
 def start_cluster(tb: Testbed, say=print, timeout_s: float = 180.0) -> None:
     """What `ray up cluster/testbed.yaml` runs, run inside each host's namespace instead of over ssh:
     the head's start commands, then every worker's, then wait until every node is alive."""
     deadline = time.monotonic() + timeout_s
 
-    def run_all(host: Host, commands: list[str], attempts: int = 3) -> None:
-        # `ray start` gives a node 30 s (hard-coded) to register with the GCS; on a loaded machine
-        # that can pass, so the host's commands run again (they begin with this host's `ray stop`).
-        log = tb.host_dir(host) / "start.log"
-        for attempt in range(1, attempts + 1):
-            for command in commands:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TestbedError(f"{host.name}: start commands ran past {timeout_s:g}s")
-                rc, output = tb.run(host, command, timeout_s=left, log=log)
-                if rc != 0:
-                    break
-            else:
-                return
-            error = f"{host.name}: `{command[:120]}` failed ({rc}): {output.strip()[-800:]}"
-            if attempt == attempts:
-                raise TestbedError(error)
-            say(f"{error.splitlines()[0][:200]}...; starting {host.name} again ({attempt + 1}/{attempts})")
+    def run_all(host: Host, commands: list[str]) -> None:
+        start_commands(tb, host, commands, deadline, say)
 
     run_all(tb.head, yaml_commands("head"))
     say(f"head {tb.head.ip}: Ray (GCS :{GCS_PORT}, dashboard {tb.dashboard_url}), Redis {tb.redis_url}, "

@@ -72,6 +72,7 @@ class WorkerCalls:
         self.max_migrations = max_migrations
         self.on_migration = on_migration or (lambda: None)  # the ingress's Prometheus counter
         self.skipped_prefills = 0
+        self.prefill_retries = 0  # prefills re-sent to another replica after theirs died
         self.migrations = 0  # decode streams resumed on another replica
         self.failed_migrations = 0  # streams that broke once more than max_migrations allows
         self._background: set[asyncio.Task] = set()
@@ -182,6 +183,7 @@ class WorkerCalls:
             except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError) as exc:
                 if attempt == 2:
                     raise
+                self.prefill_retries += 1
                 logger.warning("prefill replica died during %s, retrying elsewhere: %s", choice.request_id, exc)
             except (ray.exceptions.RayTaskError, BackPressureError, DeploymentUnavailableError) as exc:
                 raise client_error(exc) from exc

@@ -4,7 +4,9 @@ dashboard like `serve deploy`, used through the head's ingress like a client wou
 
 - a loopback redis_url is refused at start-up on a multi-node cluster, saying what to change;
 - each pool's replicas run only on its own hosts (Serve's replica -> node placement);
-- greedy output through the head's ingress equals transformers;
+- greedy output through the head's ingress equals transformers, streamed and not;
+- the head's Redis index is written by the workers on the other hosts, and a shared prefix is
+  routed to the prefill host that holds it;
 - a transfer's bytes cross the decode host's link (and not the head's): the KV goes host to host
   over the pair group's own addresses;
 - the prefill host's link goes down during transfers and comes back: every request in flight
@@ -21,7 +23,7 @@ import openai
 import pytest
 
 from tests.integration.conftest import wait_idle
-from tests.multihost.conftest import APP, MODEL_NAME, serve_deploy, wait_app, wait_health
+from tests.multihost.conftest import APP, MODEL_NAME
 from tests.unit.engine_helpers import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.timeout(900)
@@ -70,9 +72,7 @@ def app(testbed, wide_tiny_model) -> str:
     config = testbed.serve_config(wide_tiny_model, served_model_name=MODEL_NAME, num_kv_blocks=256,
                                   transfer_timeout_s=5.0, lease_ttl_s=20.0)
     started = time.monotonic()
-    serve_deploy(testbed, config)  # replaces whatever was deployed (the loopback app of the first test)
-    wait_app(testbed)
-    wait_health(testbed.http_url)
+    testbed.deploy(config)  # replaces whatever was deployed (the loopback app of the first test)
     print(f"\napp running in {time.monotonic() - started:.1f}s at {testbed.http_url}")
     yield testbed.http_url
     wait_idle(testbed.http_url, timeout_s=60)  # every replica's blocks back to free once traffic stops
@@ -81,8 +81,7 @@ def app(testbed, wide_tiny_model) -> str:
 def test_a_loopback_redis_url_is_refused_on_a_multi_node_cluster(testbed, wide_tiny_model):
     config = testbed.serve_config(wide_tiny_model, redis_url="redis://127.0.0.1:6380/0")
     config["applications"][0].update(name="loopback", route_prefix="/loopback")
-    serve_deploy(testbed, config)
-    status = wait_app(testbed, "loopback", want=("DEPLOY_FAILED",), timeout_s=240)
+    status = testbed.deploy(config, "loopback", want=("DEPLOY_FAILED",), timeout_s=240)
     message = status["message"]
     assert "redis_url redis://127.0.0.1:6380/0 names the loopback address" in message, message[-2000:]
     assert f"this Ray cluster has {len(testbed.hosts)} nodes" in message
@@ -98,15 +97,66 @@ def test_each_pool_runs_only_on_its_own_hosts(app, testbed):
     assert set(placed["ingress"].values()) <= {h.ip for h in testbed.hosts}
     status = httpx.get(f"{app}/v1/cluster/status", timeout=30).json()
     assert {r["worker_id"] for r in status["pools"]["prefill"]} == set(placed["prefill"])
+    for role in ("prefill", "decode"):  # status shows each replica at its node's address
+        assert {r["worker_id"]: r["node_ip"] for r in status["pools"][role]} == placed[role]
 
 
 def test_greedy_output_through_the_heads_ingress_equals_transformers(app, wide_tiny_model):
     client = openai.OpenAI(base_url=f"{app}/v1", api_key="unused", max_retries=0, timeout=180)
-    for prompt in random_prompts((5, 37, 150), seed=61):
+    prompts = random_prompts((5, 37, 150, 16, 64, 90, 211, 33), seed=61)
+    for prompt in prompts:
         expected_ids = hf_greedy(wide_tiny_model, tuple(prompt), MAX_TOKENS)
+        expected = expected_text(wide_tiny_model, prompt)
         out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
-        assert out.choices[0].text == expected_text(wide_tiny_model, prompt)
+        assert out.choices[0].text == expected
         assert out.usage.completion_tokens == len(expected_ids) and out.usage.prompt_tokens == len(prompt)
+        chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                temperature=0, stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+        assert chunks[-1].usage.completion_tokens == len(expected_ids)
+
+
+def test_a_shared_prefix_routes_to_the_prefill_host_that_holds_it(app, testbed, wide_tiny_model):
+    """The prefill workers on the prefill hosts publish their blocks to the head's Redis; the
+    router reads them there and sends every prompt sharing a cached prefix to its holder."""
+    import redis
+
+    placement = replica_placement(testbed)["prefill"]
+    clients = redis.Redis(host=testbed.head.ip, port=6380).client_list()
+    client_ips = {c["addr"].rsplit(":", 1)[0] for c in clients}
+    print(f"\nthe index's Redis ({testbed.redis_url}) has clients from {sorted(client_ips)}")
+    assert {h.ip for h in testbed.hosts if h.role != "head"} <= client_ips  # every worker host writes to it
+
+    def prefill_rows() -> dict[str, dict]:
+        status = httpx.get(f"{app}/v1/cluster/status", timeout=30).json()
+        return {r["worker_id"]: r for r in status["pools"]["prefill"]}
+
+    prefix = random_prompts((160,), seed=65)[0]  # 10 blocks
+    # 64-token suffixes: the decode replica that ran the first request holds 10 of the next one's
+    # 14 blocks, below the share at which decode skips prefill (SKIP_PREFILL_FRACTION).
+    suffixes = random_prompts((64,) * 5, seed=66)
+    before = prefill_rows()
+    resp = complete(app, prefix + suffixes[0])
+    assert resp.status_code == 200, resp.text
+    after = prefill_rows()
+    ran = [rid for rid in after if after[rid]["prefix_queries"] > before.get(rid, {}).get("prefix_queries", 0)]
+    assert len(ran) == 1, (before, after)
+    holder = ran[0]
+    deadline = time.monotonic() + 30
+    while prefill_rows()[holder]["index"]["buffered_events"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # the publisher's flush reaches Redis
+    for suffix in suffixes[1:]:
+        before = prefill_rows()
+        resp = complete(app, prefix + suffix)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["text"] == expected_text(wide_tiny_model, prefix + suffix)
+        after = prefill_rows()
+        hits = {rid: after[rid]["prefix_hits"] - before[rid]["prefix_hits"] for rid in after}
+        queries = {rid: after[rid]["prefix_queries"] - before[rid]["prefix_queries"] for rid in after}
+        assert hits[holder] >= len(prefix), (holder, hits, queries)
+        assert all(q == 0 for rid, q in queries.items() if rid != holder), (holder, queries)
+    print(f"4 prompts sharing a 160-token prefix all went to {holder} on {placement[holder]}")
 
 
 def test_a_transfer_crosses_the_decode_hosts_link_not_the_heads(app, testbed, wide_tiny_model):

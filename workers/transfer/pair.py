@@ -47,6 +47,34 @@ def backend_of(transport: Transport) -> str:
     return "nccl" if transport is Transport.NCCL else "gloo"
 
 
+def new_process_group(store: dist.Store, rank: int, world_size: int, backend: str,
+                      timeout: datetime.timedelta, bind_host: str | None = None,
+                      device: torch.device | None = None) -> dist.ProcessGroup:
+    """A process group outside torch.distributed's global state (no ``init_process_group``: pair
+    groups come and go while the worker lives), with its own timeout and, for gloo, its sockets
+    bound to ``bind_host`` (the node's address: across hosts, never every interface).
+
+    The one place that touches torch's private process-group options (``ProcessGroupGloo._Options``
+    and its ``_timeout`` and ``_devices``; ``ProcessGroupNCCL.Options._timeout``): a torch that
+    renames them fails here, loudly, and in ``tests/unit/test_process_group.py``. Blocks until
+    every rank has called it with the same store (the rendezvous)."""
+    try:
+        if backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            with torch.cuda.device(device):
+                return dist.ProcessGroupNCCL(store, rank, world_size, options)
+        if backend != "gloo":
+            raise ValueError(f"backend {backend!r}: gloo or nccl")
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host or "")]
+        return dist.ProcessGroupGloo(store, rank, world_size, options)
+    except AttributeError as exc:
+        raise RuntimeError(f"torch {torch.__version__} changed the private process-group options pdserve uses "
+                           f"(workers/transfer/pair.py:new_process_group): {exc}") from exc
+
+
 class PairGroup:
     """One live process group with one peer, plus the scratch buffers its transfers reuse."""
 
@@ -77,20 +105,12 @@ class PairGroup:
         store = dist.TCPStore(store_host, store_port, is_master=False,
                               timeout=_td(remaining_s(deadline)), wait_for_workers=False)
         prefixed = dist.PrefixStore(f"pair/{decode_worker_id}/{epoch}", store)
-        timeout = _td(remaining_s(deadline))
         if transport is Transport.NCCL:
             # On a timeout, abort the communicator but keep the worker alive (the default mode
             # kills the process); read by each ProcessGroupNCCL when it is constructed.
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            with torch.cuda.device(device):
-                pg = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
-        else:
-            options = dist.ProcessGroupGloo._Options()
-            options._timeout = timeout
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
-            pg = dist.ProcessGroupGloo(prefixed, rank, 2, options)
+        pg = new_process_group(prefixed, rank, 2, backend_of(transport), _td(remaining_s(deadline)),
+                               bind_host=bind_host, device=device)
         group = cls(pg, store, peer_id=peer_id, epoch=epoch, transport=transport, rank=rank,
                     device=device, buffer_cache_bytes=buffer_cache_bytes)
         if transport is Transport.NCCL:
