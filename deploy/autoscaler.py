@@ -139,5 +139,10 @@ class PDAutoscaler:
             "timeline": [list(t) for t in self.timeline],
         }
 
+    async def __del__(self) -> None:
+        """Serve's graceful stop: end the loop before the replica's executor goes."""
+        if self._task is not None:
+            self._task.cancel()
+
     async def check_health(self) -> None:
         self._ensure_running()  # a loop that died of something unforeseen starts again

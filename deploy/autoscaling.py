@@ -37,7 +37,9 @@ The policy, per decision:
   ``drain_fraction`` x TTFT target), pool prompt tokens/s / (tokens/s per replica x
   ``utilization``)): enough replicas to drain the queue well within the TTFT target and to keep
   up with what arrives. Tokens/s per replica is measured while replicas are busy (a prior
-  until then).
+  until then). While decode sequences wait for blocks, the queue term is dropped: prefill
+  replicas then hold their prompts' KV until decode takes it, so the queue is decode's (the
+  first benchmark run moved replicas to prefill that way and starved both pools).
 - decode need = replicas x max(TPOT / TPOT target, KV usage / KV target), scaled up by waiting /
   running sequences when sequences wait for blocks.
 - each pool's count follows its need with a dead band (up once need > count + ``up_tolerance``,
@@ -117,10 +119,15 @@ class Decision:
     held: str | None = None  # why a wanted change waits (delay, cooldown, landing)
 
 
-def prefill_need(s: PrefillSignals, config: PolicyConfig) -> float:
+def prefill_need(s: PrefillSignals, config: PolicyConfig, decode_saturated: bool = False) -> float:
+    """``decode_saturated``: decode sequences wait for blocks, so prefill replicas hold their
+    prompts' KV until decode takes it and their queue is decode's to drain, not theirs; only
+    what they compute counts then (more prefill replicas would only queue more KV)."""
     rate = s.tokens_per_s_per_replica or config.prefill_tokens_per_s
-    drain = s.queued_prompt_tokens / (rate * config.drain_fraction * config.ttft_target_s)
     keep_up = s.prompt_tokens_per_s / (rate * config.utilization)
+    if decode_saturated:
+        return keep_up
+    drain = s.queued_prompt_tokens / (rate * config.drain_fraction * config.ttft_target_s)
     return max(drain, keep_up)
 
 
@@ -168,7 +175,7 @@ def fit_budget(wanted: tuple[int, int], needs: tuple[float, float], config: Poli
 def decide(prefill: PrefillSignals, decode: DecodeSignals, config: PolicyConfig, state: PolicyState,
            now: float) -> Decision:
     """One decision for both pools (pure: the caller keeps ``Decision.state`` for the next)."""
-    needs = (prefill_need(prefill, config), decode_need(decode, config))
+    needs = (prefill_need(prefill, config, decode_saturated=decode.waiting_seqs > 0), decode_need(decode, config))
     current = (prefill.replicas, decode.replicas)
     wanted = fit_budget((follow(prefill.replicas, needs[0], config.prefill, config),
                          follow(decode.replicas, needs[1], config.decode, config)), needs, config)

@@ -49,6 +49,18 @@ def test_prefill_need_drains_the_queue_within_half_the_ttft_target():
     assert prefill_need(prefill(queued=500, per_replica=None), CONFIG) == pytest.approx(1.0)
 
 
+def test_a_prefill_queue_behind_a_saturated_decode_pool_is_not_prefills_need():
+    # prefill replicas hold their prompts' KV until decode takes it: with decode sequences
+    # waiting for blocks, only what prefill computes counts
+    p = prefill(queued=30000, rate=400.0)
+    assert prefill_need(p, CONFIG) == pytest.approx(60.0)
+    assert prefill_need(p, CONFIG, decode_saturated=True) == pytest.approx(0.5)
+    d = decode(replicas=1, running=90, waiting=10, kv=0.86, tpot=0.38)
+    decision = decide(prefill(replicas=3, queued=30000, rate=400.0), d, CONFIG,
+                      PolicyState(pending=(1, 3), pending_since=0.0), 20.0)
+    assert (decision.prefill, decision.decode, decision.changed) == (1, 3, True)
+
+
 def test_decode_need_follows_tpot_kv_and_waiting_sequences():
     assert decode_need(decode(running=0), CONFIG) == 0.0
     assert decode_need(decode(running=8, tpot=0.1, kv=0.2), CONFIG) == pytest.approx(4.0)  # TPOT 2x its target
