@@ -22,13 +22,17 @@ from ray import serve
 from deploy.args import PDServeArgs
 from deploy.autoscaling import Decision, PolicyConfig, PolicyState, PoolBounds, decide, describe
 from deploy.autoscaling_signals import SignalReader
-from deploy.cluster_status import pool_status
+from deploy.cluster_status import replica_ids
 
 logger = logging.getLogger("ray.serve.pdserve")  # Serve's handlers; its LoggingConfig sets the level
 
 DECISIONS_KEPT = 50
 TIMELINE_S = 600.0  # the targets' timeline covers the last 10 minutes
 STATS_TIMEOUT_S = 5.0
+# A replica that did not answer is asked again only after this long (doubling, up to the max):
+# each call to a replica that cannot answer (starting, stopping, starved) has Serve's router
+# probe it until the call gives up, and those probes pile up as actor tasks.
+RETRY_S, MAX_RETRY_S = 4.0, 60.0
 
 
 def policy_config(args: PDServeArgs) -> PolicyConfig:
@@ -72,6 +76,8 @@ class PDAutoscaler:
         self.last: dict[str, Any] | None = None
         self.error: str | None = None
         self._task: asyncio.Task | None = None
+        # per pool: replica id -> (monotonic time of its next try, backoff)
+        self._unreachable: dict[str, dict[str, tuple[float, float]]] = {"prefill": {}, "decode": {}}
         self._ensure_running()
         logger.info("autoscaling (pd): budget %d replicas, prefill %s, decode %s, TTFT target %.2f s, "
                     "TPOT target %.0f ms", self.config.max_total_replicas, self.config.prefill, self.config.decode,
@@ -93,8 +99,7 @@ class PDAutoscaler:
 
     async def step(self) -> Decision:
         """Read both pools, decide, apply a change (one round of the loop)."""
-        prefill, decode = await asyncio.gather(
-            *(pool_status(self.pools[n], self.app_name, n, STATS_TIMEOUT_S) for n in ("prefill", "decode")))
+        prefill, decode = await asyncio.gather(self._read_pool("prefill"), self._read_pool("decode"))
         now = time.time()
         p, d = self.reader.read(now, prefill, decode, self.targets["prefill"], self.targets["decode"])
         decision = decide(p, d, self.config, self.state, now)
@@ -123,6 +128,34 @@ class PDAutoscaler:
         while self.timeline and self.timeline[0][0] < now - TIMELINE_S:
             self.timeline.popleft()
         return decision
+
+    async def _read_pool(self, name: str) -> list[dict[str, Any]]:
+        """Each live replica's ``stats`` (as the status endpoint asks them); a replica that did
+        not answer is left out until its retry time (counted as not ready meanwhile)."""
+        ids = await asyncio.to_thread(replica_ids, self.app_name, name)
+        unreachable = self._unreachable[name]
+        now = time.monotonic()
+
+        async def one(replica_id: str) -> dict[str, Any]:
+            retry_at, backoff = unreachable.get(replica_id, (0.0, 0.0))
+            if now < retry_at:
+                return {"worker_id": replica_id, "healthy": False}
+            try:
+                stats = await asyncio.wait_for(self.pools[name].stats.remote(target_replica=replica_id),
+                                               STATS_TIMEOUT_S)
+                if stats["worker_id"] == replica_id:
+                    unreachable.pop(replica_id, None)
+                    return {"healthy": True, **stats}
+            except Exception:  # noqa: BLE001 - not ready: starting, stopping or starved
+                pass
+            backoff = min(MAX_RETRY_S, backoff * 2 if backoff else RETRY_S)
+            unreachable[replica_id] = (time.monotonic() + backoff, backoff)
+            return {"worker_id": replica_id, "healthy": False}
+
+        answers = list(await asyncio.gather(*(one(i) for i in ids)))
+        for gone in set(unreachable) - set(ids):
+            del unreachable[gone]
+        return answers
 
     async def status(self) -> dict[str, Any]:
         """What the status endpoint shows: bounds, targets, the last round's signals, the
