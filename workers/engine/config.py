@@ -26,6 +26,9 @@ class EngineConfig:
     model_key: str | None = None  # namespaces block hashes; None: derived from the model dir
     seed: int = 0  # generator for requests that give no seed
     load_progress: bool = True
+    # False: decode-only steps run compiled (torch.compile, one graph per batch-size bucket up to
+    # max_num_seqs, compiled at start-up; workers/engine/compiled.py); True: everything eager.
+    enforce_eager: bool = True
 
     def __post_init__(self) -> None:
         checks = {

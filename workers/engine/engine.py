@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.engine.block_manager import NULL_BLOCK, BlockManager, CachedPrefix, first_window_block
+from workers.engine.compiled import CompiledDecode
 from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer, find_stop_cut
 from workers.engine.kv_cache import PagedKVCache, plan_num_blocks
@@ -109,7 +110,8 @@ class LLMEngine:
         self.kv_caches = self.kv.layers  # what the transfer layer moves blocks of
         self.block_manager = BlockManager(num_blocks, cfg.block_size, self.model_key, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, max_chunk)
-        self.runner = ModelRunner(self.model, self.kv, self.sliding_window)
+        compiled = None if cfg.enforce_eager else CompiledDecode(self.model, cfg.max_num_seqs, self.device)
+        self.runner = ModelRunner(self.model, self.kv, self.sliding_window, compiled)
         self.tokenizer = _load_tokenizer(cfg.model_dir)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) or frozenset(
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []

@@ -17,6 +17,7 @@ from workers.engine.attention import (
     AttentionMetadata, PagedAttention, PrefillSpan, attention_mask, flash_attn_usable,
 )
 from workers.engine.block_manager import first_window_block
+from workers.engine.compiled import CompiledDecode
 from workers.engine.kv_cache import PagedKVCache
 from workers.engine.sampler import prompt_logprobs
 from workers.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -31,13 +32,17 @@ PromptLogprobs = tuple[Sequence, int, list[TokenLogprob]]
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, sliding_window: int | None = None) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, sliding_window: int | None = None,
+                 compiled: CompiledDecode | None = None) -> None:
         self.model = model
         self.kv = kv
         self.block_size = kv.block_size
         self.sliding_window = sliding_window
         self.device = kv.layers[0].device
         self.use_flash_attn = flash_attn_usable(self.device, self.block_size, kv, sliding_window)
+        self.compiled = compiled  # decode-only steps of up to its largest bucket run compiled
+        if compiled is not None:
+            compiled.warm_up(self._scratch_attention)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq], list[PromptLogprobs]]:
@@ -84,6 +89,10 @@ class ModelRunner:
             row += item.num_new_tokens
 
         attn = PagedAttention(self.kv, meta, self.model.attention_scale)
+        if (self.compiled is not None and not out.prefills and not prompt_rows
+                and self.compiled.bucket(len(input_ids)) is not None):
+            logits = self.compiled.run(input_ids, positions, attn)  # every decode row samples
+            return logits[torch.tensor(sample_rows, device=dev)], sampled, []
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
@@ -107,14 +116,27 @@ class ModelRunner:
             result.extend(prompt_logprobs(logits, ids, seq.params.prompt_logprobs))
         return result
 
+    def _scratch_attention(self, batch: int) -> PagedAttention:
+        """Attention for ``batch`` decodes at position 0 of block 0 (free at start-up: what
+        compiling writes there is void), to compile a bucket with."""
+        meta = AttentionMetadata(write=self.kv.write_plan([0] * batch, [0] * batch, self.device),
+                                 sliding_window=self.sliding_window)
+        self._fill_decode_metadata(meta, [1] * batch, [0] * batch, [[0]] * batch)
+        return PagedAttention(self.kv, meta, self.model.attention_scale)
+
     def _decode_metadata(self, meta: AttentionMetadata, decodes: list[ScheduledSeq]) -> None:
-        bs, dev = self.block_size, self.device
+        bs = self.block_size
         context_lens = [d.seq.num_computed_tokens + 1 for d in decodes]
         firsts = [first_window_block(n - 1, self.sliding_window, bs) for n in context_lens]
         tables = [d.seq.block_table[f : -(-n // bs)] for d, f, n in zip(decodes, firsts, context_lens)]
+        self._fill_decode_metadata(meta, context_lens, firsts, tables)
+
+    def _fill_decode_metadata(self, meta: AttentionMetadata, context_lens: list[int], firsts: list[int],
+                              tables: list[list[int]]) -> None:
+        bs, dev = self.block_size, self.device
         max_blocks = max(len(t) for t in tables)
         padded = [t + [0] * (max_blocks - len(t)) for t in tables]
-        meta.num_decodes = len(decodes)
+        meta.num_decodes = len(tables)
         meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
         meta.decode_context_lens = torch.tensor(context_lens, dtype=torch.long, device=dev)
         meta.use_flash_attn = self.use_flash_attn
