@@ -134,6 +134,9 @@ class PDServeArgs(BaseModel):
     max_num_seqs: int = Field(default=128, ge=1)
     max_model_len: int | None = Field(default=None, ge=2)
     enable_prefix_caching: bool = True
+    enforce_eager: bool = Field(
+        default=True, description="False: decode steps run compiled (torch.compile, a graph per batch bucket "
+                                  "up to max_num_seqs, compiled when a replica starts)")
     conversation_reuse: bool = Field(
         default=True, description="a chat turn that extends an earlier one reuses its exact token ids "
                                   "(answer included), so the earlier turns' KV blocks are hits")
@@ -254,6 +257,7 @@ class PDServeArgs(BaseModel):
             kv_cache_memory_gib=self.kv_cache_memory_gib, gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
+            enforce_eager=self.enforce_eager,
         )
 
 

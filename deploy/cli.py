@@ -138,6 +138,9 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16, float16")
     parser.add_argument("--block-size", type=_positive_int, default=16)
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
+    parser.add_argument("--compile", action="store_true",
+                        help="run decode steps compiled (torch.compile; graphs for batches up to the number "
+                             "of prompts, compiled first: minutes on a small CPU the first time, then cached)")
     parser.set_defaults(handler=_run_generate)
 
 
@@ -150,8 +153,9 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     model = resolve_model_arg(args.model)
     print(f"pdserve generate: {model} ({describe_model(model)})", file=sys.stderr)
+    compile_kwargs = {"enforce_eager": False, "max_num_seqs": len(args.prompts)} if args.compile else {}
     engine = LLMEngine(model, block_size=args.block_size, device=args.device, dtype=args.dtype,
-                       kv_cache_dtype=args.kv_cache_dtype)
+                       kv_cache_dtype=args.kv_cache_dtype, **compile_kwargs)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     prompts = list(args.prompts)
     if args.chat:
@@ -240,6 +244,11 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--gpus-per-replica", type=float, default=0.0)
     parser.add_argument("--cpus-per-replica", type=float, default=0.5,
                         help="Ray's scheduling share per engine replica (default 0.5)")
+    parser.add_argument("--compile", action="store_true",
+                        help="run decode steps compiled (torch.compile, a graph per batch bucket up to "
+                             "--max-num-seqs, compiled as each replica starts; default: eager)")
+    parser.add_argument("--max-num-seqs", type=_positive_int, default=128,
+                        help="sequences in one engine step (default 128)")
     parser.add_argument("--threads-per-replica", type=_positive_int, default=None,
                         help="torch threads per engine replica (default: on a local CPU cluster, this "
                              "machine's cores split among the engine replicas; else max(1, floor(cpus-per-replica)))")
@@ -456,6 +465,7 @@ def _deploy_and_serve(args: argparse.Namespace, model: str, local, signals: _Sto
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_gib=args.kv_cache_memory_gib, kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len, conversation_reuse=not args.no_conversation_reuse,
+        enforce_eager=not args.compile, max_num_seqs=args.max_num_seqs,
         redis_url=local.redis_url,
         transport=args.transport, api_keys=tuple(args.api_key), log_level=args.log_level,
     )

@@ -122,11 +122,15 @@ class CompiledDecode:
             logits = self._forward(ids, pos)
         return logits[:n]
 
-    def warm_up(self, make_attention) -> None:
+    def warm_up(self, make_attention, progress: bool = True) -> None:
         """Compile every bucket now (``make_attention(batch)`` gives a step's attention for
-        ``batch`` decodes over scratch blocks), with one progress line per bucket."""
+        ``batch`` decodes over scratch blocks): a progress bar on stderr and a log line per bucket."""
+        from tqdm.auto import tqdm
+
         started = time.monotonic()
-        for i, size in enumerate(self.buckets, 1):
+        bar = tqdm(self.buckets, desc="Compiling decode steps", unit="bucket", disable=not progress)
+        for i, size in enumerate(bar, 1):
+            bar.set_postfix_str(f"batch {size}")
             t = time.monotonic()
             self.run([0] * size, [0] * size, make_attention(size))
             logger.info("compiled decode step %d/%d (batch %d) in %.1f s", i, len(self.buckets), size,

@@ -33,7 +33,7 @@ PromptLogprobs = tuple[Sequence, int, list[TokenLogprob]]
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, sliding_window: int | None = None,
-                 compiled: CompiledDecode | None = None) -> None:
+                 compiled: CompiledDecode | None = None, progress: bool = False) -> None:
         self.model = model
         self.kv = kv
         self.block_size = kv.block_size
@@ -42,7 +42,7 @@ class ModelRunner:
         self.use_flash_attn = flash_attn_usable(self.device, self.block_size, kv, sliding_window)
         self.compiled = compiled  # decode-only steps of up to its largest bucket run compiled
         if compiled is not None:
-            compiled.warm_up(self._scratch_attention)
+            compiled.warm_up(self._scratch_attention, progress)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq], list[PromptLogprobs]]:
