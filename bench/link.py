@@ -11,7 +11,8 @@ prompt through the whole app with prefill and decode on different hosts vs on th
 Root on Linux (it makes its own testbed, prefix `pdtbl` on 10.231.2.0/24, and removes it at the
 end, also on Ctrl-C). Transfer figures: the median of --reps timed repetitions after one warm-up,
 timed on the receiving host from dispatching the request (one pipe hop, the same for the raw
-baseline) until the data is in place; blocks scattered at random on both sides, as in serving.
+baseline) until the data is in place, the two interleaved rep by rep; blocks scattered at random
+on both sides, as in serving.
 The rate counts every byte on the wire (Ethernet, IP and TCP headers too): with a 1500-byte MTU a
 TCP stream's payload can reach at most ~95% of it.
 """
@@ -81,7 +82,7 @@ def receiver_main(netns: str, ip: str, cfg: dict, hello: dict, parent, peer) -> 
     """The decode host: pulls by block id (pdserve's client) and receives the raw baseline.
     Measures one size per command from the parent; replies with the medians."""
     enter_netns(netns)
-    from bench.transfer import make_caches, raw_group, raw_tensor, timed
+    from bench.transfer import make_caches, raw_group, raw_tensor
     from workers.protocol import KVHandle, KVLayout, TransferAddress
     from workers.transfer import KVTransferClient, TransferConfig
 
@@ -114,7 +115,17 @@ def receiver_main(netns: str, ip: str, cfg: dict, hello: dict, parent, peer) -> 
         def kv() -> None:
             client.pull(handle, caches, dst, lambda req: peer.send(("kv", req.to_dict())), timeout_s=600)
 
-        parent.send({"size_mib": size, "blocks": n, "raw_s": timed(raw, reps, "cpu"), "kv_s": timed(kv, reps, "cpu")})
+        # Interleaved (raw, pdserve, raw, pdserve, ...) after one warm-up of each: on a shared
+        # machine both see the same moments of load.
+        raw(), kv()
+        times: dict[str, list[float]] = {"raw_s": [], "kv_s": []}
+        for _ in range(reps):
+            for key, fn in (("raw_s", raw), ("kv_s", kv)):
+                start = time.perf_counter()
+                fn()
+                times[key].append(time.perf_counter() - start)
+        parent.send({"size_mib": size, "blocks": n, **{k: statistics.median(v) for k, v in times.items()},
+                     "samples": times})
 
 
 # ---------------------------------------------------------------- transfer throughput
@@ -198,8 +209,10 @@ def ttft_run(tb, model: str, placement: str, prompts: list[list[int]], say) -> d
     base = tb.http_url
     rows = []
     for i, prompt in enumerate(prompts):
+        # logprobs: every token's chunk goes out, even one whose text is still an incomplete character
         body = {"model": "bench", "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True,
-                "ignore_eos": True, "return_timing": True, "stream_options": {"include_usage": True}}
+                "ignore_eos": True, "return_timing": True, "stream_options": {"include_usage": True},
+                "logprobs": 0}
         times, timing = [], {}
         start = time.perf_counter()
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=300) as resp:
@@ -208,8 +221,8 @@ def ttft_run(tb, model: str, placement: str, prompts: list[list[int]], say) -> d
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
-                    times.append(time.perf_counter() - start)
+                if chunk.get("choices") and chunk["choices"][0].get("logprobs"):
+                    times += [time.perf_counter() - start] * len(chunk["choices"][0]["logprobs"]["tokens"])
                 if chunk.get("usage"):
                     timing = chunk["usage"].get("timing") or {}
         if i == 0:
