@@ -1,17 +1,23 @@
-"""Engine benchmark: (a) paged KV cache vs recomputing the sequence each step, (b) engine vs
-transformers ``generate`` at several batch sizes, measured side by side in one run.
+"""Engine benchmark: (a) paged KV cache vs recomputing the sequence each step, (b) engine
+(eager, and compiled with --compile) vs transformers ``generate`` at several batch sizes,
+(c) the decode step eager vs compiled, interleaved step by step, with where its time goes
+(torch.profiler, self CPU time by kind of op), all measured side by side in one run.
 
     python bench/engine.py                      # SmolLM2-135M-Instruct (30 x 576), CPU
+    python bench/engine.py --compile            # adds the compiled engine to (b) and (c)
     python bench/engine.py --model tiny         # the generated ~100M random llama (12 x 768)
     python bench/engine.py --device cuda --dtype bfloat16
 
-The model is SmolLM2-135M-Instruct (pulled once) unless --model is given. Every figure is printed with its baseline from the same run, and as a ratio.
+The model is SmolLM2-135M-Instruct (pulled once) unless --model is given. Every figure is
+printed with its baseline from the same run, and as a ratio; the header gives the load average,
+which on a shared machine says how much to trust them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import sys
@@ -95,6 +101,98 @@ def best_of(fn, repeats: int) -> float:
     return max(fn() for _ in range(repeats))
 
 
+# Kinds of op in a profile, by the first pattern its name contains (self CPU time).
+OP_KINDS = (
+    ("matmul", ("mm", "linear", "mkl", "mkldnn", "matmul")),
+    ("attention", ("scaled_dot_product", "flash_attention", "paged_attention")),
+    ("kv gather/write", ("index", "gather", "scatter")),
+    ("fused (compiled)", ("cpp_fused", "triton_", "compiled")),
+    ("sampling", ("argmax", "topk", "softmax", "multinomial", "sort")),
+)
+
+
+def op_kind(name: str) -> str:
+    low = name.lower()
+    for kind, patterns in OP_KINDS:
+        if any(p in low for p in patterns):
+            return kind
+    return "other ops"
+
+
+def start_decodes(engine: LLMEngine, batch: int, context: int, tag: str) -> None:
+    """``batch`` sequences of ``context`` prompt tokens, prefilled, decoding from here on."""
+    rng = random.Random(batch)
+    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True, detokenize=False)
+    for i in range(batch):
+        top = min(30000, engine.model_config.vocab_size)
+        engine.add_request(f"{tag}-{batch}-{i}", [rng.randrange(100, top) for _ in range(context)], params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine._requests.values()):
+        engine.step()
+    engine.step()
+
+
+def stop_decodes(engine: LLMEngine) -> None:
+    for request_id in list(engine._requests):
+        engine.abort(request_id)
+
+
+def profile_steps(engine: LLMEngine, steps: int) -> dict[str, float]:
+    """Per decode step: ms of self CPU time by kind of op, and the wall time outside them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    wall = (time.perf_counter() - start) / steps * 1e3
+    kinds: dict[str, float] = {}
+    for event in prof.key_averages():
+        kind = op_kind(event.key)
+        kinds[kind] = kinds.get(kind, 0.0) + event.self_cpu_time_total / 1e3 / steps
+    kinds["python + host (rest of wall)"] = max(0.0, wall - sum(kinds.values()))
+    kinds["wall"] = wall
+    return kinds
+
+
+def decode_step_table(engines: dict[str, LLMEngine], batches: list[int], context: int, steps: int,
+                      profile: bool) -> dict:
+    """Decode step time per engine, the engines' steps interleaved (one each, in turn), and
+    the ratio of each to the first (the eager baseline)."""
+    names = list(engines)
+    results: dict = {}
+    print(f"\n(c) decode step, context {context}, {steps} steps each, interleaved; min and median ms")
+    print(f"{'batch':>6} " + " ".join(f"{n + ' min':>14} {n + ' med':>14}" for n in names)
+          + "".join(f" {names[0] + '/' + n + ' (min)':>22}" for n in names[1:]) + f" {'load':>6}")
+    for batch in batches:
+        for name, engine in engines.items():
+            start_decodes(engine, batch, context, name)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for _ in range(steps):
+            for name, engine in engines.items():
+                t = time.perf_counter()
+                engine.step()
+                times[name].append(time.perf_counter() - t)
+        row = {n: {"min_ms": min(t) * 1e3, "median_ms": sorted(t)[len(t) // 2] * 1e3} for n, t in times.items()}
+        base = row[names[0]]["min_ms"]
+        line = f"{batch:>6} " + " ".join(f"{row[n]['min_ms']:>14.1f} {row[n]['median_ms']:>14.1f}" for n in names)
+        line += "".join(f" {base / row[n]['min_ms']:>21.2f}x" for n in names[1:])
+        print(line + f" {os.getloadavg()[0]:>6.2f}")
+        if profile:
+            for name, engine in engines.items():
+                row[name]["profile_ms"] = profile_steps(engine, max(2, steps // 4))
+        results[f"decode_step_b{batch}"] = row
+        for engine in engines.values():
+            stop_decodes(engine)
+    if profile:
+        print("\n    where a decode step's time goes (ms per step; ops: their self time on the engine thread)")
+        for key, row in results.items():
+            for name in names:
+                prof = row[name]["profile_ms"]
+                parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(prof.items(), key=lambda kv: -kv[1]) if k != "wall")
+                print(f"    {key.removeprefix('decode_step_'):>4} {name:>9}: wall {prof['wall']:.1f}; {parts}")
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help=MODEL_HELP)
@@ -108,6 +206,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="best of N for each figure")
+    ap.add_argument("--compile", action="store_true",
+                    help="also build a compiled engine (enforce_eager=False) and compare it in (b) and (c)")
+    ap.add_argument("--compile-batches", type=int, nargs="+", default=None,
+                    help="the compiled engine's decode buckets (default: powers of two up to the largest batch); "
+                         "larger batches run eager")
+    ap.add_argument("--step-context", type=int, default=256, help="(c): prompt tokens per decoding sequence")
+    ap.add_argument("--step-batches", type=int, nargs="+", default=None, help="(c): default --batches")
+    ap.add_argument("--steps", type=int, default=12, help="(c): timed decode steps per engine and batch")
+    ap.add_argument("--profile", action="store_true", help="(c): add the profile breakdown")
+    ap.add_argument("--skip", nargs="*", default=[], choices=("a", "b", "c"), help="sections to leave out")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
 
@@ -115,20 +223,43 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     model_dir = bench_model_dir(args.model, bench_model, Path(".cache/bench-llama-100m"))
-    engine = LLMEngine(
-        str(model_dir), device=args.device, dtype=args.dtype, num_kv_blocks=None,
-        kv_cache_memory_gib=2.0, max_num_seqs=max(args.batches), enable_prefix_caching=False,
-        load_progress=False,
-    )
+    step_batches = args.step_batches or args.batches
+    engine_kwargs = dict(device=args.device, dtype=args.dtype, num_kv_blocks=None, kv_cache_memory_gib=2.0,
+                         max_num_seqs=max(args.batches + step_batches), enable_prefix_caching=False,
+                         load_progress=False)
+    engine = LLMEngine(str(model_dir), **engine_kwargs)
+    engines = {"eager": engine}
     cfg = engine.model_config
     print(f"# bench/engine.py  {' '.join(sys.argv[1:]) or '(defaults)'}")
     print(
         f"# model {model_dir} ({cfg.num_params / 1e6:.0f}M params, {cfg.num_layers}x{cfg.hidden_size}), "
         f"device {device} {engine.dtype}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-        f"{platform.processor() or platform.machine()}"
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average at start "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
     results: dict = {"model": str(model_dir), "device": str(device), "dtype": str(engine.dtype)}
+    if args.compile:
+        started = time.perf_counter()
+        engines["compiled"] = LLMEngine(str(model_dir), enforce_eager=False,
+                                        compile_batch_sizes=tuple(args.compile_batches or ()) or None,
+                                        **engine_kwargs)
+        buckets = engines["compiled"].runner.compiled.buckets
+        results["compile_s"] = time.perf_counter() - started
+        print(f"# compiled engine: decode buckets {','.join(map(str, buckets))}, built and compiled in "
+              f"{results['compile_s']:.0f} s (load average now {os.getloadavg()[0]:.2f})")
 
+    if "a" not in args.skip:
+        section_a(engine, args, results)
+    if "b" not in args.skip:
+        section_b(engines, model_dir, device, args, results)
+    if "c" not in args.skip:
+        results.update(decode_step_table(engines, step_batches, args.step_context, args.steps, args.profile))
+    engine.block_manager.check_idle()
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+def section_a(engine: LLMEngine, args, results: dict) -> None:
     print("\n(a) decode tokens/s, one sequence: paged KV cache vs recompute-every-step")
     print(f"{'context':>8} {'paged tok/s':>12} {'recompute tok/s':>16} {'speedup':>8}")
     for ctx in args.contexts:
@@ -137,21 +268,24 @@ def main(argv: list[str] | None = None) -> None:
         results[f"decode_ctx{ctx}"] = {"paged": paged, "recompute": recompute, "speedup": paged / recompute}
         print(f"{ctx:>8} {paged:>12.1f} {recompute:>16.2f} {paged / recompute:>7.1f}x")
 
+
+def section_b(engines: dict[str, LLMEngine], model_dir, device, args, results: dict) -> None:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=engine.dtype).to(device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=engines["eager"].dtype).to(device).eval()
     print(f"\n(b) generation throughput (output tok/s), prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy")
-    print(f"{'batch':>6} {'pdserve':>10} {'transformers':>13} {'ratio':>7}")
+    print(f"{'batch':>6} " + " ".join(f"{'pdserve ' + n:>17}" for n in engines) + f" {'transformers':>13} "
+          + " ".join(f"{n + '/hf':>12}" for n in engines) + f" {'load':>6}")
     rng = random.Random(0)
     for batch in args.batches:
         prompts = [[rng.randrange(100, 30000) for _ in range(args.prompt_len)] for _ in range(batch)]
-        ours = best_of(lambda: engine_throughput(engine, prompts, args.new_tokens), args.repeats)
+        ours = {n: best_of(lambda e=e: engine_throughput(e, prompts, args.new_tokens), args.repeats)
+                for n, e in engines.items()}
         theirs = best_of(lambda: hf_throughput(hf, prompts, args.new_tokens, device), args.repeats)
-        results[f"throughput_b{batch}"] = {"pdserve": ours, "transformers": theirs, "ratio": ours / theirs}
-        print(f"{batch:>6} {ours:>10.1f} {theirs:>13.1f} {ours / theirs:>6.2f}x")
-    engine.block_manager.check_idle()
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        results[f"throughput_b{batch}"] = {**{f"pdserve_{n}": v for n, v in ours.items()}, "transformers": theirs,
+                                           **{f"ratio_{n}": v / theirs for n, v in ours.items()}}
+        print(f"{batch:>6} " + " ".join(f"{v:>17.1f}" for v in ours.values()) + f" {theirs:>13.1f} "
+              + " ".join(f"{v / theirs:>11.2f}x" for v in ours.values()) + f" {os.getloadavg()[0]:>6.2f}")
 
 
 if __name__ == "__main__":

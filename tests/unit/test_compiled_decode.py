@@ -76,3 +76,8 @@ def test_compiled_smollm2_equals_transformers_on_chat_prompts(smollm2_dir):
     for question, prompt, out in zip(CHAT_QUESTIONS, prompts, outs, strict=True):
         assert out.token_ids == hf_greedy(smollm2_dir, tuple(prompt), 24), question
     engine.block_manager.check_idle()
+
+
+def test_bucket_sizes_are_checked(tiny_llama):
+    with pytest.raises(ValueError, match="compile_batch_sizes"):
+        LLMEngine(tiny_llama, load_progress=False, num_kv_blocks=64, max_num_seqs=4, compile_batch_sizes=(8,))

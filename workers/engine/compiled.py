@@ -84,12 +84,13 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
 class CompiledDecode:
     """Bucketed compiled forward for decode-only steps (see the module docstring)."""
 
-    def __init__(self, model: LlamaForCausalLM, max_num_seqs: int, device: torch.device) -> None:
+    def __init__(self, model: LlamaForCausalLM, max_num_seqs: int, device: torch.device,
+                 batch_sizes: tuple[int, ...] | None = None) -> None:
         import torch._inductor.config as inductor_config
 
         self.model = model
         self.device = device
-        self.buckets = decode_buckets(max_num_seqs)
+        self.buckets = tuple(sorted(set(batch_sizes))) if batch_sizes else decode_buckets(max_num_seqs)
         if device.type == "cpu":
             inductor_config.freezing = True  # weights become constants: prepacked once per graph
         # One graph per bucket, static shapes. Dynamo keeps its entries per code object, shared by

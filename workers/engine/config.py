@@ -29,6 +29,7 @@ class EngineConfig:
     # False: decode-only steps run compiled (torch.compile, one graph per batch-size bucket up to
     # max_num_seqs, compiled at start-up; workers/engine/compiled.py); True: everything eager.
     enforce_eager: bool = True
+    compile_batch_sizes: tuple[int, ...] | None = None  # decode buckets; None: powers of two to max_num_seqs
 
     def __post_init__(self) -> None:
         checks = {
@@ -41,6 +42,9 @@ class EngineConfig:
             "kv_cache_memory_gib": (self.kv_cache_memory_gib > 0, "must be positive"),
             "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
             "kv_cache_dtype": (self.kv_cache_dtype in KV_CACHE_DTYPES, f"must be one of {KV_CACHE_DTYPES}"),
+            "compile_batch_sizes": (self.compile_batch_sizes is None or (
+                len(self.compile_batch_sizes) > 0 and all(0 < b <= self.max_num_seqs for b in self.compile_batch_sizes)),
+                "must be batch sizes in [1, max_num_seqs]"),
         }
         for name, (ok, problem) in checks.items():
             if not ok:

@@ -110,7 +110,8 @@ class LLMEngine:
         self.kv_caches = self.kv.layers  # what the transfer layer moves blocks of
         self.block_manager = BlockManager(num_blocks, cfg.block_size, self.model_key, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, max_chunk)
-        compiled = None if cfg.enforce_eager else CompiledDecode(self.model, cfg.max_num_seqs, self.device)
+        compiled = None if cfg.enforce_eager else CompiledDecode(self.model, cfg.max_num_seqs, self.device,
+                                                                 cfg.compile_batch_sizes)
         self.runner = ModelRunner(self.model, self.kv, self.sliding_window, compiled, cfg.load_progress)
         self.tokenizer = _load_tokenizer(cfg.model_dir)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) or frozenset(
