@@ -69,7 +69,7 @@ class PDAutoscaler:
         self.app_name = serve.get_replica_context().app_name
         self.pools = {"prefill": prefill, "decode": decode}
         self.targets = {"prefill": self.args.prefill.replicas, "decode": self.args.decode.replicas}
-        self.reader = SignalReader()
+        self.reader = SignalReader(block_size=self.args.block_size)
         self.state = PolicyState(last_change=time.time())
         self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
         self.timeline: deque[tuple[float, int, int, int, int]] = deque()

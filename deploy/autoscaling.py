@@ -37,9 +37,10 @@ The policy, per decision:
   ``drain_fraction`` x TTFT target), pool prompt tokens/s / (tokens/s per replica x
   ``utilization``)): enough replicas to drain the queue well within the TTFT target and to keep
   up with what arrives. Tokens/s per replica is measured while replicas are busy (a prior
-  until then). While decode sequences wait for blocks, the queue term is dropped: prefill
-  replicas then hold their prompts' KV until decode takes it, so the queue is decode's (the
-  first benchmark run moved replicas to prefill that way and starved both pools).
+  until then, never below what the pool computes per replica). While decode sequences wait for
+  blocks and prefill replicas hold half their KV or more for prompts decode has not taken, the
+  queue term is dropped: that queue is decode's (a first benchmark run moved replicas to
+  prefill that way and starved both pools).
 - decode need = replicas x max(TPOT / TPOT target, KV usage / KV target), scaled up by waiting /
   running sequences when sequences wait for blocks.
 - each pool's count follows its need with a dead band (up once need > count + ``up_tolerance``,
@@ -55,6 +56,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+
+
+BLOCKED_BY_DECODE = 0.5  # prefill KV share held for decode beyond which prefill waits on decode
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,7 @@ class PrefillSignals:
     queued_prompt_tokens: int  # prompt tokens not yet computed, waiting or running, pool-wide
     prompt_tokens_per_s: float  # computed by the pool, recent
     tokens_per_s_per_replica: float | None  # measured while busy; None: not measured yet
+    held_kv_fraction: float = 0.0  # of the pool's KV, held by finished prompts decode has not taken
 
 
 @dataclass(frozen=True)
@@ -120,12 +125,14 @@ class Decision:
 
 
 def prefill_need(s: PrefillSignals, config: PolicyConfig, decode_saturated: bool = False) -> float:
-    """``decode_saturated``: decode sequences wait for blocks, so prefill replicas hold their
-    prompts' KV until decode takes it and their queue is decode's to drain, not theirs; only
-    what they compute counts then (more prefill replicas would only queue more KV)."""
-    rate = s.tokens_per_s_per_replica or config.prefill_tokens_per_s
+    """``decode_saturated``: decode sequences wait for blocks. When prefill replicas then hold
+    most of their KV for prompts decode has not taken, their queue is decode's to drain: only
+    what they compute counts (more prefill replicas would only hold more). A replica's tokens/s
+    is at least what the pool computes per replica (the prior may be low)."""
+    ready = max(1, s.ready_replicas)
+    rate = max(s.tokens_per_s_per_replica or config.prefill_tokens_per_s, s.prompt_tokens_per_s / ready)
     keep_up = s.prompt_tokens_per_s / (rate * config.utilization)
-    if decode_saturated:
+    if decode_saturated and s.held_kv_fraction >= BLOCKED_BY_DECODE:
         return keep_up
     drain = s.queued_prompt_tokens / (rate * config.drain_fraction * config.ttft_target_s)
     return max(drain, keep_up)

@@ -3,7 +3,7 @@ status`` shows) two samples at a time: rates are the counters' deltas over the i
 
 - prefill: queued prompt tokens = (waiting + running sequences) x the recent mean prompt
   length (a prefill replica's running sequences are the ones still prefilling; held KV is
-  not counted); tokens/s per replica = computed (uncached) prompt tokens per second of a
+  not counted); held KV share = held prompts x the mean prompt length / the pool's KV tokens; tokens/s per replica = computed (uncached) prompt tokens per second of a
   replica that had work queued at both samples, smoothed, so an idle pool keeps its last
   measure.
 - decode: running and waiting sequences and KV usage as reported; TPOT = mean running
@@ -25,6 +25,7 @@ SMOOTHING = 0.5  # weight of the newest busy interval in tokens/s per replica
 class SignalReader:
     """Keeps the previous sample of each replica; ``read`` turns a new one into signals."""
 
+    block_size: int = 16
     tokens_per_s_per_replica: float | None = None
     _previous: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
     _mean_prompt_tokens: float = 0.0
@@ -69,11 +70,14 @@ class SignalReader:
             total_req = sum(r["requests"] for r in replicas)
             self._mean_prompt_tokens = sum(r["prompt_tokens"] for r in replicas) / total_req if total_req else 0.0
         in_flight = sum(r["num_waiting"] + r["num_running"] for r in replicas)
+        capacity = sum(r["total_blocks"] for r in replicas) * self.block_size
+        held = sum(r.get("num_held", 0) for r in replicas) * self._mean_prompt_tokens
         return PrefillSignals(
             replicas=target, ready_replicas=len(replicas),
             queued_prompt_tokens=round(in_flight * self._mean_prompt_tokens),
             prompt_tokens_per_s=computed / seconds if seconds else 0.0,
             tokens_per_s_per_replica=self.tokens_per_s_per_replica,
+            held_kv_fraction=min(1.0, held / capacity) if capacity else 0.0,
         )
 
     def _decode(self, now: float, replicas: list[dict[str, Any]], target: int) -> DecodeSignals:

@@ -316,6 +316,67 @@
     setText("bw-now", last && last.transfer_bytes_per_s != null ? `now ${fmtRate(last.transfer_bytes_per_s)}` : "");
   }
 
+  // ------------------------------------------------------------------ autoscaling (pd policy)
+  // status.autoscaling (deploy/autoscaler.py): budget, bounds, targets, the last round's signals,
+  // recent changes ({time, prefill, decode, from, line}) and a timeline [t, prefill, decode, ...]
+  function drawReplicas(timeline, budget) {
+    const chart = $("chart-replicas");
+    const W = Math.max(200, Math.round(chart.clientWidth || 640)), H = 140;
+    const left = 46, right = 10, top = 10, bottom = 22;
+    chart.setAttribute("viewBox", `0 0 ${W} ${H}`);
+    const nodes = [];
+    const end = timeline.length ? timeline[timeline.length - 1][0] : 0;
+    const start = timeline.length ? Math.min(timeline[0][0], end - MIN_SPAN_MS / 1000) : 0;
+    const x = (t) => left + ((t - start) / Math.max(1, end - start)) * (W - left - right);
+    const y = (v) => top + (1 - v / budget) * (H - top - bottom);
+    for (let v = 0; v <= budget; v += 1) {
+      nodes.push(svg("line", { class: "gridline", x1: left, x2: W - right, y1: y(v), y2: y(v) }));
+      const label = svg("text", { class: "axis-label", x: left - 6, y: y(v) + 4, "text-anchor": "end" });
+      label.textContent = String(v);
+      nodes.push(label);
+    }
+    const ago = svg("text", { class: "axis-label", x: left, y: H - 5, "text-anchor": "start" });
+    ago.textContent = timeline.length ? `−${Math.round(end - start)} s` : "";
+    nodes.push(ago);
+    [["s-prefill", 1], ["s-decode", 2]].forEach(([cls, k]) => {
+      let d = "";
+      timeline.forEach((row, i) => {  // steps: a count holds until the next sample
+        d += i === 0 ? `M${x(row[0]).toFixed(1)},${y(row[k]).toFixed(1)}`
+          : `H${x(row[0]).toFixed(1)}V${y(row[k]).toFixed(1)}`;
+      });
+      if (d) nodes.push(svg("path", { class: cls, d }));
+    });
+    chart.replaceChildren(...nodes);
+    chart.dataset.points = String(timeline.length);
+  }
+
+  function renderAutoscaling(a) {
+    $("autoscaling").hidden = !a;
+    if (!a) return;
+    setText("autoscaling-error", a.error || "");
+    if (!a.targets) return;
+    const b = a.bounds;
+    setText("autoscaling-summary", `budget ${a.budget} replicas · prefill ${a.targets.prefill} ` +
+      `(${b.prefill[0]}–${b.prefill[1]}) · decode ${a.targets.decode} (${b.decode[0]}–${b.decode[1]}) · ` +
+      `targets TTFT ${fmtMs(a.ttft_target_s)}, TPOT ${fmtMs(a.tpot_target_s)}`);
+    const last = a.last;
+    if (last) {
+      const p = last.prefill, d = last.decode;
+      setText("autoscaling-now", `now: prefill ${fmtInt(p.queued_prompt_tokens)} queued prompt tokens, ` +
+        `need ${last.prefill_need.toFixed(2)} · decode ${d.running_seqs} running, ${d.waiting_seqs} waiting, ` +
+        `KV ${fmtPct(d.kv_usage)}, TPOT ${fmtMs(d.tpot_s)}, need ${last.decode_need.toFixed(2)}` +
+        (last.held ? ` · waiting: ${last.held}` : ""));
+    }
+    drawReplicas(a.timeline || [], a.budget);
+    const rows = (a.decisions || []).slice(-10).reverse().map((c) => el("tr", {},
+      el("td", {}, new Date(c.time * 1000).toLocaleTimeString()),
+      el("td", { class: "num" }, `${c.from.prefill} → ${c.prefill}`),
+      el("td", { class: "num" }, `${c.from.decode} → ${c.decode}`),
+      el("td", { class: "mono" }, c.line.split(" | ").slice(1).join(" | "))));
+    $("autoscaling-decisions").replaceChildren(...(rows.length ? rows
+      : [el("tr", {}, el("td", { colspan: "4", class: "muted" }, "no change yet"))]));
+  }
+
   // ------------------------------------------------------------------ polling
   function setConnection(ok, text) {
     $("conn-dot").className = `dot ${ok ? "dot-ok" : "dot-bad"}`;
@@ -368,6 +429,7 @@
         renderTotals(latest);
         renderPools(latest.pools);
         renderPairs(latest);
+        renderAutoscaling(latest.autoscaling);
         setConnection(true, `updated ${new Date(latest.time * 1000).toLocaleTimeString()}`);
         document.body.dataset.polls = String(Number(document.body.dataset.polls || 0) + 1);
       } else {

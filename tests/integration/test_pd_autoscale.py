@@ -1,12 +1,13 @@
 """autoscaling: pd on a real Ray Serve with a real redis-server: under a prompt-heavy load the
 policy grows the prefill pool within its budget, logs the change with its signals and shows it
-in the status endpoint and pdserve status; idle, it shrinks the pool back; every answer is
-exact and afterwards no block is held."""
+in the status endpoint, pdserve status and the dashboard (when Playwright and chromium are
+here); idle, it shrinks the pool back; every answer is exact and afterwards no block is held."""
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 import threading
 import time
 
@@ -57,6 +58,34 @@ def autoscaler_log_lines(app: str) -> list[str]:
     return lines
 
 
+def check_dashboard(base: str) -> None:
+    """The dashboard's autoscaling panel: the budget, the change with its signals, the timeline."""
+    try:
+        from tests.integration.test_dashboard import CHROMIUM, CHROMIUM_ARGS, _chromium_or_skip
+
+        sync_playwright = _chromium_or_skip()
+    except pytest.skip.Exception:
+        return  # the status endpoint and pdserve status were checked; the page needs a browser
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(f"{base}/dashboard")
+            page.wait_for_selector('[data-testid="autoscaling-decisions"] td.mono', timeout=30_000)
+            summary = page.get_by_test_id("autoscaling-summary").inner_text()
+            assert re.fullmatch(r"budget 3 replicas · prefill [12] \(1–2\) · decode 1 \(1–2\) · targets TTFT 50\.0 ms, "
+                                r"TPOT 5000\.0 ms", summary), summary  # prefill 1 again if idle long enough
+            first_row = page.locator('[data-testid="autoscaling-decisions"] tr').last
+            cells = first_row.locator("td").all_inner_texts()
+            assert cells[1:3] == ["1 → 2", "1 → 1"] and "queued prompt tokens" in cells[3], cells
+            assert int(page.get_by_test_id("chart-replicas").get_attribute("data-points")) >= 2
+            assert errors == []
+        finally:
+            browser.close()
+
+
 def test_pd_policy_grows_the_prefill_pool_under_prompt_load_and_logs_it(serve_cluster, tiny_llama):
     base = deploy(serve_cluster, "pdscale", "/pdscale", app_args(tiny_llama, serve_cluster.redis.url, autoscaling=PD))
     first = status(base)["autoscaling"]
@@ -96,6 +125,7 @@ def test_pd_policy_grows_the_prefill_pool_under_prompt_load_and_logs_it(serve_cl
     assert change["line"].startswith("prefill 1 -> 2, decode 1 -> 1 (budget 3) | prefill: ")
     assert "queued prompt tokens" in change["line"] and "TPOT" in change["line"]
     assert "autoscaling (pd): budget 3 replicas; prefill 2" in format_status(grown)
+    check_dashboard(base)
     wait_for(lambda: any(f"autoscaling: {change['line']}" in line for line in autoscaler_log_lines("pdscale")), 30,
              "the change was not logged in the autoscaler's replica log")
     # idle: back to the minimum

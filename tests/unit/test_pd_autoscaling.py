@@ -20,8 +20,8 @@ CONFIG = PolicyConfig(max_total_replicas=4, prefill=PoolBounds(1, 3), decode=Poo
                       upscale_delay_s=4.0, downscale_delay_s=20.0, cooldown_s=10.0)
 
 
-def prefill(replicas=2, queued=0, rate=0.0, per_replica=1000.0, ready=None) -> PrefillSignals:
-    return PrefillSignals(replicas, replicas if ready is None else ready, queued, rate, per_replica)
+def prefill(replicas=2, queued=0, rate=0.0, per_replica=1000.0, ready=None, held=0.0) -> PrefillSignals:
+    return PrefillSignals(replicas, replicas if ready is None else ready, queued, rate, per_replica, held)
 
 
 def decode(replicas=2, running=0, waiting=0, kv=0.0, tpot=None, ready=None) -> DecodeSignals:
@@ -47,18 +47,24 @@ def test_prefill_need_drains_the_queue_within_half_the_ttft_target():
     assert prefill_need(prefill(rate=1600.0), CONFIG) == pytest.approx(2.0)
     # not measured yet: the prior per-replica rate
     assert prefill_need(prefill(queued=500, per_replica=None), CONFIG) == pytest.approx(1.0)
+    # but never less than what the pool computes per replica: 2 replicas at 3000 tok/s run at
+    # 100 % of 1500 each, not 150 % of the prior 1000
+    assert prefill_need(prefill(rate=3000.0, per_replica=None), CONFIG) == pytest.approx(2.5)
 
 
 def test_a_prefill_queue_behind_a_saturated_decode_pool_is_not_prefills_need():
-    # prefill replicas hold their prompts' KV until decode takes it: with decode sequences
-    # waiting for blocks, only what prefill computes counts
-    p = prefill(queued=30000, rate=400.0)
-    assert prefill_need(p, CONFIG) == pytest.approx(60.0)
-    assert prefill_need(p, CONFIG, decode_saturated=True) == pytest.approx(0.5)
+    # prefill replicas holding most of their KV for prompts decode has not taken, while decode
+    # sequences wait for blocks: only what prefill computes counts
+    blocked = prefill(queued=30000, rate=400.0, held=0.7)
+    assert prefill_need(blocked, CONFIG) == pytest.approx(60.0)
+    assert prefill_need(blocked, CONFIG, decode_saturated=True) == pytest.approx(0.5)
     d = decode(replicas=1, running=90, waiting=10, kv=0.86, tpot=0.38)
-    decision = decide(prefill(replicas=3, queued=30000, rate=400.0), d, CONFIG,
+    decision = decide(prefill(replicas=3, queued=30000, rate=400.0, held=0.7), d, CONFIG,
                       PolicyState(pending=(1, 3), pending_since=0.0), 20.0)
     assert (decision.prefill, decision.decode, decision.changed) == (1, 3, True)
+    # a prefill pool with its KV free is not waiting on decode: its own queue still counts
+    free = prefill(queued=30000, rate=400.0, held=0.1)
+    assert prefill_need(free, CONFIG, decode_saturated=True) == pytest.approx(60.0)
 
 
 def test_decode_need_follows_tpot_kv_and_waiting_sequences():
@@ -180,24 +186,28 @@ def test_describe_names_the_change_and_its_signals():
 # ------------------------------------------------------------------ signals from stats
 def _replica(wid, **kw):
     base = {"worker_id": wid, "healthy": True, "requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0,
-            "generated_tokens": 0, "num_running": 0, "num_waiting": 0, "kv_usage": 0.0}
+            "generated_tokens": 0, "num_running": 0, "num_waiting": 0, "num_held": 0, "kv_usage": 0.0,
+            "total_blocks": 100}
     return {**base, **kw}
 
 
 def test_signals_come_from_two_samples_of_the_replicas_stats():
     reader = SignalReader()
-    p0 = [_replica("p1", requests=10, prompt_tokens=20000, num_waiting=2, num_running=1)]
+    p0 = [_replica("p1", requests=10, prompt_tokens=20000, num_waiting=2, num_running=1, num_held=1,
+                   total_blocks=500)]
     d0 = [_replica("d1", generated_tokens=1000, num_running=8, kv_usage=0.5)]
     first_p, first_d = reader.read(100.0, p0, d0, 1, 1)
     assert first_p.queued_prompt_tokens == 3 * 2000 and first_p.tokens_per_s_per_replica is None
+    assert first_p.held_kv_fraction == pytest.approx(2000 / (500 * 16))  # one held 2000-token prompt
     assert first_d.tpot_s is None  # no interval yet
-    p1 = [_replica("p1", requests=14, prompt_tokens=28000, cached_prompt_tokens=0, num_waiting=1, num_running=1)]
+    p1 = [_replica("p1", requests=14, prompt_tokens=28000, cached_prompt_tokens=0, num_waiting=1, num_running=1,
+                   num_held=2, total_blocks=500)]
     d1 = [_replica("d1", generated_tokens=1400, num_running=8, kv_usage=0.6),
           _replica("d2", healthy=False)]
     p, d = reader.read(102.0, p1, d1, 1, 2)
     assert p.tokens_per_s_per_replica == pytest.approx(4000.0)  # busy all along: 8000 tokens in 2 s
     assert p.prompt_tokens_per_s == pytest.approx(4000.0)
-    assert p.queued_prompt_tokens == 2 * 2000
+    assert p.queued_prompt_tokens == 2 * 2000 and p.held_kv_fraction == pytest.approx(0.5)
     assert d.tpot_s == pytest.approx(8 / 200.0)  # 8 running, 200 tokens/s
     assert (d.replicas, d.ready_replicas, d.running_seqs, d.kv_usage) == (2, 1, 8, 0.6)
 
