@@ -31,7 +31,8 @@ def _table(columns: list[tuple[str, str, int, str]], rows: list[list[str]]) -> l
 
 
 REPLICA_COLUMNS = [
-    ("pool", "", 10, "<"), ("replica", "", 12, "<"), ("health", "", 7, "<"), ("KV used", "%", 8, ">"),
+    ("pool", "", 10, "<"), ("replica", "", 12, "<"), ("node", "", 15, "<"), ("health", "", 7, "<"),
+    ("KV used", "%", 8, ">"),
     ("free/total", "blocks", 12, ">"), ("run", "seqs", 5, ">"), ("wait", "seqs", 5, ">"),
     ("requests", "", 9, ">"), ("hit rate", "% tokens", 9, ">"), ("moved", "MiB", 9, ">"),
     ("xfer fail", "", 9, ">"), ("recomp", "prompts", 8, ">"),
@@ -45,9 +46,9 @@ PAIR_COLUMNS = [
 
 def _replica_row(pool: str, r: dict) -> list[str]:
     if not r.get("healthy"):
-        return [f"{pool:<10}", f"{r['worker_id']:<12}", f"{'DOWN':<7}", r.get("error", "")[:60]]
+        return [f"{pool:<10}", f"{r['worker_id']:<12}", f"{'-':<15}", f"{'DOWN':<7}", r.get("error", "")[:60]]
     hit = r["cached_prompt_tokens"] / r["prompt_tokens"] if r["prompt_tokens"] else 0.0
-    return [pool, r["worker_id"], "ok", f"{r['kv_usage']:.1%}",
+    return [pool, r["worker_id"], r.get("node_ip", "-"), "ok", f"{r['kv_usage']:.1%}",
             f"{r['free_blocks']}/{r['total_blocks']}", str(r["num_running"]), str(r["num_waiting"]),
             str(r["requests"]), f"{hit:.1%}", f"{r['transfer_bytes'] / 2**20:.1f}",
             str(r["transfer_failures"]), str(r["recomputed_prefills"])]

@@ -256,7 +256,7 @@ def full_status() -> dict:
     latency = {"p50": 0.012, "p90": 0.02, "p99": 0.03}
     return {
         "model": "llama", "mode": "disaggregated", "block_size": 16,
-        "pools": {"prefill": [{**replica, "worker_id": "pre1"}],
+        "pools": {"prefill": [{**replica, "worker_id": "pre1", "node_ip": "10.0.0.11"}],
                   "decode": [{**replica, "worker_id": "dec1"}, {"worker_id": "dec2", "healthy": False, "error": "gone"}]},
         "pairs": [{"prefill": "pre1", "decode": "dec1", "prefill_live": True, "transfers": 4,
                    "transfer_bytes": 3 * 2**20, "transfer_p50_s": 0.004, "transfer_p99_s": 0.0125,
@@ -282,7 +282,9 @@ def test_status_table_names_units_and_shows_the_pairs():
     for unit in ("%", "blocks", "seqs", "MiB", "prompts"):
         assert unit in units.split()
     assert "12.5%" in lines[header + 3] and "224/256" in lines[header + 3] and "3.0" in lines[header + 3]
-    assert lines[header + 5].split()[:3] == ["decode", "dec2", "DOWN"]
+    assert lines[header + 3].split()[:3] == ["prefill", "pre1", "10.0.0.11"]  # each replica's node address
+    assert lines[header + 4].split()[:3] == ["decode", "dec1", "-"]  # an older server sends none
+    assert lines[header + 5].split()[:4] == ["decode", "dec2", "-", "DOWN"]
     pair_header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["prefill", "decode", "transfers"])
     assert lines[pair_header + 1].split() == ["MiB", "ms", "ms", "prompts"]
     assert lines[pair_header + 3].split() == ["pre1", "dec1", "4", "3.0", "4", "12", "1", "2"]
