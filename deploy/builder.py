@@ -27,6 +27,7 @@ from ray.serve.schema import LoggingConfig
 
 from deploy.args import Mode, PDServeArgs, PoolArgs, check_redis_url_for_cluster
 from deploy.autoscaler import PDAutoscaler
+from deploy.compat import check_ray_version
 from deploy.ingress import OpenAIIngress
 from deploy.servers import ColocatedServer, DecodeServer, PrefillServer
 from workers.engine.config import EngineConfig
@@ -78,6 +79,7 @@ def build_app(args: dict[str, Any] | PDServeArgs) -> serve.Application:
 
 def make_app(args: dict[str, Any] | PDServeArgs, access_log: bool | None = None) -> serve.Application:
     """``build_app`` with the access log chosen (None: on at log level DEBUG only)."""
+    check_ray_version()  # an untested Ray fails here, saying what to install
     parsed = args if isinstance(args, PDServeArgs) else PDServeArgs.model_validate(args)
     check_redis_url_for_cluster(parsed.redis_url)  # a loopback Redis on a multi-node cluster fails here
     logs = serve_logging(parsed.log_level, access_log)
