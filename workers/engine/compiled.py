@@ -8,7 +8,8 @@ which calls the step's ``PagedAttention`` (set for the call by ``step_attention`
 hold the dense work only (embedding, norms, projections, rotary, MLP, LM head), whose shapes
 depend on the bucket alone. On CPU, inductor with ``freezing`` folds the weights into the
 graphs as constants and prepacks them for oneDNN/MKL; on CUDA, ``mode="reduce-overhead"`` adds
-CUDA graphs per bucket (written, not measured here: no GPU was available).
+CUDA graphs per bucket, captured piecewise between the attention ops (graph partition). The CUDA
+path is written but has not been measured or run: no GPU was available to this work.
 
 Padding rows carry token 0 at position 0; attention neither writes their K/V nor reads for
 them (it sees the step's real rows only and returns zeros for the rest), and their logits are
@@ -44,7 +45,10 @@ def step_attention(attn: PagedAttention, num_tokens: int) -> Iterator[None]:
         _STEP = None
 
 
-@torch.library.custom_op("pdserve::paged_attention", mutates_args=())
+# cudagraph_unsafe: with CUDA graphs inductor partitions each graph around this op and captures
+# only the dense pieces; the op reads the step's block tables, new tensors every step, which a
+# captured replay would never see.
+@torch.library.custom_op("pdserve::paged_attention", mutates_args=(), tags=(torch._C.Tag.cudagraph_unsafe,))
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     """The step's attention over its real rows (padding rows get zeros). Writes those rows'
     K/V into the paged cache, a side effect outside the graph: the layers' ops run in order,
@@ -98,6 +102,8 @@ class CompiledDecode:
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit += len(self.buckets)
         dynamo_config.accumulated_recompile_limit += len(self.buckets)
+        if device.type == "cuda":
+            inductor_config.graph_partition = True  # CUDA graphs around the attention op (above)
         mode = "reduce-overhead" if device.type == "cuda" else None
         self._forward = torch.compile(self._dense_forward, dynamic=False, fullgraph=True, mode=mode)
 
