@@ -6,6 +6,13 @@ match is short or that replica's queue is longer than the shortest by more than 
 threshold; then it falls back to power-of-two-choices, so one hot prefix cannot pile every
 request onto one replica.
 
+Link-aware: a prefill replica whose KV sends failed ``LINK_FAILURE_THRESHOLD`` times in the last
+``LINK_FAILURE_WINDOW_S`` seconds (its link down or too slow for the transfer deadline; it says so
+in its ``routing_stats``) is tried last, after every other replica, prefix match or not: a
+prompt recomputed by another prefill replica costs less than one recomputed by decode after a
+failed transfer. Once its failures age out of the window it gets requests again (the probe that
+finds the link repaired). When every replica is failing, nothing is demoted.
+
 ``DecodeRouter`` (decode pool): the replica with the most free KV blocks, preferring one whose
 own cache already holds the prefix (then only the missing blocks move).
 
@@ -24,6 +31,22 @@ from typing import Any
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 logger = logging.getLogger("pdserve")
+
+
+LINK_FAILURE_WINDOW_S = 30.0
+LINK_FAILURE_THRESHOLD = 2
+
+
+def demote_failing(ranks: list[list[Any]], failing: set) -> list[list[Any]]:
+    """The same ranks with the replicas in `failing` moved to a last rank of their own; unchanged
+    when no replica, or every replica, is failing."""
+    if not failing:
+        return ranks
+    kept = [[r for r in rank if r not in failing] for rank in ranks]
+    kept = [rank for rank in kept if rank]
+    if not kept:
+        return ranks
+    return kept + [[r for rank in ranks for r in rank if r in failing]]
 
 
 def power_of_two(replicas: Sequence[Any], queue_len: dict[Any, int], rng=random) -> list[list[Any]]:
@@ -184,7 +207,11 @@ class PrefixAwareRouter(_IndexRouter):
             self._min_match_blocks, self._imbalance_threshold,
         )
         self.decisions["prefix" if by_prefix else "load"] += 1
-        return ranks
+        failing = {r for r in candidate_replicas
+                   if int(r.routing_stats.get("recent_transfer_failures", 0)) >= LINK_FAILURE_THRESHOLD}
+        if failing:
+            self.decisions["demoted"] = self.decisions.get("demoted", 0) + 1
+        return demote_failing(ranks, failing)
 
 
 class DecodeRouter(_IndexRouter):

@@ -20,6 +20,7 @@ from ray import serve
 
 from deploy.args import PDServeArgs, PoolArgs
 from deploy.metrics import WorkerMetrics
+from deploy.routers import LINK_FAILURE_WINDOW_S
 from kvstore import IndexConfig, IndexPublisher, WorkerSpec
 from workers.decode import ColocatedWorker, DecodeWorker
 from workers.engine import LLMEngine
@@ -120,7 +121,7 @@ class _WorkerServer:
                      "dropped_events": self.publisher.dropped_events}
         return {"worker_id": self.worker_id, "role": self.role, "device": self.device,
                 "node_ip": self.node_ip, "torch_threads": self.torch_threads, "index": index,
-                **snapshot}
+                "recent_transfer_failures": worker.stats.recent_failures(LINK_FAILURE_WINDOW_S), **snapshot}
 
     def check_health(self) -> None:
         if not self.worker.loop.alive:
@@ -155,6 +156,10 @@ class PrefillServer(_WorkerServer):
                                     self.args.lease_ttl_s, on_step=self._on_step)
         address = f"{self.worker.server.address.host}:{self.worker.server.address.port}"
         await self._start_publisher(engine, address)
+
+    async def record_routing_stats(self) -> dict:
+        # Link-aware routing: the prefill router tries a replica whose sends failed lately last.
+        return {**self._load, "recent_transfer_failures": self.worker.stats.recent_failures(LINK_FAILURE_WINDOW_S)}
 
     async def prefill(self, request: GenerateRequest) -> PrefillResult:
         if delay := self.args.fault_injection.get("prefill_delay_s"):

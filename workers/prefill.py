@@ -114,7 +114,7 @@ class PrefillWorker:
             self.stats.transfer_seconds += result.stats.seconds
             return result
         except Exception:
-            self.stats.transfer_failures += 1
+            self.stats.transfer_failed()
             raise
         finally:
             # The object store holds its own copy; a pair group has delivered or failed.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field, fields
 
@@ -65,6 +66,17 @@ class WorkerStats:
     leases_expired: int = 0
     # per peer worker id; a decode worker's peers are the prefill workers it pulls from
     peers: dict[str, PairStats] = field(default_factory=dict)
+    # when recent transfers failed (time.monotonic()), for link-aware routing
+    failure_times: deque = field(default_factory=lambda: deque(maxlen=64))
+
+    def transfer_failed(self) -> None:
+        self.transfer_failures += 1
+        self.failure_times.append(time.monotonic())
+
+    def recent_failures(self, window_s: float) -> int:
+        """Transfers that failed in the last `window_s` seconds."""
+        since = time.monotonic() - window_s
+        return sum(1 for t in tuple(self.failure_times) if t >= since)
 
     def peer(self, worker_id: str) -> PairStats:
         stats = self.peers.get(worker_id)
@@ -73,7 +85,7 @@ class WorkerStats:
         return stats
 
     def counters(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "peers"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("peers", "failure_times")}
 
     def pairs(self) -> dict[str, dict]:
         return {peer: stats.snapshot() for peer, stats in list(self.peers.items())}

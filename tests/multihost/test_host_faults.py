@@ -111,6 +111,38 @@ def test_a_10mbit_link_under_a_1s_transfer_deadline_recomputes_and_never_hangs(f
         after["transfer_failures"] - before["transfer_failures"])  # ...and each one recomputed, not lost
 
 
+def test_link_aware_routing_sends_no_prompts_to_a_prefill_host_whose_sends_fail(fault_app, testbed, wide_tiny_model):
+    """The prefill router tries last a replica whose recent sends failed (deploy/routers.py)."""
+    slow = testbed.role("prefill")[0]
+    if len(testbed.role("prefill")) < 2:
+        pytest.skip("needs another prefill host to send the prompts to")
+    slow_ids = {rid for rid, ip in replica_placement(testbed)["prefill"].items() if ip == slow.ip}
+    testbed.set_rate(slow, "10mbit")
+    try:
+        # Until its sends have failed twice (as its routing stats say, refreshed every second).
+        deadline = time.monotonic() + 120
+        fresh = iter(random_prompts((300,) * 40, seed=75))
+        while time.monotonic() < deadline:
+            rows = {r["worker_id"]: r for r in
+                    httpx.get(f"{fault_app}/v1/cluster/status", timeout=30).json()["pools"]["prefill"]}
+            if all(rows[rid]["recent_transfer_failures"] >= 2 for rid in slow_ids):
+                break
+            run_concurrently(lambda p: complete(fault_app, p, timeout=CLIENT_TIMEOUT_S), [next(fresh) for _ in range(4)])
+        time.sleep(2.0)  # the routers have the new routing stats
+        before = pair_totals(fault_app, slow_ids)
+        prompts = [next(fresh) for _ in range(6)]
+        results = run_concurrently(lambda p: complete(fault_app, p, timeout=CLIENT_TIMEOUT_S), prompts)
+        after = pair_totals(fault_app, slow_ids)
+    finally:
+        testbed.set_rate(slow, "1gbit")
+    for i, resp in results.items():
+        assert isinstance(resp, httpx.Response) and resp.status_code == 200, resp
+        assert resp.json()["choices"][0]["text"] == expected_text(wide_tiny_model, prompts[i])
+    print(f"\n{slow.name} at 10mbit after its sends failed: its pairs {before} -> {after} over 6 more prompts")
+    assert after == before  # no prompt went to the host whose sends fail: nothing more failed or moved
+
+
+
 def test_a_decode_host_lost_mid_stream_resumes_its_streams_on_the_other(fault_app, testbed, wide_tiny_model):
     need_two_of_each(testbed)
     prompts = random_prompts((20,) * 6, seed=72)

@@ -2,7 +2,7 @@
 
 import random
 
-from deploy.routers import power_of_two, rank_by_prefix, rank_for_decode
+from deploy.routers import demote_failing, power_of_two, rank_by_prefix, rank_for_decode
 
 
 def test_longest_prefix_wins_when_balanced():
@@ -31,3 +31,19 @@ def test_decode_prefers_prefix_holder_that_fits_then_free_blocks():
     assert [r[0] for r in ranks] == ["a", "b", "c"]
     ranks = rank_for_decode(["a", "b"], {"a": 2}, {"a": 1, "b": 50}, blocks_needed=8)
     assert [r[0] for r in ranks] == ["b", "a"]  # a holds a prefix but has no room for the rest
+
+
+def test_a_replica_whose_sends_fail_is_tried_last_even_with_the_prefix():
+    ranks, by_prefix = rank_by_prefix(["a", "b", "c"], {"a": 9}, {"a": 0, "b": 0, "c": 0}, 2, 8,
+                                      rng=random.Random(0))
+    assert by_prefix and ranks[0] == ["a"]
+    demoted = demote_failing(ranks, {"a"})
+    assert demoted[-1] == ["a"] and "a" not in sum(demoted[:-1], [])
+    assert sorted(sum(demoted, [])) == ["a", "b", "c"]  # nobody dropped
+
+
+def test_nothing_is_demoted_when_none_or_every_replica_fails():
+    ranks = [["a"], ["b", "c"]]
+    assert demote_failing(ranks, set()) == ranks
+    assert demote_failing(ranks, {"a", "b", "c"}) == ranks
+    assert demote_failing(ranks, {"b"}) == [["a"], ["c"], ["b"]]
