@@ -219,12 +219,7 @@ class Testbed:
             victims = [p for p in _pids_in_netns({host.netns_inode}) if p not in killed or _alive(p)]
             if not victims:
                 break
-            for pid in victims:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.add(pid)
-                except ProcessLookupError:
-                    pass
+            killed.update(_signal(victims, signal.SIGKILL))
             time.sleep(0.05)
         self.pids[host.name] = []
         self.save()
@@ -390,24 +385,25 @@ def _pids_in_netns(inodes: set[int]) -> list[int]:
     return [pid for pid in _all_pids() if pid != me and _pid_netns_inode(pid) in inodes]
 
 
-def _kill_pids(pids: list[int], grace_s: float = 5.0) -> list[int]:
-    """SIGTERM, then SIGKILL what is left after `grace_s`; returns the pids signalled."""
-    signalled = []
+def _signal(pids: list[int], sig: int) -> list[int]:
+    """Send `sig` to each of `pids`; returns those that were still there."""
+    sent = []
     for pid in pids:
         try:
-            os.kill(pid, signal.SIGTERM)
-            signalled.append(pid)
+            os.kill(pid, sig)
+            sent.append(pid)
         except ProcessLookupError:
             pass
+    return sent
+
+
+def _kill_pids(pids: list[int], grace_s: float = 5.0) -> list[int]:
+    """SIGTERM, then SIGKILL what is left after `grace_s`; returns the pids signalled."""
+    signalled = _signal(pids, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(_alive(p) for p in signalled):
         time.sleep(0.1)
-    for pid in signalled:
-        if _alive(pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    _signal([pid for pid in signalled if _alive(pid)], signal.SIGKILL)
     return signalled
 
 
