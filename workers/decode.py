@@ -177,7 +177,7 @@ class DecodeWorker(ColocatedWorker):
         self.stats.transfers += 1
         self.stats.transfer_bytes += stats.num_bytes
         self.stats.transfer_seconds += stats.seconds
-        self.stats.peer(handle.prefill_worker_id).transferred(stats.num_bytes, stats.seconds)
+        self.stats.peer(handle.prefill_worker_id).transferred(stats.num_bytes, stats.seconds, stats.created_pair)
         return stats
 
     def _release_remote(self, request_id: str, prefill_worker_id: str) -> None:

@@ -28,9 +28,11 @@ class PairStats:
     transfer_seconds: float = 0.0
     transfer_failures: int = 0
     recomputed_prefills: int = 0
+    pair_groups: int = 0  # process groups created with this peer (the first, then one after each failure)
     recent_seconds: deque = field(default_factory=lambda: deque(maxlen=PAIR_SAMPLES))
 
-    def transferred(self, num_bytes: int, seconds: float) -> None:
+    def transferred(self, num_bytes: int, seconds: float, created_pair: bool = False) -> None:
+        self.pair_groups += int(created_pair)
         self.transfers += 1
         self.transfer_bytes += num_bytes
         self.transfer_seconds += seconds
@@ -45,7 +47,7 @@ class PairStats:
         return {
             "transfers": self.transfers, "transfer_bytes": self.transfer_bytes,
             "transfer_seconds": self.transfer_seconds, "transfer_failures": self.transfer_failures,
-            "recomputed_prefills": self.recomputed_prefills,
+            "recomputed_prefills": self.recomputed_prefills, "pair_groups": self.pair_groups,
             "transfer_p50_s": p["p50"], "transfer_p99_s": p["p99"],
             "transfer_samples": len(self.recent_seconds),
         }

@@ -47,7 +47,8 @@ def pair_totals(base: str, prefill_ids: set[str] | None = None) -> dict[str, int
     all of them or those of the prefill replicas `prefill_ids`."""
     pairs = httpx.get(f"{base}/v1/cluster/status", timeout=30).json()["pairs"]
     pairs = [p for p in pairs if prefill_ids is None or p["prefill"] in prefill_ids]
-    return {key: sum(p[key] for p in pairs) for key in ("transfers", "transfer_failures", "recomputed_prefills")}
+    return {key: sum(p.get(key, 0) for p in pairs)
+            for key in ("transfers", "transfer_failures", "recomputed_prefills", "pair_groups")}
 
 
 def replica_placement(testbed) -> dict[str, dict[str, str]]:
@@ -265,3 +266,4 @@ def test_prefill_link_down_during_transfers_recomputes_then_transfers_resume(app
         resumed = pair_totals(app, cut_ids)
     print(f"transfers from {cut.name} resumed {time.monotonic() - restored_at:.1f}s after its link came back: {resumed}")
     assert resumed["transfers"] > during["transfers"], "no transfer from the cut host after its link came back"
+    assert resumed["pair_groups"] > during["pair_groups"]  # over a new group (counted), not the failed one

@@ -203,6 +203,13 @@ def test_a_pair_keeps_a_bounded_window_of_durations():
     assert snap["transfer_p50_s"] == percentiles(range(1488, 2000))["p50"]
 
 
+def test_a_pair_counts_the_groups_it_created():
+    pair = PairStats()
+    for created in (True, False, False, True, False):  # the first group, then one after a failure
+        pair.transferred(1, 0.1, created_pair=created)
+    assert pair.snapshot()["pair_groups"] == 2 and pair.snapshot()["transfers"] == 5
+
+
 def test_worker_snapshot_includes_its_pairs():
     bm = SimpleNamespace(num_blocks=8, num_free_blocks=6, usage=0.25, num_cached_blocks=1,
                          stats=SimpleNamespace(prefix_queries=3, prefix_hits=1))
