@@ -187,7 +187,7 @@ def test_pair_counters_on_the_decode_side():
     stats.peer("p2").recomputed_prefills += 1
     pairs = stats.pairs()
     assert pairs["p1"] == {"transfers": 5, "transfer_bytes": 5000, "transfer_seconds": pytest.approx(1.1),
-                           "transfer_failures": 1, "recomputed_prefills": 1,
+                           "transfer_failures": 1, "recomputed_prefills": 1, "pair_groups": 0,
                            "transfer_p50_s": 0.030, "transfer_p99_s": 1.0, "transfer_samples": 5}
     assert pairs["p2"]["transfers"] == 0 and pairs["p2"]["transfer_p50_s"] is None
     assert pairs["p2"]["recomputed_prefills"] == 1
