@@ -189,8 +189,9 @@ def plot(runs: list[Run], path: Path, budget: int) -> None:
     fig, axes = plt.subplots(len(runs), 1, figsize=(8, 1.9 * len(runs) + 0.6), sharex=True, squeeze=False)
     for ax, run in zip(axes[:, 0], runs):
         t = [x[0] for x in run.timeline]
-        ax.step(t, [x[1] for x in run.timeline], where="post", label="prefill", color="tab:blue")
-        ax.step(t, [x[2] for x in run.timeline], where="post", label="decode", color="tab:orange")
+        # drawn 0.04 apart so that equal counts stay visible as two lines
+        ax.step(t, [x[1] + 0.04 for x in run.timeline], where="post", label="prefill", color="tab:blue")
+        ax.step(t, [x[2] - 0.04 for x in run.timeline], where="post", label="decode", color="tab:orange")
         for start, name in run.phase_starts:
             ax.axvline(start, color="grey", lw=0.6, ls="--")
             ax.text(start + 1, budget - 0.35, name, fontsize=7, color="grey")
@@ -266,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         s = summarize(run, opts.ttft_s, opts.tpot_s)
         per_phase = {name: summarize(run, opts.ttft_s, opts.tpot_s, name) for name in dict.fromkeys(p for p, _ in run.results)}
         report["runs"].append({"label": run.label, **s, "phases": per_phase, "timeline": run.timeline,
-                               "decisions": run.decisions, "duration_s": run.duration_s})
+                               "phase_starts": run.phase_starts, "decisions": run.decisions,
+                               "duration_s": run.duration_s})
         print(f"{run.label:<24}{s['requests']:>9}{s['good']:>6}{s['goodput_fraction']:>9.1%}{s['goodput_req_s']:>8.2f}"
               f"{s['ttft_p90_s'] or 0:>9.2f}s{(s['tpot_p90_s'] or 0) * 1000:>8.0f}ms")
         for name, ps in per_phase.items():
