@@ -6,7 +6,7 @@ target replica count through Serve's external-scaler API (the application is dep
 Each change is logged at INFO, one line with the signals that caused it, through Serve's own
 replica logger (``ray.serve``: this replica's file under the session's ``logs/serve/`` and the
 driver's console; a plain logger has no handler in a Ray worker), and kept (the last
-``DECISIONS_KEPT``) with a timeline of the targets for ``state()``, which the ingress's status
+``DECISIONS_KEPT``) with a timeline of the targets for ``status()``, which the ingress's status
 endpoint, ``pdserve status`` and the dashboard show."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ async def set_target(app_name: str, deployment: str, num_replicas: int) -> None:
     from ray.serve._private.common import DeploymentID
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
-    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    controller = await asyncio.to_thread(ray.get_actor, SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
     await controller.update_deployment_replicas.remote(DeploymentID(name=deployment, app_name=app_name), num_replicas)
 
 
@@ -79,9 +79,10 @@ class PDAutoscaler:
         # per pool: replica id -> (monotonic time of its next try, backoff)
         self._unreachable: dict[str, dict[str, tuple[float, float]]] = {"prefill": {}, "decode": {}}
         self._ensure_running()
-        logger.info("autoscaling (pd): budget %d replicas, prefill %s, decode %s, TTFT target %.2f s, "
-                    "TPOT target %.0f ms", self.config.max_total_replicas, self.config.prefill, self.config.decode,
-                    self.config.ttft_target_s, self.config.tpot_target_s * 1000)
+        c = self.config
+        logger.info("autoscaling (pd): budget %d replicas, prefill %d..%d, decode %d..%d, TTFT target %.2f s, "
+                    "TPOT target %.0f ms", c.max_total_replicas, c.prefill.min_replicas, c.prefill.max_replicas,
+                    c.decode.min_replicas, c.decode.max_replicas, c.ttft_target_s, c.tpot_target_s * 1000)
 
     def _ensure_running(self) -> None:
         if self._task is None or self._task.done():
