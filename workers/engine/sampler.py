@@ -62,6 +62,7 @@ def _position_seed(seed: int, position: int) -> int:
 
 
 def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    raw = logits
     logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
@@ -74,8 +75,13 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         cumulative = sorted_probs.cumsum(-1)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         drop = cumulative - sorted_probs >= params.top_p
+        drop[..., 0] = False  # also when top_p is below the dtype's smallest number (5e-324 is 0.0 in fp32)
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        # Extreme parameters (a temperature so small the logits overflow) leave no distribution:
+        # the limit they approach is greedy, and a request must never stop the engine.
+        return int(torch.argmax(raw).item())
     if generator is not None and generator.device != probs.device:
         probs = probs.to(generator.device)
     return int(torch.multinomial(probs, 1, generator=generator).item())
