@@ -104,6 +104,16 @@ def deploy(cluster: ServeCluster, name: str, route_prefix: str, args: dict) -> s
     return deploy_and_wait(args, name, route_prefix, cluster.url(route_prefix if route_prefix != "/" else ""))
 
 
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll `predicate` every 0.5 s until it holds; fail saying `what` did not happen in time."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{what} within {timeout_s:.0f}s")
+
+
 def wait_idle(base: str, timeout_s: float = 30.0, headers: dict | None = None) -> dict:
     """Poll /v1/cluster/status until no replica holds a referenced block; return the status."""
     deadline = time.time() + timeout_s

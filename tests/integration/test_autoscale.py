@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.conftest import deploy, wait_idle
+from tests.integration.conftest import deploy, wait_for, wait_idle
 from tests.integration.test_faults import MODEL, app_args, expected_text
 from tests.unit.engine_helpers import random_prompts
 
@@ -22,15 +22,6 @@ AUTOSCALE = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
 def decode_replicas(base: str) -> int:
     pools = httpx.get(f"{base}/v1/cluster/status", timeout=15).json()["pools"]
     return sum(1 for r in pools["decode"] if r.get("healthy"))
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"{what} within {timeout_s:.0f}s")
 
 
 def test_decode_pool_grows_under_load_and_shrinks_when_idle(serve_cluster, tiny_llama):

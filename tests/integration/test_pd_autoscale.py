@@ -9,13 +9,12 @@ import glob
 import os
 import re
 import threading
-import time
 
 import httpx
 import pytest
 
 from deploy.status_table import format_status
-from tests.integration.conftest import deploy, wait_idle
+from tests.integration.conftest import deploy, wait_for, wait_idle
 from tests.integration.test_faults import MODEL, app_args, expected_text
 from tests.unit.engine_helpers import random_prompts
 
@@ -35,15 +34,6 @@ def status(base: str) -> dict:
 def targets(base: str) -> dict:
     """The autoscaler's targets ({} while a loaded machine makes its answer late)."""
     return status(base)["autoscaling"].get("targets", {})
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"{what} within {timeout_s:.0f}s")
 
 
 def autoscaler_log_lines(app: str) -> list[str]:
