@@ -50,32 +50,11 @@ def enter_netns(name: str) -> None:
 # ---------------------------------------------------------------- the two hosts' processes
 
 def sender_main(netns: str, ip: str, cfg: dict, parent, peer) -> None:
-    """The prefill host: a KVTransferServer at its own address, and the raw baseline's rank 0."""
+    """The prefill host: bench/transfer.py's sender, at the host's own address."""
     enter_netns(netns)
-    import torch.distributed as dist
+    from bench.transfer import sender_main as transfer_sender
 
-    from bench.transfer import make_caches, raw_group, raw_tensor
-    from workers.protocol import KVLayout, TransferRequest
-    from workers.transfer import KVTransferServer, TransferConfig
-
-    layout = KVLayout(**cfg["layout"])
-    caches = make_caches(layout, cfg["num_blocks"], "cpu")
-    server = KVTransferServer("link-prefill", TransferConfig(transport="gloo", host=ip, node_id=netns))
-    raw_store = dist.TCPStore(ip, 0, is_master=True, wait_for_workers=False)
-    parent.send({"address": server.address.to_dict(), "raw_port": raw_store.port})
-    pg, src = None, None
-    while True:
-        cmd, arg = peer.recv()
-        if cmd == "stop":
-            server.close()
-            return
-        if cmd == "raw_init":
-            pg, _ = raw_group(ip, raw_store.port, 0, "gloo", "cpu")
-            src = raw_tensor(arg, "gloo", "cpu").random_(0, 255)
-        elif cmd == "raw":
-            pg.send([src[:arg]], 1, 0).wait()
-        elif cmd == "kv":
-            server.send(TransferRequest.from_dict(arg), caches, timeout_s=600)
+    transfer_sender(parent, cfg, host=ip, node_id=netns, commands=peer)
 
 
 def receiver_main(netns: str, ip: str, cfg: dict, hello: dict, parent, peer) -> None:
@@ -139,7 +118,7 @@ def measure_link(tb, rates: list[str], sizes: list[int], reps: int, layout_args:
             raise SystemExit(f"{size} MiB is not a whole number of {layout.bytes_per_block}-byte blocks")
     max_blocks = max(sizes) * MIB // layout.bytes_per_block
     cfg = {"layout": layout.to_dict(), "num_blocks": max_blocks + max(max_blocks // 10, 4),
-           "max_bytes": max(sizes) * MIB}
+           "max_bytes": max(sizes) * MIB, "transport": "gloo", "sender_device": "cpu", "raw_backend": "gloo"}
     prefill, decode = tb.role("prefill")[0], tb.role("decode")[0]
     ctx = mp.get_context("spawn")
     to_sender, sender_end = ctx.Pipe()

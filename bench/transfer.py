@@ -73,27 +73,31 @@ def raw_tensor(nbytes: int, backend: str, device: str) -> torch.Tensor:
 
 # ---------------------------------------------------------------- sender process (prefill)
 
-def sender_main(conn, cfg: dict) -> None:
+def sender_main(conn, cfg: dict, host: str = "127.0.0.1", node_id: str = "", commands=None) -> None:
+    """The prefill side: a KVTransferServer and the raw baseline's rank 0, both at `host`.
+    Says hello on `conn`, then takes commands on `commands` (default: `conn`)."""
     layout = KVLayout(**cfg["layout"])
     device = cfg["sender_device"]
     caches = make_caches(layout, cfg["num_blocks"], device)
-    server = KVTransferServer("bench-prefill", TransferConfig(transport=cfg["transport"]), device=device)
-    raw_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    server = KVTransferServer("bench-prefill", TransferConfig(transport=cfg["transport"], host=host, node_id=node_id),
+                              device=device)
+    raw_store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
     conn.send({"address": server.address.to_dict(), "raw_port": raw_store.port})
+    commands = commands or conn
     pg, raw_src = None, None
     while True:
-        cmd, arg = conn.recv()
+        cmd, arg = commands.recv()
         if cmd == "stop":
             server.close()
             return
         if cmd == "raw_init":
-            pg, _ = raw_group("127.0.0.1", raw_store.port, 0, cfg["raw_backend"], device)
+            pg, _ = raw_group(host, raw_store.port, 0, cfg["raw_backend"], device)
             raw_src = raw_tensor(arg, cfg["raw_backend"], device).random_(0, 255)
         elif cmd == "raw":
             pg.send([raw_src[:arg]], 1, 0).wait()
             sync(device)
         elif cmd == "kv":
-            server.send(TransferRequest.from_dict(arg), caches, timeout_s=120)
+            server.send(TransferRequest.from_dict(arg), caches, timeout_s=600)
 
 
 class ObjectStorePrefill:
