@@ -29,10 +29,14 @@ class PairStats:
     transfer_failures: int = 0
     recomputed_prefills: int = 0
     pair_groups: int = 0  # process groups created with this peer (the first, then one after each failure)
+    # Groups created since the last failure, counted when a transfer over one succeeds: a failure
+    # tears the pair's group down, so >= 1 says the pair works again over a new group.
+    pair_groups_since_failure: int = 0
     recent_seconds: deque = field(default_factory=lambda: deque(maxlen=PAIR_SAMPLES))
 
     def transferred(self, num_bytes: int, seconds: float, created_pair: bool = False) -> None:
         self.pair_groups += int(created_pair)
+        self.pair_groups_since_failure += int(created_pair)
         self.transfers += 1
         self.transfer_bytes += num_bytes
         self.transfer_seconds += seconds
@@ -41,6 +45,7 @@ class PairStats:
     def failed(self, recomputed: bool = True) -> None:
         self.transfer_failures += 1
         self.recomputed_prefills += int(recomputed)
+        self.pair_groups_since_failure = 0
 
     def snapshot(self) -> dict:
         p = percentiles(tuple(self.recent_seconds))  # tuple(): one C-level copy, safe across threads
@@ -48,6 +53,7 @@ class PairStats:
             "transfers": self.transfers, "transfer_bytes": self.transfer_bytes,
             "transfer_seconds": self.transfer_seconds, "transfer_failures": self.transfer_failures,
             "recomputed_prefills": self.recomputed_prefills, "pair_groups": self.pair_groups,
+            "pair_groups_since_failure": self.pair_groups_since_failure,
             "transfer_p50_s": p["p50"], "transfer_p99_s": p["p99"],
             "transfer_samples": len(self.recent_seconds),
         }

@@ -51,6 +51,12 @@ def pair_totals(base: str, prefill_ids: set[str] | None = None) -> dict[str, int
             for key in ("transfers", "transfer_failures", "recomputed_prefills", "pair_groups")}
 
 
+def pair_rows(base: str, prefill_ids: set[str] | None = None) -> dict[tuple[str, str], dict]:
+    """{(prefill id, decode id): that pair's counters} from the cluster status."""
+    pairs = httpx.get(f"{base}/v1/cluster/status", timeout=30).json()["pairs"]
+    return {(p["prefill"], p["decode"]): p for p in pairs if prefill_ids is None or p["prefill"] in prefill_ids}
+
+
 def replica_placement(testbed) -> dict[str, dict[str, str]]:
     """{deployment: {replica id: node IP}} from Serve's replica actors (the state API over the
     head's dashboard)."""
@@ -186,6 +192,7 @@ def test_prefill_link_down_during_transfers_recomputes_then_transfers_resume(app
     expected = [expected_text(wide_tiny_model, p) for p in prompts]
     totals_before = {host.ip: pair_totals(app, {rid for rid, ip in replica_placement(testbed)["prefill"].items()
                                                 if ip == host.ip}) for host in testbed.role("prefill")}
+    rows_before = pair_rows(app)
     results: dict[int, tuple[float, float, int, str]] = {}
     queue = iter(range(len(prompts)))
     lock = threading.Lock()
@@ -239,19 +246,29 @@ def test_prefill_link_down_during_transfers_recomputes_then_transfers_resume(app
     assert in_flight, "no request was in flight when the link went down"
     cut_ids = {rid for rid, ip in replica_placement(testbed)["prefill"].items() if ip == cut.ip}
     before = totals_before[cut.ip]
+    pairs_before = {key: pair for key, pair in rows_before.items() if key[0] in cut_ids}
+    during_pairs = pair_rows(app, cut_ids)
     during = pair_totals(app, cut_ids)
     print(f"\n{cut.name}'s link down {restored_at - cut_at:.1f}s; {len(in_flight)} requests in flight at the cut, all "
           f"completed with the reference text; its pairs before {before}, after {during}")
     assert during["transfer_failures"] > before["transfer_failures"]
     assert during["recomputed_prefills"] > before["recomputed_prefills"]
-    # Transfers resume on the cut host's pairs: a failed pair is torn down on both sides, so a
-    # transfer after it runs over a new group (new epoch, new rendezvous).
+    # Transfers resume on the pairs that failed: a failed pair is torn down on both sides, so the
+    # next transfer over it runs over a new group (new epoch, new rendezvous), which the pair counts
+    # in `pair_groups_since_failure` (the clients above may already have made it).
+    failed_pairs = {key for key, pair in during_pairs.items()
+                    if pair["transfer_failures"] > pairs_before.get(key, {}).get("transfer_failures", 0)}
+    assert failed_pairs
+
+    def regrouped(pairs: dict) -> set:
+        return {key for key in failed_pairs if pairs[key]["pair_groups_since_failure"] >= 1}
+
     # Bursts of concurrent requests: with two prefill hosts, idle replicas tie on load and a lone
     # request may keep going to the other one.
     deadline = time.monotonic() + 90
-    resumed = during
+    resumed_pairs = during_pairs
     fresh = iter(random_prompts((300,) * 60, seed=64))
-    while resumed["transfers"] <= during["transfers"] and time.monotonic() < deadline:
+    while not regrouped(resumed_pairs) and time.monotonic() < deadline:
         burst = [next(fresh) for _ in range(4)]
         answers: dict[int, httpx.Response] = {}
         senders = [threading.Thread(target=lambda i=i: answers.__setitem__(i, complete(app, burst[i])))
@@ -263,7 +280,8 @@ def test_prefill_link_down_during_transfers_recomputes_then_transfers_resume(app
         for i, prompt in enumerate(burst):
             assert answers[i].status_code == 200, answers[i].text
             assert answers[i].json()["choices"][0]["text"] == expected_text(wide_tiny_model, prompt)
-        resumed = pair_totals(app, cut_ids)
-    print(f"transfers from {cut.name} resumed {time.monotonic() - restored_at:.1f}s after its link came back: {resumed}")
-    assert resumed["transfers"] > during["transfers"], "no transfer from the cut host after its link came back"
-    assert resumed["pair_groups"] > during["pair_groups"]  # over a new group (counted), not the failed one
+        resumed_pairs = pair_rows(app, cut_ids)
+    print(f"failed pairs {sorted(failed_pairs)}: before {[pairs_before.get(k) for k in sorted(failed_pairs)]}, "
+          f"now {[resumed_pairs[k] for k in sorted(failed_pairs)]} ({time.monotonic() - restored_at:.1f}s after the "
+          f"link came back)")
+    assert regrouped(resumed_pairs), "no failed pair transferred again over a new group after its link came back"

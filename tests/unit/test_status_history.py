@@ -188,6 +188,7 @@ def test_pair_counters_on_the_decode_side():
     pairs = stats.pairs()
     assert pairs["p1"] == {"transfers": 5, "transfer_bytes": 5000, "transfer_seconds": pytest.approx(1.1),
                            "transfer_failures": 1, "recomputed_prefills": 1, "pair_groups": 0,
+                           "pair_groups_since_failure": 0,
                            "transfer_p50_s": 0.030, "transfer_p99_s": 1.0, "transfer_samples": 5}
     assert pairs["p2"]["transfers"] == 0 and pairs["p2"]["transfer_p50_s"] is None
     assert pairs["p2"]["recomputed_prefills"] == 1
@@ -205,9 +206,14 @@ def test_a_pair_keeps_a_bounded_window_of_durations():
 
 def test_a_pair_counts_the_groups_it_created():
     pair = PairStats()
-    for created in (True, False, False, True, False):  # the first group, then one after a failure
-        pair.transferred(1, 0.1, created_pair=created)
-    assert pair.snapshot()["pair_groups"] == 2 and pair.snapshot()["transfers"] == 5
+    pair.transferred(1, 0.1, created_pair=True)  # the first group
+    pair.transferred(1, 0.1)
+    pair.failed()  # the group is torn down: none since the failure yet
+    assert pair.snapshot()["pair_groups"] == 1 and pair.snapshot()["pair_groups_since_failure"] == 0
+    pair.transferred(1, 0.1, created_pair=True)  # over a new group
+    pair.transferred(1, 0.1)
+    snap = pair.snapshot()
+    assert snap["pair_groups"] == 2 and snap["pair_groups_since_failure"] == 1 and snap["transfers"] == 4
 
 
 def test_worker_snapshot_includes_its_pairs():
