@@ -97,17 +97,17 @@ class _WorkerServer:
 
     def _on_step(self, engine: LLMEngine) -> None:
         """Engine thread, after each step and on idle ticks: events out, load refreshed."""
-        bm, sched = engine.block_manager, engine.scheduler
-        self._load = {"free_blocks": bm.num_free_blocks, "total_blocks": bm.num_blocks,
-                      "num_running": len(sched.running), "num_waiting": len(sched.waiting)}
-        events = bm.take_events()
+        state = engine.stats()
+        self._load = {"free_blocks": state.num_free_blocks, "total_blocks": state.num_blocks,
+                      "num_running": state.num_running, "num_waiting": state.num_waiting}
+        events = engine.take_events()
         worker = getattr(self, "worker", None)  # idle ticks can start before the worker is assigned
         if worker is not None and self.metrics.due():
             self.metrics.refresh(worker.stats.snapshot(engine))
         if self.publisher is not None:
             if events:
                 self.publisher.submit(events)
-            self.publisher.set_load(bm.num_free_blocks, len(sched.running), len(sched.waiting))
+            self.publisher.set_load(state.num_free_blocks, state.num_running, state.num_waiting)
 
     async def record_routing_stats(self) -> dict:  # async: Serve runs a sync one on a new thread each second
         return dict(self._load)

@@ -100,18 +100,18 @@ class WorkerStats:
 
     def snapshot(self, engine: LLMEngine) -> dict:
         """Counters plus the engine's live state. Call on the engine thread (EngineLoop.call)."""
-        bm = engine.block_manager
+        state = engine.stats()
         return {
             **self.counters(),
-            "total_blocks": bm.num_blocks,
-            "free_blocks": bm.num_free_blocks,
-            "kv_usage": bm.usage,
-            "num_running": len(engine.scheduler.running),
-            "num_waiting": len(engine.scheduler.waiting),
-            "num_held": engine.num_held,
-            "preemptions": engine.scheduler.num_preemptions,
-            "prefix_queries": bm.stats.prefix_queries,
-            "prefix_hits": bm.stats.prefix_hits,
-            "cached_blocks": bm.num_cached_blocks,
+            "total_blocks": state.num_blocks,
+            "free_blocks": state.num_free_blocks,
+            "kv_usage": state.usage,
+            "num_running": state.num_running,
+            "num_waiting": state.num_waiting,
+            "num_held": state.num_held,
+            "preemptions": state.preemptions,
+            "prefix_queries": state.prefix_queries,
+            "prefix_hits": state.prefix_hits,
+            "cached_blocks": state.num_cached_blocks,
             "pairs": self.pairs(),
         }

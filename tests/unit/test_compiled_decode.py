@@ -51,7 +51,7 @@ def test_compiled_decode_equals_transformers(tiny_model_dirs, arch, monkeypatch)
     assert_matches_hf(model_dir, prompts, engine.generate(prompts, GREEDY))
     assert batches and set(batches) <= {1, 2, 3, 4}  # decode steps ran compiled (3 pads to 4)
     assert torch._dynamo.utils.counters["frames"]["ok"] == frames  # nothing compiled mid-request
-    engine.block_manager.check_idle()
+    engine.check_idle()
 
 
 def test_compiled_with_chunked_prefill_and_preemption(tiny_llama):
@@ -59,8 +59,8 @@ def test_compiled_with_chunked_prefill_and_preemption(tiny_llama):
     engine = compiled_engine(tiny_llama, num_kv_blocks=26, max_num_batched_tokens=32)
     prompts = random_prompts(seed=3)
     assert_matches_hf(tiny_llama, prompts, engine.generate(prompts, GREEDY))
-    assert engine.scheduler.num_preemptions > 0
-    engine.block_manager.check_idle()
+    assert engine.stats().preemptions > 0
+    engine.check_idle()
 
 
 def test_eager_switch_compiles_nothing(tiny_llama):
@@ -75,7 +75,7 @@ def test_compiled_smollm2_equals_transformers_on_chat_prompts(smollm2_dir):
     outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
     for question, prompt, out in zip(CHAT_QUESTIONS, prompts, outs, strict=True):
         assert out.token_ids == hf_greedy(smollm2_dir, tuple(prompt), 24), question
-    engine.block_manager.check_idle()
+    engine.check_idle()
 
 
 def test_bucket_sizes_are_checked(tiny_llama):

@@ -33,7 +33,7 @@ def test_a_continuation_samples_the_same_tokens(tiny_llama, sampling):
     if "seed" in sampling:  # without the offset the draws restart: the test would notice
         unshifted = engine.generate([prompt + head], SamplingParams(max_tokens=25, ignore_eos=True, **sampling))
         assert unshifted[0].token_ids != tail
-    engine.block_manager.check_idle()
+    engine.check_idle()
 
 
 def test_continuation_request():

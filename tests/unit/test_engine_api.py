@@ -16,7 +16,7 @@ def engine(tiny_llama):
     eng = LLMEngine(tiny_llama, num_kv_blocks=256, load_progress=False)
     yield eng
     assert not eng.has_unfinished()
-    eng.block_manager.check_idle()
+    eng.check_idle()
 
 
 def test_text_prompt_and_text_output(engine, tiny_llama):
@@ -96,7 +96,7 @@ def test_step_wise_interface_and_abort_free_blocks(engine):
             if out.finished:
                 finished.add(out.request_id)
     assert finished == {"b"} and len(seen["b"]) == 3
-    assert engine.block_manager.num_free_blocks < engine.num_kv_blocks
+    assert engine.stats().num_free_blocks < engine.num_kv_blocks
     assert engine.abort("a")
     assert not engine.abort("a")
     assert not engine.has_unfinished()
@@ -124,7 +124,7 @@ def test_generation_stops_at_the_context_limit(tiny_llama):
     assert engine.max_model_len == 64
     out = engine.generate([[7] * 60], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
-    engine.block_manager.check_idle()
+    engine.check_idle()
 
 
 def test_unknown_architecture_lists_supported(tmp_path):

@@ -44,7 +44,7 @@ def pair(tiny_llama):
     yield p, d
     for e in (p, d):
         assert not e.has_unfinished() and e.num_held == 0
-        e.block_manager.check_idle()
+        e.check_idle()
 
 
 def test_split_prefill_and_decode_match_transformers(pair, tiny_llama):
@@ -114,7 +114,7 @@ def test_reservation_fails_cleanly_when_blocks_run_out(tiny_llama):
     d = LLMEngine(tiny_llama, num_kv_blocks=8, load_progress=False)
     assert d.reserve_remote_kv("a", list(range(10, 110)), 5, GREEDY) is not None  # 7 blocks
     assert d.reserve_remote_kv("b", list(range(200, 240)), 5, GREEDY) is None  # needs 3, 1 free
-    assert d.block_manager.num_free_blocks == 1
+    assert d.stats().num_free_blocks == 1
     assert d.abort("a")
     assert not d.has_unfinished()
-    d.block_manager.check_idle()
+    d.check_idle()

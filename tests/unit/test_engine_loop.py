@@ -31,7 +31,7 @@ async def test_concurrent_streams_match_reference(loop_engine, tiny_llama):
     results = await asyncio.gather(*(collect(loop_engine, f"r{i}", p, params) for i, p in enumerate(prompts)))
     for prompt, tokens in zip(prompts, results):
         assert tokens == hf_greedy(tiny_llama, tuple(prompt), 24)
-    assert await loop_engine.call(lambda e: e.block_manager.num_free_blocks) == 128
+    assert await loop_engine.call(lambda e: e.stats().num_free_blocks) == 128
 
 
 async def test_leaving_a_stream_aborts_and_frees(loop_engine):
@@ -49,7 +49,7 @@ async def test_leaving_a_stream_aborts_and_frees(loop_engine):
             break
         await asyncio.sleep(0.01)
     assert idle
-    await loop_engine.call(lambda e: e.block_manager.check_idle())
+    await loop_engine.call(lambda e: e.check_idle())
 
 
 async def test_errors_from_the_engine_reach_the_caller(loop_engine):

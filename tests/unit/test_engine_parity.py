@@ -29,7 +29,7 @@ def test_single_prompt(tiny_model_dirs, arch):
     engine = make_engine(model_dir)
     prompt = random_prompts((45,), seed=1)
     assert_matches_hf(model_dir, prompt, engine.generate(prompt, GREEDY))
-    engine.block_manager.check_idle()
+    engine.check_idle()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -50,16 +50,16 @@ def test_batch_of_prompts(tiny_model_dirs, arch, engine_kwargs):
     assert_matches_hf(model_dir, prompts, outs)
     if "num_kv_blocks" in engine_kwargs:
         # 8 prompts (750 tokens, +64 each) cannot all fit in 26 x 16 = 416 tokens
-        assert engine.scheduler.num_preemptions > 0
-    engine.block_manager.check_idle()
+        assert engine.stats().preemptions > 0
+    engine.check_idle()
 
 
 def test_preemption_with_prefix_caching_off_still_exact(tiny_llama):
     engine = make_engine(tiny_llama, num_kv_blocks=26, enable_prefix_caching=False, max_num_batched_tokens=64)
     prompts = random_prompts(seed=3)
     assert_matches_hf(tiny_llama, prompts, engine.generate(prompts, GREEDY))
-    assert engine.scheduler.num_preemptions > 0
-    engine.block_manager.check_idle()
+    assert engine.stats().preemptions > 0
+    engine.check_idle()
 
 
 def test_shared_prefix_is_served_from_cache(tiny_llama):
@@ -74,7 +74,7 @@ def test_shared_prefix_is_served_from_cache(tiny_llama):
     cold = make_engine(tiny_llama).generate([second], GREEDY)[0]
     assert cold.num_cached_tokens == 0
     assert out2.token_ids == cold.token_ids == hf_greedy(tiny_llama, tuple(second))
-    engine.block_manager.check_idle()
+    engine.check_idle()
 
 
 def test_identical_prompt_reuses_all_but_the_last_token(tiny_llama):
@@ -84,4 +84,4 @@ def test_identical_prompt_reuses_all_but_the_last_token(tiny_llama):
     b = engine.generate([prompt], GREEDY)[0]
     assert b.num_cached_tokens == 48  # the last block is recomputed for its logits
     assert a.token_ids == b.token_ids
-    engine.block_manager.check_idle()
+    engine.check_idle()

@@ -67,7 +67,7 @@ def agreement(model_dir: str, kv_cache_dtype: str, **engine_kwargs) -> Agreement
         agreed += steps
         for la, lb in zip(ref_logits[a.request_id][: steps + 1], q_logits[b.request_id][: steps + 1]):
             max_diff = max(max_diff, (la - lb).abs().max().item())
-    q_engine.block_manager.check_idle()
+    q_engine.check_idle()
     return Agreement(same / len(prompts), agreed / (len(prompts) * MAX_NEW_TOKENS), max_diff)
 
 
@@ -249,7 +249,7 @@ def test_disaggregated_quantized_equals_colocated(tiny_llama, kind):
     done = run_decode(d)
     assert [done[f"r{i}"] for i in range(len(prompts))] == [o.token_ids for o in colocated]
     for e in (p, d):
-        e.block_manager.check_idle()
+        e.check_idle()
 
 
 def test_mismatched_kv_dtype_refused_by_layout_check(tiny_llama):

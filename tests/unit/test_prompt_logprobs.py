@@ -57,7 +57,7 @@ def test_prompt_logprobs_equal_transformers_with_small_chunks(tiny_model_dirs, a
     outs = eng.generate(prompts, params)
     for prompt, out in zip(prompts, outs):
         assert_matches_hf(model_dir, prompt, out.prompt_logprobs)
-    eng.block_manager.check_idle()
+    eng.check_idle()
 
 
 def test_prompt_logprobs_zero_gives_the_tokens_only(tiny_llama):
@@ -79,7 +79,7 @@ def test_prefix_cache_hit_is_skipped_for_prompt_logprobs(tiny_llama):
     assert out.num_cached_tokens == 0  # computed, not served from the cache
     assert_matches_hf(tiny_llama, prompt, out.prompt_logprobs)
     assert out.token_ids == again.token_ids
-    eng.block_manager.check_idle()
+    eng.check_idle()
 
 
 def test_prompt_logprobs_survive_preemption(tiny_llama):
@@ -89,10 +89,10 @@ def test_prompt_logprobs_survive_preemption(tiny_llama):
     prompts = random_prompts((60, 60, 60), seed=8)
     outs = eng.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
                                                 prompt_logprobs=2))
-    assert eng.scheduler.num_preemptions > 0
+    assert eng.stats().preemptions > 0
     for prompt, out in zip(prompts, outs):
         assert_matches_hf(tiny_llama, prompt, out.prompt_logprobs, top=2)
-    eng.block_manager.check_idle()
+    eng.check_idle()
 
 
 def test_negative_prompt_logprobs_refused():

@@ -24,8 +24,8 @@ def test_engine_equals_transformers_on_chat_prompts(smollm2_dir, engine_kwargs):
     for question, prompt, out in zip(CHAT_QUESTIONS, prompts, outs, strict=True):
         assert out.token_ids == hf_greedy(smollm2_dir, tuple(prompt), NEW_TOKENS), question
     if "num_kv_blocks" in engine_kwargs:  # 8 prompts of 35-40 tokens (+ up to 24) cannot all fit in 14 x 16
-        assert engine.scheduler.num_preemptions > 0
-    engine.block_manager.check_idle()
+        assert engine.stats().preemptions > 0
+    engine.check_idle()
 
 
 def test_a_chat_question_with_a_known_answer(smollm2_dir):

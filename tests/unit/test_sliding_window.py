@@ -57,25 +57,24 @@ def test_matches_transformers_past_three_windows(windowed_model, engine_kwargs):
                   for a, b in zip(outs, full)]
         print(f"\nint8 windowed: tokens before the first divergence {agreed} of {NEW_TOKENS}")
         assert sum(agreed) >= 0.5 * NEW_TOKENS * len(prompts)
-    eng.block_manager.check_idle()
+    eng.check_idle()
 
 
 def test_block_usage_stays_flat_while_generating(windowed_model):
     eng = make(windowed_model)
     prompt = random_prompts((150,), seed=5)[0]
-    eng.add_request("r", prompt, GREEDY)
+    seq = eng.add_request("r", prompt, GREEDY)
     used = []
     while eng.has_unfinished():
         eng.step()
-        seq = eng._requests.get("r")
-        if seq is not None:
-            used.append(eng.num_kv_blocks - eng.block_manager.num_free_blocks)
+        if not seq.is_finished:
+            used.append(eng.num_kv_blocks - eng.stats().num_free_blocks)
             held = [b for b in seq.block_table if b != NULL_BLOCK]
             assert len(held) == used[-1] <= BLOCKS_PER_SEQ
     # 150 + 232 tokens would take 24 blocks without the window; it never holds more than 5.
     assert len(used) == NEW_TOKENS - 1 and max(used) == BLOCKS_PER_SEQ
     assert max(used[len(used) // 2 :]) == max(used[: len(used) // 2])  # no growth over time
-    eng.block_manager.check_idle()
+    eng.check_idle()
 
 
 def test_windowed_sequences_survive_a_small_cache_by_preemption(windowed_model):
@@ -83,10 +82,10 @@ def test_windowed_sequences_survive_a_small_cache_by_preemption(windowed_model):
     eng = make(windowed_model, num_kv_blocks=14)
     prompts = random_prompts((20, 33, 48, 70), seed=6)
     outs = eng.generate(prompts, GREEDY)
-    assert eng.scheduler.num_preemptions > 0
+    assert eng.stats().preemptions > 0
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_reference(windowed_model, prompt)
-    eng.block_manager.check_idle()
+    eng.check_idle()
 
 
 def test_disaggregated_windowed_prompt_moves_only_the_window(windowed_model):
@@ -103,25 +102,25 @@ def test_disaggregated_windowed_prompt_moves_only_the_window(windowed_model):
     done = run_decode(d)
     assert [first] + done["r"][1:] == done["r"] == hf_reference(windowed_model, prompt)
     for e in (p, d):
-        e.block_manager.check_idle()
+        e.check_idle()
 
 
 def test_prompt_longer_than_the_cache_runs_in_window_sized_chunks(windowed_model):
     # 14 blocks hold 224 tokens; a 500-token prompt runs in chunks of (14 - 64/16 - 2) x 16 = 128.
     eng = make(windowed_model, num_kv_blocks=14)
-    assert eng.scheduler.max_chunk_tokens == 128 and eng.max_model_len > 500
+    assert eng.max_chunk_tokens == 128 and eng.max_model_len > 500
     prompt = random_prompts((500,), seed=9)[0]
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     (out,) = eng.generate([prompt], params)
     assert out.token_ids == hf_greedy(windowed_model, tuple(prompt), 64)
-    eng.block_manager.check_idle()
+    eng.check_idle()
     # The decode side of a hand-off reserves only the window: 5 blocks of 14 for the same prompt.
     d = make(windowed_model, num_kv_blocks=14)
     res = d.reserve_remote_kv("r", prompt, out.token_ids[0], params)
     assert res is not None and len(res.missing_block_ids) == 5
-    assert d.block_manager.num_free_blocks == 14 - 5
+    assert d.stats().num_free_blocks == 14 - 5
     d.abort("r")
-    d.block_manager.check_idle()
+    d.check_idle()
 
 
 def test_cache_smaller_than_a_window_caps_the_context(windowed_model):

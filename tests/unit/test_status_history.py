@@ -18,6 +18,7 @@ from deploy.http_errors import install_error_handlers
 from deploy.openai_protocol import RequestError
 from deploy.status_history import INTERVAL_S, RESPONSES, ResponseCounts, StatusHistory, condense
 from deploy.status_table import format_status
+from workers.engine.stats import EngineStats
 from workers.worker_stats import PairStats, WorkerStats, percentiles
 
 NO_LATENCY = {"p50": None, "p90": None, "p99": None}
@@ -217,15 +218,15 @@ def test_a_pair_counts_the_groups_it_created():
 
 
 def test_worker_snapshot_includes_its_pairs():
-    bm = SimpleNamespace(num_blocks=8, num_free_blocks=6, usage=0.25, num_cached_blocks=1,
-                         stats=SimpleNamespace(prefix_queries=3, prefix_hits=1))
-    engine = SimpleNamespace(block_manager=bm, scheduler=SimpleNamespace(running=[1], waiting=[], num_preemptions=0),
-                             num_held=0)
+    state = EngineStats(num_blocks=8, num_free_blocks=6, num_cached_blocks=1, num_waiting=0, num_running=1,
+                        num_awaiting_kv=0, num_held=0, preemptions=0, evictions=0, prefix_queries=3, prefix_hits=1)
+    engine = SimpleNamespace(stats=lambda: state)
     stats = WorkerStats("decode")
     stats.transfers += 1
     stats.peer("p1").transferred(64, 0.5)
     snap = stats.snapshot(engine)
     assert snap["transfers"] == 1 and snap["free_blocks"] == 6 and snap["num_running"] == 1
+    assert snap["kv_usage"] == 0.25 and snap["prefix_queries"] == 3 and snap["prefix_hits"] == 1
     assert snap["pairs"]["p1"]["transfer_bytes"] == 64
 
 

@@ -3,5 +3,7 @@
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine, RequestOutput
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequence import RequestStatus
+from workers.engine.stats import EngineStats
 
-__all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["EngineConfig", "EngineStats", "LLMEngine", "RequestOutput", "RequestStatus", "SamplingParams"]

@@ -57,8 +57,7 @@ class CachedPrefix:
 
 @dataclass(slots=True)
 class BlockStats:
-    prefix_queries: int = 0  # prompt tokens looked up (counted by the scheduler on admission)
-    prefix_hits: int = 0  # prompt tokens found cached
+    # Prefix-cache hits are counted by the scheduler, once per request (``Scheduler``).
     evictions: int = 0
     events: list[KVEvent] = field(default_factory=list)
 

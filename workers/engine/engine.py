@@ -1,18 +1,26 @@
 """LLMEngine: the step-wise engine a prefill or decode worker drives, and ``generate`` on top.
 
 Runs in a plain process: no Ray, no Redis. Not thread-safe: one thread drives ``step``.
+
+Its public surface: ``add_request`` / ``step`` / ``abort`` / ``has_unfinished`` / ``generate``;
+for disaggregation ``reserve_remote_kv`` / ``commit_remote_kv`` (decode side) and
+``held_block_ids`` / ``release_kv`` (prefill side); ``stats()`` and ``take_events()`` for the
+worker around it. ``scheduler`` and ``block_manager`` are the engine's own: code outside
+``workers/engine`` reads what it needs through ``stats()``.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
+from kvstore.events import KVEvent
 from workers.engine.block_manager import NULL_BLOCK, BlockManager, CachedPrefix, first_window_block
 from workers.engine.compiled import CompiledDecode
 from workers.engine.config import EngineConfig
@@ -22,7 +30,8 @@ from workers.engine.model_runner import ModelRunner
 from workers.engine.sampler import sample
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprob
+from workers.engine.sequence import FinishReason, RequestStatus, Sequence, TokenLogprob
+from workers.engine.stats import EngineStats
 from workers.models.config import ModelConfig
 from workers.models.loader import load_model, resolve_dtype
 
@@ -65,22 +74,19 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(
-        self,
-        model_dir: str,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        max_num_batched_tokens: int = 2048,
-        enable_prefix_caching: bool = True,
-        device: str = "cpu",
-        **kwargs,
-    ) -> None:
-        self.config = EngineConfig(
-            model_dir=str(model_dir), block_size=block_size, num_kv_blocks=num_kv_blocks,
-            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            device=device, **kwargs,
-        )
-        cfg = self.config
+    def __init__(self, model_dir: str | os.PathLike | None = None, *, config: EngineConfig | None = None,
+                 **kwargs) -> None:
+        """``LLMEngine(config=EngineConfig(...))``, or ``LLMEngine(model_dir, **fields)`` with
+        ``EngineConfig``'s other fields as keywords (``block_size=16``, ``num_kv_blocks=...``)."""
+        if config is None:
+            if model_dir is None:
+                raise TypeError("LLMEngine needs a model directory: LLMEngine(model_dir, ...) or "
+                                "LLMEngine(config=EngineConfig(model_dir=...))")
+            config = EngineConfig(model_dir=str(model_dir), **kwargs)
+        elif model_dir is not None or kwargs:
+            raise TypeError("LLMEngine takes config=EngineConfig(...) alone, or model_dir and "
+                            "EngineConfig fields, not both")
+        self.config = cfg = config
         self.device = torch.device(cfg.device)
         self.model_config = ModelConfig.from_dir(cfg.model_dir)
         self.model_key = cfg.resolved_model_key
@@ -109,6 +115,7 @@ class LLMEngine:
                                self.device)
         self.kv_caches = self.kv.layers  # what the transfer layer moves blocks of
         self.block_manager = BlockManager(num_blocks, cfg.block_size, self.model_key, cfg.enable_prefix_caching)
+        # The scheduler owns the request table and every status change (RequestStatus).
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, max_chunk)
         compiled = None if cfg.enforce_eager else CompiledDecode(self.model, cfg.max_num_seqs, self.device,
                                                                  cfg.compile_batch_sizes)
@@ -117,12 +124,15 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) or frozenset(
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         )
-        self._requests: dict[str, Sequence] = {}  # queued or running
-        self._awaiting_kv: dict[str, Sequence] = {}  # decode side: blocks reserved, KV in flight
-        self._held: dict[str, Sequence] = {}  # prefill side: finished, blocks kept for the decode side
+        # The request table (every request not FINISHED): read here, changed only by the scheduler.
+        self._requests = self.scheduler.requests
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._default_generator = torch.Generator(self.device).manual_seed(cfg.seed)
         self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        return cls(config=config)
 
     # ------------------------------------------------------------------ API
     @property
@@ -133,6 +143,40 @@ class LLMEngine:
     def kv_layout(self):
         return self.kv.layout
 
+    @property
+    def max_chunk_tokens(self) -> int:
+        """Most prompt tokens one step computes for one sequence."""
+        return self.scheduler.max_chunk_tokens
+
+    def stats(self) -> EngineStats:
+        sched, bm = self.scheduler, self.block_manager
+        return EngineStats(
+            num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks, num_cached_blocks=bm.num_cached_blocks,
+            num_waiting=sched.count(RequestStatus.WAITING), num_running=sched.count(RequestStatus.RUNNING),
+            num_awaiting_kv=sched.count(RequestStatus.AWAITING_REMOTE_KV),
+            num_held=sched.count(RequestStatus.HELD_FOR_DECODE),
+            preemptions=sched.num_preemptions, evictions=bm.stats.evictions,
+            prefix_queries=sched.prefix_queries, prefix_hits=sched.prefix_hits,
+        )
+
+    def take_events(self) -> list[KVEvent]:
+        """Block events (stored, removed, cleared) since the last call, oldest first, for the
+        prefix index publisher."""
+        return self.block_manager.take_events()
+
+    def status(self, request_id: str) -> RequestStatus | None:
+        """The request's status; None once it is finished (or was never added)."""
+        seq = self.scheduler.get(request_id)
+        return None if seq is None else seq.status
+
+    def check_idle(self) -> None:
+        """Raise if a request is still in the engine or block accounting is off (a leak or a
+        double free). For tests and benchmarks, at a point where nothing should remain."""
+        if self.scheduler.requests:
+            left = {rid: seq.status.value for rid, seq in list(self.scheduler.requests.items())[:16]}
+            raise AssertionError(f"{len(self.scheduler.requests)} request(s) still in the engine: {left}")
+        self.block_manager.check_idle()
+
     def add_request(
         self,
         request_id: str,
@@ -142,41 +186,41 @@ class LLMEngine:
         hold_kv: bool = False,
         first_token_id: int | None = None,
     ) -> Sequence:
-        """Queue a request. With ``hold_kv`` (a prefill worker's use) the finished sequence keeps
-        its blocks referenced until ``release_kv``: the decode side pulls them meanwhile.
-        ``first_token_id`` continues a request whose first token was sampled elsewhere (a
-        decode worker computing the prompt itself when no KV could be pulled)."""
+        """Queue a request (WAITING). With ``hold_kv`` (a prefill worker's use) it ends
+        HELD_FOR_DECODE: its blocks stay referenced until ``release_kv`` while the decode side
+        pulls them. ``first_token_id`` continues a request whose first token was sampled
+        elsewhere (a decode worker computing the prompt itself when no KV could be pulled)."""
         seq = self._new_sequence(request_id, prompt, params, cache_salt, first_token_id)
-        seq.hold_kv = hold_kv
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, hold_kv=hold_kv)
+        self._start_detokenizer(seq)
         return seq
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is (queued, running, awaiting KV, or holding KV)."""
-        seq = self._requests.pop(request_id, None) or self._awaiting_kv.pop(request_id, None)
+        """Drop a request in any status (waiting, running, awaiting remote KV, held for decode)
+        and free its blocks. False when it is not in the engine."""
+        seq = self.scheduler.get(request_id)
         if seq is None:
-            return self.release_kv(request_id)
-        self.scheduler.remove(seq)
+            return False
+        self.scheduler.abort(seq)
         self._detokenizers.pop(request_id, None)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
         return True
 
     # ----------------------------------------------- disaggregation (KV moves)
     def held_block_ids(self, request_id: str) -> list[int] | None:
-        seq = self._held.get(request_id)
+        seq = self.scheduler.get(request_id, RequestStatus.HELD_FOR_DECODE)
         return None if seq is None else list(seq.block_table)
 
     def release_kv(self, request_id: str) -> bool:
         """Prefill side: the decode side has the KV (or never will): free the held blocks."""
-        seq = self._held.pop(request_id, None)
+        seq = self.scheduler.get(request_id, RequestStatus.HELD_FOR_DECODE)
         if seq is None:
             return False
-        self.block_manager.free(seq)
+        self.scheduler.release(seq)
         return True
 
     @property
     def num_held(self) -> int:
-        return len(self._held)
+        return self.scheduler.count(RequestStatus.HELD_FOR_DECODE)
 
     def reserve_remote_kv(
         self,
@@ -186,11 +230,12 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
     ) -> KVReservation | None:
-        """Decode side: allocate blocks for a prompt whose KV another worker computed.
+        """Decode side: allocate blocks for a prompt whose KV another worker computed
+        (AWAITING_REMOTE_KV).
 
         Full blocks found in the local prefix cache are reused; the rest (``missing``) must be
         filled by a transfer before ``commit_remote_kv``. Returns None when the blocks are not
-        free now (the caller retries later or goes elsewhere).
+        free now (the caller retries later or goes elsewhere); the request is not kept then.
         """
         seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt, first_token_id)
         cached = self.block_manager.find_cached_prefix(seq)
@@ -204,16 +249,9 @@ class LLMEngine:
         kept = CachedPrefix(cached.blocks[first:], len(cached.blocks[first:]) * self.config.block_size)
         seq.block_table.extend([NULL_BLOCK] * first)
         seq.num_dropped_blocks = first
-        if not self.block_manager.allocate_slots(seq, num_prompt - kept.num_tokens, kept):
-            self._requests.pop(request_id)
-            self._detokenizers.pop(request_id, None)
+        if not self.scheduler.reserve_remote(seq, kept, cached.num_tokens):
             return None
-        stats = self.block_manager.stats
-        stats.prefix_queries += num_prompt
-        stats.prefix_hits += cached.num_tokens
-        seq.num_cached_tokens = cached.num_tokens
-        del self._requests[request_id]
-        self._awaiting_kv[request_id] = seq
+        self._start_detokenizer(seq)
         return KVReservation(
             block_ids=list(seq.block_table),
             num_cached_blocks=len(cached.blocks),
@@ -221,22 +259,19 @@ class LLMEngine:
         )
 
     def commit_remote_kv(self, request_id: str, recompute: bool = False) -> None:
-        """Decode side: the reserved blocks now hold the prompt's KV; join the running batch.
+        """Decode side: the reserved blocks now hold the prompt's KV; join the running batch
+        (AWAITING_REMOTE_KV -> RUNNING).
 
         With ``recompute`` (the transfer failed) the blocks are dropped and the prompt is
-        computed here instead; the output is the same.
+        computed here instead (-> WAITING); the output is the same.
         """
-        seq = self._awaiting_kv.pop(request_id)
-        self._requests[request_id] = seq
+        seq = self.scheduler.get(request_id, RequestStatus.AWAITING_REMOTE_KV)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} is not awaiting remote KV")
         if recompute:
-            self.block_manager.free(seq)
-            self.scheduler.add(seq)
-            return
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.block_manager.cache_full_blocks(seq)
-        seq.status = SequenceStatus.RUNNING
-        seq.first_scheduled_time = time.monotonic()
-        self.scheduler.running.append(seq)
+            self.scheduler.recompute_remote(seq)
+        else:
+            self.scheduler.commit_remote(seq)
 
     def _new_sequence(
         self,
@@ -246,7 +281,7 @@ class LLMEngine:
         cache_salt: str | None,
         first_token_id: int | None = None,
     ) -> Sequence:
-        if request_id in self._requests or request_id in self._awaiting_kv or request_id in self._held:
+        if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
@@ -271,13 +306,14 @@ class LLMEngine:
             generator=generator,
             output_token_ids=[] if first_token_id is None else [first_token_id],
         )
-        self._requests[request_id] = seq
-        if params.detokenize:
-            detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
-            if first_token_id is not None:
-                detok.add(first_token_id)
-            self._detokenizers[request_id] = detok
         return seq
+
+    def _start_detokenizer(self, seq: Sequence) -> None:
+        if seq.params.detokenize:
+            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens)
+            for token in seq.output_token_ids:  # a first token sampled elsewhere
+                detok.add(token)
+            self._detokenizers[seq.request_id] = detok
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
@@ -306,16 +342,12 @@ class LLMEngine:
                 seq.first_token_time = now
             if logprob is not None:
                 seq.logprobs.append(logprob)
-            new_text = self._check_stop(seq, token)
+            new_text, reason = self._check_stop(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)  # -> FINISHED, or HELD_FOR_DECODE with its blocks
             outputs.append(self._output(seq, [token], new_text))
-            if seq.is_finished:
-                self._requests.pop(seq.request_id, None)
+            if reason is not None:
                 self._detokenizers.pop(seq.request_id, None)
-                if seq.hold_kv:
-                    self.scheduler.running.remove(seq)
-                    self._held[seq.request_id] = seq
-                else:
-                    self.scheduler.remove(seq)
         return outputs
 
     def generate(
@@ -341,8 +373,9 @@ class LLMEngine:
             first = first_window_block(next_query_pos, self.sliding_window, self.config.block_size)
             self.block_manager.drop_blocks_before(seq, first)
 
-    def _check_stop(self, seq: Sequence, token: int) -> str:
-        """Update text and finish state after ``token``; return the new stable text."""
+    def _check_stop(self, seq: Sequence, token: int) -> tuple[str, FinishReason | None]:
+        """Update the text after ``token``; return the new stable text and why generation
+        stops here (None: it goes on)."""
         params = seq.params
         detok = self._detokenizers.get(seq.request_id)
         new_text = detok.add(token) if detok else ""
@@ -359,11 +392,9 @@ class LLMEngine:
             new_text = detok.text[emitted_before:] if cut > emitted_before else ""
             reason = FinishReason.STOP
             cut_at_stop_string = True
-        if reason is not None:
-            if detok and not cut_at_stop_string:
-                new_text += detok.flush()  # a trailing partial character, as decode() shows it
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-        return new_text
+        if reason is not None and detok and not cut_at_stop_string:
+            new_text += detok.flush()  # a trailing partial character, as decode() shows it
+        return new_text, reason
 
     def _output(self, seq: Sequence, new_ids: list[int], new_text: str) -> RequestOutput:
         detok = self._detokenizers.get(seq.request_id)

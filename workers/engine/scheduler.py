@@ -11,6 +11,12 @@ reproduces its state exactly. No sequence is admitted in a step that preempted.
 
 ``max_chunk_tokens`` caps one prefill chunk (sliding-window models: a chunk's blocks plus the
 window's must fit in the cache, so a prompt longer than the cache still runs, chunk by chunk).
+
+The scheduler owns every request's status (``RequestStatus``): its methods are the only code
+that changes one, each a transition allowed by ``TRANSITIONS``, and ``requests`` holds every
+request not yet FINISHED. Disaggregation adds two statuses outside the batch: a decode worker's
+request AWAITING_REMOTE_KV (blocks reserved, the prefill worker's KV in flight) and a prefill
+worker's finished request HELD_FOR_DECODE (blocks kept until the decode side has pulled them).
 """
 
 from __future__ import annotations
@@ -19,8 +25,22 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from workers.engine.block_manager import BlockManager
-from workers.engine.sequence import Sequence, SequenceStatus
+from workers.engine.block_manager import BlockManager, CachedPrefix
+from workers.engine.sequence import FinishReason, RequestStatus, Sequence
+
+WAITING, RUNNING = RequestStatus.WAITING, RequestStatus.RUNNING
+AWAITING_REMOTE_KV, HELD_FOR_DECODE = RequestStatus.AWAITING_REMOTE_KV, RequestStatus.HELD_FOR_DECODE
+FINISHED = RequestStatus.FINISHED
+
+# Every move a request may make; ``Scheduler._move`` refuses any other (an engine bug, not bad
+# input). A new request enters WAITING or AWAITING_REMOTE_KV; FINISHED is the end.
+TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    WAITING: frozenset({RUNNING, FINISHED}),  # admitted; aborted
+    RUNNING: frozenset({WAITING, HELD_FOR_DECODE, FINISHED}),  # preempted; done (held or not); aborted
+    AWAITING_REMOTE_KV: frozenset({RUNNING, WAITING, FINISHED}),  # KV arrived; recompute; aborted
+    HELD_FOR_DECODE: frozenset({FINISHED}),  # released or aborted
+    FINISHED: frozenset(),
+}
 
 
 @dataclass(slots=True)
@@ -52,25 +72,92 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_chunk_tokens = max_chunk_tokens or max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.requests: dict[str, Sequence] = {}  # every request not FINISHED, by id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Counted once per request, at its first admission (``_count_prefix_lookup``).
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found cached
 
+    # ----------------------------------------------------------------- queries
     @property
     def has_unfinished(self) -> bool:
+        """Anything for ``schedule`` to do: a request waiting or running."""
         return bool(self.waiting or self.running)
 
-    def add(self, seq: Sequence) -> None:
+    def get(self, request_id: str, status: RequestStatus | None = None) -> Sequence | None:
+        """The request, if it is in the engine (and in ``status``, when given)."""
+        seq = self.requests.get(request_id)
+        return seq if seq is not None and (status is None or seq.status is status) else None
+
+    def count(self, status: RequestStatus) -> int:
+        if status is WAITING:
+            return len(self.waiting)
+        if status is RUNNING:
+            return len(self.running)
+        return sum(1 for seq in self.requests.values() if seq.status is status)
+
+    # ------------------------------------------------------------- transitions
+    def add(self, seq: Sequence, hold_kv: bool = False) -> None:
+        """A new request joins the queue (WAITING). With ``hold_kv`` it ends HELD_FOR_DECODE,
+        keeping its blocks, instead of FINISHED."""
+        seq.status_when_done = HELD_FOR_DECODE if hold_kv else FINISHED
+        self._register(seq, WAITING)
         self.waiting.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take a sequence out (finished or aborted) and free its blocks."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+    def reserve_remote(self, seq: Sequence, cached: CachedPrefix, num_cached_tokens: int) -> bool:
+        """A new request whose prompt KV another worker computed: take blocks for its prompt,
+        ``cached`` ones referenced (AWAITING_REMOTE_KV). ``num_cached_tokens`` counts the prompt
+        tokens found cached, those outside a sliding window included. False when the blocks are
+        not free: nothing is taken and the request is not in the engine."""
+        if not self.block_manager.allocate_slots(seq, seq.num_prompt_tokens - cached.num_tokens, cached):
+            return False
+        self._register(seq, AWAITING_REMOTE_KV)
+        self._count_prefix_lookup(seq, num_cached_tokens)
+        return True
+
+    def commit_remote(self, seq: Sequence) -> None:
+        """AWAITING_REMOTE_KV -> RUNNING: the reserved blocks hold the prompt's KV now."""
+        self._move(seq, RUNNING, source=AWAITING_REMOTE_KV)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.cache_full_blocks(seq)
+        seq.first_scheduled_time = time.monotonic()
+        self.running.append(seq)
+
+    def recompute_remote(self, seq: Sequence) -> None:
+        """AWAITING_REMOTE_KV -> WAITING: no KV arrives; the reserved blocks are freed and the
+        prompt is computed here (the output is the same)."""
+        self._move(seq, WAITING, source=AWAITING_REMOTE_KV)
+        self.block_manager.free(seq)
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """RUNNING -> ``seq.status_when_done``: FINISHED frees the blocks, HELD_FOR_DECODE keeps
+        them for the decode side's pull."""
+        self._move(seq, seq.status_when_done, source=RUNNING)
+        self.running.remove(seq)
+        seq.finish_reason = reason
+        if seq.status is FINISHED:
+            self.block_manager.free(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """HELD_FOR_DECODE -> FINISHED: the decode side has the KV (or never will)."""
+        self._move(seq, FINISHED, source=HELD_FOR_DECODE)
         self.block_manager.free(seq)
 
+    def abort(self, seq: Sequence) -> None:
+        """Any status -> FINISHED (reason ABORT); every block the request holds is freed."""
+        status = seq.status
+        self._move(seq, FINISHED)
+        if status is RUNNING:
+            self.running.remove(seq)
+        elif status is WAITING:
+            self.waiting.remove(seq)
+        seq.finish_reason = FinishReason.ABORT
+        self.block_manager.free(seq)
+
+    # -------------------------------------------------------------- scheduling
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
@@ -101,13 +188,9 @@ class Scheduler:
             if not self.block_manager.allocate_slots(seq, num_new, cached):
                 break
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
+            self._move(seq, RUNNING, source=WAITING)
             seq.num_computed_tokens = cached.num_tokens
-            if seq.num_cached_tokens is None:  # report the first admission, not a recompute
-                seq.num_cached_tokens = cached.num_tokens
-                stats = self.block_manager.stats
-                stats.prefix_queries += seq.num_prompt_tokens
-                stats.prefix_hits += cached.num_tokens
+            self._count_prefix_lookup(seq, cached.num_tokens)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
@@ -118,11 +201,39 @@ class Scheduler:
         prefills = [s for s in scheduled if not (s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0)]
         return SchedulerOutput(decodes, prefills, preempted)
 
+    # --------------------------------------------------------------- internal
     def _preempt(self, seq: Sequence) -> None:
+        """RUNNING -> WAITING, at the front of the queue, blocks freed: recomputed from scratch."""
+        self._move(seq, WAITING, source=RUNNING)
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def _count_prefix_lookup(self, seq: Sequence, num_cached_tokens: int) -> None:
+        """The one place prefix-cache hits are counted: a request's first admission (to the
+        batch or to a remote-KV reservation). A recompute after preemption or a failed transfer
+        looks the cache up again but is the same request: not counted twice."""
+        if seq.num_cached_tokens is not None:
+            return
+        seq.num_cached_tokens = num_cached_tokens
+        self.prefix_queries += seq.num_prompt_tokens
+        self.prefix_hits += num_cached_tokens
+
+    def _register(self, seq: Sequence, status: RequestStatus) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"request_id {seq.request_id!r} is already in use")
+        seq.status = status
+        self.requests[seq.request_id] = seq
+
+    def _move(self, seq: Sequence, status: RequestStatus, source: RequestStatus | None = None) -> None:
+        """Set the status; ``source``: the only status the caller's transition starts from."""
+        if status not in TRANSITIONS[seq.status] or source not in (None, seq.status):
+            expected = f" (this transition starts from {source.value})" if source is not None else ""
+            raise RuntimeError(f"request {seq.request_id!r}: {seq.status.value} -> {status.value} "
+                               f"is not a request transition{expected}")
+        seq.status = status
+        if status is FINISHED:
+            del self.requests[seq.request_id]

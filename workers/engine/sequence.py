@@ -11,10 +11,15 @@ from kvstore.hashing import BlockHash
 from workers.engine.sampling_params import SamplingParams
 
 
-class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
+class RequestStatus(enum.Enum):
+    """Where a request is in the engine. Only ``Scheduler`` methods change it (see its
+    ``TRANSITIONS``); every status but FINISHED keeps the request in the engine's table."""
+
+    WAITING = "waiting"  # queued for admission: new, preempted, or recomputing a failed transfer
+    RUNNING = "running"  # in the batch: its blocks cover its computed tokens
+    AWAITING_REMOTE_KV = "awaiting_remote_kv"  # decode side: blocks reserved, another worker's KV in flight
+    HELD_FOR_DECODE = "held_for_decode"  # prefill side: generation done, blocks kept until release_kv
+    FINISHED = "finished"  # gone from the engine, blocks freed
 
 
 class FinishReason(str, enum.Enum):
@@ -49,7 +54,10 @@ class Sequence:
 
     output_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(init=False)
-    status: SequenceStatus = SequenceStatus.WAITING
+    status: RequestStatus = RequestStatus.WAITING
+    # The status it takes when generation ends: FINISHED frees the blocks; HELD_FOR_DECODE (a
+    # prefill worker's request, ``add_request(hold_kv=True)``) keeps them for the decode side.
+    status_when_done: RequestStatus = RequestStatus.FINISHED
     finish_reason: FinishReason | None = None
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
@@ -58,7 +66,6 @@ class Sequence:
     num_dropped_blocks: int = 0  # leading table entries released (sliding window): NULL_BLOCK
     num_cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
     num_preemptions: int = 0
-    hold_kv: bool = False  # prefill worker: keep the blocks after finishing, for a transfer
     logprobs: list[TokenLogprob] = field(default_factory=list)
     # With ``params.prompt_logprobs``: entry i is prompt token i given tokens [0, i) (entry 0 is
     # None: nothing precedes it), filled chunk by chunk as the prompt is computed.
@@ -85,7 +92,8 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        """Generation is over (its blocks may still be held for the decode side)."""
+        return self.status in (RequestStatus.HELD_FOR_DECODE, RequestStatus.FINISHED)
 
     def prompt_logprob_targets(self, start: int, end: int) -> range:
         """Positions whose logits a step computing tokens ``[start, end)`` must add to

@@ -1,0 +1,30 @@
+"""What the engine reports about itself: a frozen snapshot, read by workers and metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The KV cache and the request table at one moment (``LLMEngine.stats()``).
+
+    Counters (``preemptions``, ``evictions``, ``prefix_*``) run from the engine's start.
+    """
+
+    num_blocks: int
+    num_free_blocks: int  # unreferenced; cached ones among them stay revivable until evicted
+    num_cached_blocks: int  # registered in the prefix cache, referenced or free
+    num_waiting: int
+    num_running: int
+    num_awaiting_kv: int  # decode side: blocks reserved, KV in flight from a prefill worker
+    num_held: int  # prefill side: finished, blocks kept for a decode worker's pull
+    preemptions: int
+    evictions: int  # cached blocks handed out again (each one a BlockRemoved event)
+    prefix_queries: int  # prompt tokens looked up in the prefix cache, once per request
+    prefix_hits: int  # of those, tokens found cached
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the blocks referenced by a request."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
