@@ -62,13 +62,13 @@ def receiver_main(netns: str, ip: str, cfg: dict, hello: dict, parent, peer) -> 
     Measures one size per command from the parent; replies with the medians."""
     enter_netns(netns)
     from bench.transfer import make_caches, raw_group, raw_tensor
-    from workers.protocol import KVHandle, KVLayout, TransferAddress
+    from workers.protocol import KVHandle, KVLayout, TransferAddress, decode, encode
     from workers.transfer import KVTransferClient, TransferConfig
 
     layout = KVLayout(**cfg["layout"])
     num_blocks = cfg["num_blocks"]
     caches = make_caches(layout, num_blocks, "cpu")
-    address = TransferAddress.from_dict(hello["address"])
+    address = decode(TransferAddress, hello["address"])
     client = KVTransferClient("link-decode", TransferConfig(transport="gloo", host=ip, node_id=netns))
     peer.send(("raw_init", cfg["max_bytes"]))
     raw_pg, _ = raw_group(address.host, hello["raw_port"], 1, "gloo", "cpu", bind_host=ip)
@@ -85,14 +85,14 @@ def receiver_main(netns: str, ip: str, cfg: dict, hello: dict, parent, peer) -> 
         n = nbytes // layout.bytes_per_block
         src, dst = rng.sample(range(num_blocks), n), rng.sample(range(num_blocks), n)
         handle = KVHandle(f"link-{size}-{time.monotonic_ns()}", "link-prefill", address, tuple(src),
-                          n * layout.block_size, (), layout, time.time() + 3600)
+                          n * layout.block_size, layout, time.time() + 3600)
 
         def raw() -> None:
             peer.send(("raw", nbytes))
             raw_pg.recv([dst_raw[:nbytes]], 0, 0).wait()
 
         def kv() -> None:
-            client.pull(handle, caches, dst, lambda req: peer.send(("kv", req.to_dict())), timeout_s=600)
+            client.pull(handle, caches, dst, lambda req: peer.send(("kv", encode(req))), timeout_s=600)
 
         # Interleaved (raw, pdserve, raw, pdserve, ...) after one warm-up of each: on a shared
         # machine both see the same moments of load.
@@ -110,6 +110,8 @@ def receiver_main(netns: str, ip: str, cfg: dict, hello: dict, parent, peer) -> 
 # ---------------------------------------------------------------- transfer throughput
 
 def measure_link(tb, rates: list[str], sizes: list[int], reps: int, layout_args: dict, say) -> list[dict]:
+    from dataclasses import asdict
+
     from workers.protocol import KVLayout
 
     layout = KVLayout(**layout_args)
@@ -117,7 +119,7 @@ def measure_link(tb, rates: list[str], sizes: list[int], reps: int, layout_args:
         if size * MIB % layout.bytes_per_block:
             raise SystemExit(f"{size} MiB is not a whole number of {layout.bytes_per_block}-byte blocks")
     max_blocks = max(sizes) * MIB // layout.bytes_per_block
-    cfg = {"layout": layout.to_dict(), "num_blocks": max_blocks + max(max_blocks // 10, 4),
+    cfg = {"layout": asdict(layout), "num_blocks": max_blocks + max(max_blocks // 10, 4),
            "max_bytes": max(sizes) * MIB, "transport": "gloo", "sender_device": "cpu", "raw_backend": "gloo"}
     prefill, decode = tb.role("prefill")[0], tb.role("decode")[0]
     ctx = mp.get_context("spawn")

@@ -24,6 +24,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from workers.protocol import KVHandle, KVLayout, TransferAddress, TransferRequest  # noqa: E402
+from workers.protocol import KVHandle, KVLayout, TransferAddress, TransferRequest, decode, encode  # noqa: E402
 from workers.transfer import (  # noqa: E402
     KVTransferClient,
     KVTransferServer,
@@ -82,7 +83,7 @@ def sender_main(conn, cfg: dict, host: str = "127.0.0.1", node_id: str = "", com
     server = KVTransferServer("bench-prefill", TransferConfig(transport=cfg["transport"], host=host, node_id=node_id),
                               device=device)
     raw_store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-    conn.send({"address": server.address.to_dict(), "raw_port": raw_store.port})
+    conn.send({"address": encode(server.address), "raw_port": raw_store.port})
     commands = commands or conn
     pg, raw_src = None, None
     while True:
@@ -97,7 +98,7 @@ def sender_main(conn, cfg: dict, host: str = "127.0.0.1", node_id: str = "", com
             pg.send([raw_src[:arg]], 1, 0).wait()
             sync(device)
         elif cmd == "kv":
-            server.send(TransferRequest.from_dict(arg), caches, timeout_s=600)
+            server.send(decode(TransferRequest, arg), caches, timeout_s=600)
 
 
 class ObjectStorePrefill:
@@ -110,7 +111,7 @@ class ObjectStorePrefill:
                                        device=cfg["sender_device"])
 
     def address(self) -> dict:
-        return self.server.address.to_dict()
+        return encode(self.server.address)
 
     def send(self, request: TransferRequest):
         return self.server.send(request, self.caches, timeout_s=120)
@@ -163,7 +164,7 @@ def main() -> None:
     num_blocks = max_blocks + max(max_blocks // 10, 4)
     transport, sender_device, raw_backend = pick_transport(args)
     receiver_device = "cuda:0" if args.device == "cuda" else "cpu"
-    cfg = {"layout": layout.to_dict(), "num_blocks": num_blocks, "transport": transport,
+    cfg = {"layout": asdict(layout), "num_blocks": num_blocks, "transport": transport,
            "sender_device": sender_device, "raw_backend": raw_backend}
 
     ctx = mp.get_context("spawn")
@@ -171,7 +172,7 @@ def main() -> None:
     sender = ctx.Process(target=sender_main, args=(child_conn, cfg), daemon=True)
     sender.start()
     hello = conn.recv()
-    address = TransferAddress.from_dict(hello["address"])
+    address = decode(TransferAddress, hello["address"])
     caches = make_caches(layout, num_blocks, receiver_device)
     client = KVTransferClient("bench-decode", TransferConfig(transport=transport), device=receiver_device)
     rng = random.Random(0)
@@ -187,7 +188,7 @@ def main() -> None:
         src = rng.sample(range(num_blocks), n)
         dst = rng.sample(range(num_blocks), n)
         handle = KVHandle(f"bench-{size}", "bench-prefill", address, tuple(src), n * layout.block_size,
-                          (), layout, time.time() + 3600)
+                          layout, time.time() + 3600)
         memcpy_src = torch.empty(nbytes, dtype=torch.uint8, device=receiver_device).random_(0, 255)
         memcpy_dst = torch.empty_like(memcpy_src)
 
@@ -196,7 +197,7 @@ def main() -> None:
             raw_pg.recv([raw_dst[:nbytes]], 0, 0).wait()
 
         def kv() -> None:
-            client.pull(handle, caches, dst, lambda req: conn.send(("kv", req.to_dict())), timeout_s=120)
+            client.pull(handle, caches, dst, lambda req: conn.send(("kv", encode(req))), timeout_s=120)
 
         row = {"size_mib": size, "blocks": n,
                "memcpy_s": timed(lambda: memcpy_dst.copy_(memcpy_src), args.reps, receiver_device),
@@ -213,14 +214,14 @@ def main() -> None:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
         actor = ray.remote(ObjectStorePrefill).remote(cfg)
-        obj_address = TransferAddress.from_dict(ray.get(actor.address.remote()))
+        obj_address = decode(TransferAddress, ray.get(actor.address.remote()))
         obj_client = KVTransferClient("bench-decode-ray", TransferConfig(transport=Transport.OBJECT_STORE),
                                       device=receiver_device)
         for row in rows:
             n = row["blocks"]
             src, dst = rng.sample(range(num_blocks), n), rng.sample(range(num_blocks), n)
             handle = KVHandle(f"bench-obj-{n}", "bench-prefill-ray", obj_address, tuple(src),
-                              n * layout.block_size, (), layout, time.time() + 3600)
+                              n * layout.block_size, layout, time.time() + 3600)
             row["object_store_s"] = timed(
                 lambda: obj_client.pull(handle, caches, dst, lambda req: actor.send.remote(req), timeout_s=120),
                 args.reps, receiver_device)

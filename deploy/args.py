@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from workers.protocol import KV_CACHE_DTYPES
+from workers.protocol import KV_CACHE_DTYPES, Transport
 
 
 class Mode(str, enum.Enum):
@@ -103,9 +103,12 @@ class AutoscalingArgs(BaseModel):
         return v
 
 
+POOL_TRANSPORTS = tuple(t.value for t in Transport if t is not Transport.OBJECT_STORE)
 _CHOICES = {
     "kv_cache_dtype": KV_CACHE_DTYPES,
-    "transport": ("auto", "gloo", "nccl", "gloo_staged", "object_store"),
+    # object_store is a library-level transport (Ray actors passing a buffer's ref); the pools'
+    # control path is direct, not a Ray call (workers/transfer/control.py)
+    "transport": POOL_TRANSPORTS,
     "prefill_routing": ("cache_aware", "power_of_two", "round_robin"),
 }
 
@@ -141,7 +144,7 @@ class PDServeArgs(BaseModel):
         default=True, description="a chat turn that extends an earlier one reuses its exact token ids "
                                   "(answer included), so the earlier turns' KV blocks are hits")
     redis_url: str | None = Field(default=None, description="Redis for the prefix index; None: route by load")
-    transport: str = Field(default="auto", description="auto, gloo, nccl, gloo_staged, object_store")
+    transport: str = Field(default="auto", description="auto, gloo, nccl, gloo_staged")
     transfer_timeout_s: float = Field(default=30.0, gt=0)
     max_migrations: int = Field(
         default=2, ge=0, description="times one request's decode stream may resume on another decode replica "

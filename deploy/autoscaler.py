@@ -22,17 +22,14 @@ from ray import serve
 from deploy.args import PDServeArgs
 from deploy.autoscaling import Decision, PolicyConfig, PolicyState, PoolBounds, decide, describe
 from deploy.autoscaling_signals import SignalReader
-from deploy.cluster_status import replica_ids
+from deploy.cluster_status import PoolReader
+from workers.transfer.control import ControlClient
 
 logger = logging.getLogger("ray.serve.pdserve")  # Serve's handlers; its LoggingConfig sets the level
 
 DECISIONS_KEPT = 50
 TIMELINE_S = 600.0  # the targets' timeline covers the last 10 minutes
 STATS_TIMEOUT_S = 5.0
-# A replica that did not answer is asked again only after this long (doubling, up to the max):
-# each call to a replica that cannot answer (starting, stopping, starved) has Serve's router
-# probe it until the call gives up, and those probes pile up as actor tasks.
-RETRY_S, MAX_RETRY_S = 4.0, 60.0
 
 
 def policy_config(args: PDServeArgs) -> PolicyConfig:
@@ -62,12 +59,11 @@ async def set_target(app_name: str, deployment: str, num_replicas: int) -> None:
 
 @serve.deployment(name="autoscaler", num_replicas=1, ray_actor_options={"num_cpus": 0})
 class PDAutoscaler:
-    async def __init__(self, args: dict, prefill, decode) -> None:
+    async def __init__(self, args: dict) -> None:
         self.args = PDServeArgs.model_validate(args)
         self.config = policy_config(self.args)
         self.interval_s = self.args.autoscaling.interval_s
         self.app_name = serve.get_replica_context().app_name
-        self.pools = {"prefill": prefill, "decode": decode}
         self.targets = {"prefill": self.args.prefill.replicas, "decode": self.args.decode.replicas}
         self.reader = SignalReader(block_size=self.args.block_size)
         self.state = PolicyState(last_change=time.time())
@@ -76,8 +72,7 @@ class PDAutoscaler:
         self.last: dict[str, Any] | None = None
         self.error: str | None = None
         self._task: asyncio.Task | None = None
-        # per pool: replica id -> (monotonic time of its next try, backoff)
-        self._unreachable: dict[str, dict[str, tuple[float, float]]] = {"prefill": {}, "decode": {}}
+        self.pool_reader = PoolReader(self.app_name, None, ControlClient("autoscaler"), timeout_s=STATS_TIMEOUT_S)
         self._ensure_running()
         c = self.config
         logger.info("autoscaling (pd): budget %d replicas, prefill %d..%d, decode %d..%d, TTFT target %.2f s, "
@@ -131,32 +126,9 @@ class PDAutoscaler:
         return decision
 
     async def _read_pool(self, name: str) -> list[dict[str, Any]]:
-        """Each live replica's ``stats`` (as the status endpoint asks them); a replica that did
-        not answer is left out until its retry time (counted as not ready meanwhile)."""
-        ids = await asyncio.to_thread(replica_ids, self.app_name, name)
-        unreachable = self._unreachable[name]
-        now = time.monotonic()
-
-        async def one(replica_id: str) -> dict[str, Any]:
-            retry_at, backoff = unreachable.get(replica_id, (0.0, 0.0))
-            if now < retry_at:
-                return {"worker_id": replica_id, "healthy": False}
-            try:
-                stats = await asyncio.wait_for(self.pools[name].stats.remote(target_replica=replica_id),
-                                               STATS_TIMEOUT_S)
-                if stats["worker_id"] == replica_id:
-                    unreachable.pop(replica_id, None)
-                    return {"healthy": True, **stats}
-            except Exception:  # noqa: BLE001 - not ready: starting, stopping or starved
-                pass
-            backoff = min(MAX_RETRY_S, backoff * 2 if backoff else RETRY_S)
-            unreachable[replica_id] = (time.monotonic() + backoff, backoff)
-            return {"worker_id": replica_id, "healthy": False}
-
-        answers = list(await asyncio.gather(*(one(i) for i in ids)))
-        for gone in set(unreachable) - set(ids):
-            del unreachable[gone]
-        return answers
+        """Each live replica's figures, as the status endpoint reads them (a replica that does
+        not answer within the deadline counts as not ready)."""
+        return await self.pool_reader.read(name)
 
     async def status(self) -> dict[str, Any]:
         """What the status endpoint shows: bounds, targets, the last round's signals, the

@@ -102,13 +102,13 @@ def make_app(args: dict[str, Any] | PDServeArgs, access_log: bool | None = None)
     prefill_kwargs = {**router_kwargs, "role": "prefill", "policy": parsed.prefill_routing}
     prefill = PrefillServer.options(**_pool_options(parsed.prefill, PREFIX_ROUTER, prefill_kwargs, logs)).bind(raw)
     decode = DecodeServer.options(
-        **_pool_options(parsed.decode, DECODE_ROUTER, {**router_kwargs, "role": "decode"}, logs)).bind(raw, prefill)
+        **_pool_options(parsed.decode, DECODE_ROUTER, {**router_kwargs, "role": "decode"}, logs)).bind(raw)
     if parsed.autoscaling is None:
         return ingress.bind(raw, prefill=prefill, decode=decode)
     # INFO: its decision lines go through Serve's replica logger (access log as for the rest)
     autoscaler_logs = LoggingConfig(log_level="DEBUG" if logs.log_level == "DEBUG" else "INFO",
                                     enable_access_log=logs.enable_access_log)
-    autoscaler = PDAutoscaler.options(logging_config=autoscaler_logs).bind(raw, prefill, decode)
+    autoscaler = PDAutoscaler.options(logging_config=autoscaler_logs).bind(raw)
     return ingress.bind(raw, prefill=prefill, decode=decode, autoscaler=autoscaler)
 
 

@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Callable, Sequence
 
+from deploy.args import POOL_TRANSPORTS  # torch-free, like the line below
 from workers.protocol import KV_CACHE_DTYPES  # torch-free: the CLI starts without torch
 
 
@@ -240,7 +241,7 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-conversation-reuse", action="store_true",
                         help="tokenize every chat turn afresh (default: a turn extending an earlier one "
                              "reuses its token ids, so the earlier turns' KV blocks are hits)")
-    parser.add_argument("--transport", default="auto", choices=("auto", "gloo", "nccl", "gloo_staged", "object_store"))
+    parser.add_argument("--transport", default="auto", choices=POOL_TRANSPORTS)
     parser.add_argument("--gpus-per-replica", type=float, default=0.0)
     parser.add_argument("--cpus-per-replica", type=float, default=0.5,
                         help="Ray's scheduling share per engine replica (default 0.5)")

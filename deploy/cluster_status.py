@@ -1,5 +1,6 @@
-"""The cluster's state as the ingress sees it: every replica of every pool (each asked directly,
-through a call pinned to its replica id), the Redis index, and the ingress's own request
+"""The cluster's state as the ingress sees it: every replica of every pool (each asked for its
+figures directly, at the control address it registered in the application's worker directory,
+``deploy/directory.py``; no Serve call), the Redis index, and the ingress's own request
 figures. Backs ``GET /v1/cluster/status``, the dashboard and ``pdserve status``; what the
 ingress's history samples (``deploy.status_history``) comes from here too."""
 
@@ -32,19 +33,42 @@ def replica_ids(app_name: str, deployment: str) -> list[str]:
     return sorted(ids)
 
 
-async def pool_status(handle, app_name: str, deployment: str, timeout_s: float = 3.0) -> list[dict[str, Any]]:
-    ids = await asyncio.to_thread(replica_ids, app_name, deployment)
+class PoolReader:
+    """Reads each live replica's figures: Serve's replica list (its replica actors' names), the
+    directory's control addresses, one ``Stats`` call per replica with a deadline. A replica
+    that does not answer is listed ``healthy: False`` with the reason."""
 
-    async def one(replica_id: str) -> dict[str, Any]:
-        try:
-            stats = await asyncio.wait_for(handle.stats.remote(target_replica=replica_id), timeout_s)
-            if stats["worker_id"] != replica_id:  # the replica left; the call landed elsewhere
-                return {"worker_id": replica_id, "healthy": False, "error": "not reachable through the router (starting or gone)"}
-            return {"healthy": True, **stats}
-        except Exception as exc:  # noqa: BLE001 - a replica that cannot answer is shown as such
-            return {"worker_id": replica_id, "healthy": False, "error": f"{type(exc).__name__}: {exc}"[:200]}
+    def __init__(self, app_name: str, directory, control, timeout_s: float = 3.0) -> None:
+        self.app_name = app_name
+        self.directory = directory  # a WorkerDirectory handle, or None (looked up on use)
+        self.control = control  # ControlClient
+        self.timeout_s = timeout_s
 
-    return list(await asyncio.gather(*(one(i) for i in ids)))
+    async def read(self, deployment: str) -> list[dict[str, Any]]:
+        from deploy import directory as worker_directory
+
+        if self.directory is None:
+            self.directory = await asyncio.to_thread(worker_directory.find, self.app_name)
+        ids, addresses = await asyncio.gather(asyncio.to_thread(replica_ids, self.app_name, deployment),
+                                              worker_directory.lookup(self.directory, deployment))
+        if addresses is None:
+            self.directory = None  # look it up again next time (an ingress recreates it)
+
+        async def one(replica_id: str) -> dict[str, Any]:
+            address = (addresses or {}).get(replica_id)
+            if address is None:
+                why = ("not registered in the worker directory yet (starting)" if addresses is not None
+                       else "the worker directory is not readable")
+                return {"worker_id": replica_id, "healthy": False, "error": why}
+            try:
+                return {"healthy": True, **await self.control.stats(address, self.timeout_s)}
+            except Exception as exc:  # noqa: BLE001 - a replica that cannot answer is shown as such
+                return {"worker_id": replica_id, "healthy": False, "error": f"{type(exc).__name__}: {exc}"[:200]}
+
+        return list(await asyncio.gather(*(one(i) for i in ids)))
+
+    async def read_all(self, names: list[str]) -> dict[str, list[dict[str, Any]]]:
+        return dict(zip(names, await asyncio.gather(*(self.read(n) for n in names))))
 
 
 async def index_status(index) -> dict[str, Any]:
@@ -99,13 +123,10 @@ def _with_aborted(requests: dict[str, Any], stats) -> dict[str, Any]:
 
 async def sample_status(ingress) -> dict[str, Any]:
     """What the history keeps of the cluster: the ingress's figures and every pool's replicas."""
-    from ray import serve
-
-    app_name = serve.get_replica_context().app_name
     names = [name for name, handle in ingress.pools.items() if handle is not None]
-    answers = await asyncio.gather(*(pool_status(ingress.pools[n], app_name, n) for n in names))
+    pools = await ingress.pool_reader.read_all(names)
     requests = _with_aborted(ingress.stats.snapshot(), ingress.stats)
-    return {"time": time.time(), "requests": requests, "http": RESPONSES.snapshot(), "pools": dict(zip(names, answers))}
+    return {"time": time.time(), "requests": requests, "http": RESPONSES.snapshot(), "pools": pools}
 
 
 def extend_status(status: dict[str, Any], ingress) -> dict[str, Any]:

@@ -27,7 +27,8 @@ from deploy.openai_protocol import ChatCompletionRequest, CompletionRequest, Req
 from deploy.output import ChoiceAssembler
 from deploy.responses import ResponseBuilder
 from deploy.worker_calls import PoolReadiness, WorkerCalls
-from deploy.cluster_status import autoscaling_status, extend_status, index_status, pool_status, start_history
+from deploy import directory as worker_directory
+from deploy.cluster_status import PoolReader, autoscaling_status, extend_status, index_status, start_history
 from deploy.metrics import IngressMetrics
 from deploy.request_stats import RequestStats
 from kvstore.hashing import hash_prompt_blocks
@@ -35,6 +36,7 @@ from workers.engine.config import EngineConfig
 from workers.models.config import ModelConfig
 from workers.models.gguf import describe_model
 from workers.protocol import GenerateRequest
+from workers.transfer.control import ControlClient
 
 logger = logging.getLogger("pdserve")
 
@@ -71,9 +73,15 @@ class OpenAIIngress:
         self.pools = {"prefill": prefill, "decode": decode, "colocated": colocated}
         self.autoscaler = autoscaler  # autoscaling: pd (deploy/autoscaler.py); shown in the status
         self.metrics = IngressMetrics(self.args.model_name)
+        # The workers' control servers (KV releases, lease extensions, each replica's figures),
+        # found through the application's worker directory, which the first ingress creates.
+        app_name = serve.get_replica_context().app_name
+        self.control = ControlClient("ingress")
+        self.pool_reader = PoolReader(app_name, worker_directory.get_or_create(app_name), self.control)
         self.workers = WorkerCalls(self.args.mode, prefill=prefill, decode=decode, colocated=colocated,
                                    index=self.index, rehash=self._block_hashes,
-                                   max_migrations=self.args.max_migrations, on_migration=self.metrics.migrated)
+                                   max_migrations=self.args.max_migrations, on_migration=self.metrics.migrated,
+                                   control=self.control)
         self.stats = RequestStats()
         self.readiness = PoolReadiness(self.pools)  # /health: 503 "starting" until the pools answer
         self._requests: set[asyncio.Task] = set()  # completion requests in flight (drain() waits for them)
@@ -133,10 +141,8 @@ class OpenAIIngress:
 
     @app.get("/v1/cluster/status")
     async def cluster_status(self) -> dict:
-        app_name = serve.get_replica_context().app_name
         names = [name for name, handle in self.pools.items() if handle is not None]
-        answers = await asyncio.gather(*(pool_status(self.pools[n], app_name, n) for n in names))
-        pools = dict(zip(names, answers))
+        pools = await self.pool_reader.read_all(names)
         return extend_status({
             "model": self.args.model_name, "model_weights": self.model_weights,
             "mode": self.args.mode.value, "time": time.time(),

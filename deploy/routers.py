@@ -16,9 +16,15 @@ finds the link repaired). When every replica is failing, nothing is demoted.
 ``DecodeRouter`` (decode pool): the replica with the most free KV blocks, preferring one whose
 own cache already holds the prefix (then only the missing blocks move).
 
-Both honour ``target_replica=<replica id>`` in a call's kwargs: a call that must reach the
-replica holding a lease (send_kv, release_kv) goes there and nowhere else. The routing policy is
-in pure functions (``rank_by_prefix``, ``rank_for_decode``) kept apart from Serve's machinery.
+Both are written against Serve's public router API only (``ray.serve.request_router``):
+``choose_replicas`` ranks the candidates; a replica's load is what it publishes in its
+``routing_stats`` (engine queue, free KV blocks, recent transfer failures, refreshed every
+second), raised to the requests this router has routed to it and not seen complete (the
+``on_request_routed``/``on_request_completed`` hooks), so a burst between two stats refreshes
+does not pile onto one replica. No call is pinned to a replica: what must reach one particular
+worker (a KV transfer's control calls) goes to it directly (``workers/transfer/control.py``).
+The routing policy is in pure functions (``rank_by_prefix``, ``rank_for_decode``) kept apart
+from Serve's machinery.
 """
 
 from __future__ import annotations
@@ -28,13 +34,20 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 logger = logging.getLogger("pdserve")
 
 
 LINK_FAILURE_WINDOW_S = 30.0
 LINK_FAILURE_THRESHOLD = 2
+
+
+def queue_len(routing_stats: dict[str, Any], in_flight: int = 0) -> int:
+    """A replica's load for routing: its engine's running plus waiting sequences as it last
+    published them, or the requests routed to it and not yet completed, if more."""
+    published = int(routing_stats.get("num_running", 0)) + int(routing_stats.get("num_waiting", 0))
+    return max(published, in_flight)
 
 
 def demote_failing(ranks: list[list[Any]], failing: set) -> list[list[Any]]:
@@ -94,45 +107,7 @@ def rank_for_decode(
     return [[r] for r in ordered]
 
 
-def _target(pending: PendingRequest) -> str | None:
-    return pending.kwargs.get("target_replica") if pending.kwargs else None
-
-
-class _PinningFIFORouter(FIFOMixin, RequestRouter):
-    """FIFO routing that never hands a pinned call to another replica.
-
-    Serve's FIFO policy gives the replica chosen for one request to the oldest pending request;
-    with calls pinned to different replicas (concurrent send_kv from one decode replica, the
-    status endpoint asking every replica) that would swap their destinations. Here a pinned
-    request takes only the replica chosen for it, and the FIFO scan skips pinned requests that
-    want another replica. (Written against Ray Serve 2.60's router internals.)
-    """
-
-    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
-        own = self._get_pending_request_matching_internal_request_id(request_metadata)
-        if own is not None and _target(own) is not None:
-            self._assign(own, replica)
-            return
-        queue = self._pending_requests_to_fulfill
-        while queue and queue[0].future.done():
-            queue.popleft()
-        for pending in list(queue):
-            if pending.future.done():
-                continue
-            target = _target(pending)
-            if target is None or target == replica.replica_id.unique_id:
-                queue.remove(pending)
-                self._assign(pending, replica)
-                return
-
-    def _assign(self, pending: PendingRequest, replica: RunningReplica) -> None:
-        self._cancel_routing_task_for_pending_request(pending)
-        self._record_queue_wait_time(pending)
-        pending.future.set_result(replica)
-        self._remove_pending_request_from_indices(pending)
-
-
-class _IndexRouter(_PinningFIFORouter):
+class _IndexRouter(FIFOMixin, RequestRouter):
     def initialize_state(
         self,
         redis_url: str | None = None,
@@ -149,7 +124,9 @@ class _IndexRouter(_PinningFIFORouter):
         self._policy = policy
         self._next = 0  # round-robin position
         self._index = None
-        self.decisions = {"prefix": 0, "load": 0, "pinned": 0}
+        self.decisions = {"prefix": 0, "load": 0}
+        self._in_flight: dict[str, int] = {}  # replica id -> requests routed there, not completed
+        self._routed: dict[str, str] = {}  # internal request id -> replica id
 
     async def _lookup(self, request: Any) -> dict[str, int] | None:
         hashes = getattr(request, "block_hashes", ()) if request is not None else ()
@@ -163,18 +140,19 @@ class _IndexRouter(_PinningFIFORouter):
         return await self._index.longest_prefix([bytes.fromhex(h) for h in hashes], role=self._role)
 
     def _queue_lens(self, replicas: Sequence[RunningReplica]) -> dict[RunningReplica, int]:
-        cache = self._replica_queue_len_cache
-        return {r: cache.get(r.replica_id) or 0 for r in replicas}
+        return {r: queue_len(r.routing_stats, self._in_flight.get(r.replica_id.unique_id, 0)) for r in replicas}
 
-    @staticmethod
-    def _pinned(pending: PendingRequest | None, replicas: Sequence[RunningReplica]):
-        """The replica a call is pinned to. When it is gone, any replica: returning nothing
-        would stall Serve's FIFO queue behind a call that can never be placed; the callee then
-        finds no lease (send_kv/release_kv fail, decode recomputes) or answers with its own id."""
-        target = pending.kwargs.get("target_replica") if pending is not None else None
-        if target is None:
-            return None
-        return [r for r in replicas if r.replica_id.unique_id == target] or list(replicas)
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        rid = replica_id.unique_id
+        self._routed[pending_request.metadata.internal_request_id] = rid
+        self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        rid = self._routed.pop(internal_request_id, replica_id.unique_id)
+        if self._in_flight.get(rid, 0) > 1:
+            self._in_flight[rid] -= 1
+        else:
+            self._in_flight.pop(rid, None)
 
     @staticmethod
     def _request(pending: PendingRequest | None) -> Any:
@@ -187,10 +165,6 @@ class PrefixAwareRouter(_IndexRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        pinned = self._pinned(pending_request, candidate_replicas)
-        if pinned is not None:
-            self.decisions["pinned"] += 1
-            return [pinned] if pinned else []
         if self._policy == "round_robin":  # the baseline cache-aware routing is measured against
             ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
             self._next += 1
@@ -218,9 +192,6 @@ class DecodeRouter(_IndexRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        pinned = self._pinned(pending_request, candidate_replicas)
-        if pinned is not None:
-            return [pinned] if pinned else []
         request = self._request(pending_request)
         matches = await self._lookup(request)
         by_replica = None

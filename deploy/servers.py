@@ -2,9 +2,9 @@
 
 Each replica runs one engine (``workers/``) and, when a Redis URL is configured, publishes its
 block events and load to the prefix index. A replica's worker id is its Serve replica id, so
-routers map index entries straight onto replicas. Calls that must reach one particular replica
-(a decode replica asking the prefill replica that holds a lease to send) carry
-``target_replica=<id>``, which the pool's router honours.
+routers map index entries straight onto replicas. Nothing about one transfer goes through
+Serve: a decode replica (and the ingress, to release blocks) reaches the prefill replica that
+holds a request's KV at the control address in its KVHandle (``workers/transfer/control.py``).
 """
 
 from __future__ import annotations
@@ -19,14 +19,16 @@ import torch
 from ray import serve
 
 from deploy.args import PDServeArgs, PoolArgs
+from deploy.directory import Registration
 from deploy.metrics import WorkerMetrics
 from deploy.routers import LINK_FAILURE_WINDOW_S
 from kvstore import IndexConfig, IndexPublisher, WorkerSpec
 from workers.decode import ColocatedWorker, DecodeWorker
 from workers.engine import LLMEngine
 from workers.prefill import PrefillWorker
-from workers.protocol import GenerateRequest, PrefillResult, TokenChunk, TransferRequest
-from workers.transfer import SendResult, TransferConfig
+from workers.protocol import GenerateRequest, PrefillResult, TokenChunk, TransferAddress
+from workers.transfer import TransferConfig
+from workers.transfer.control import ControlHandlers, ControlServer
 
 logger = logging.getLogger("pdserve")
 
@@ -84,6 +86,24 @@ class _WorkerServer:
                     engine.num_kv_blocks, self.device)
         return engine
 
+    async def _start_control(self, control: ControlServer | None = None) -> TransferAddress:
+        """Open this replica's control server (a prefill worker brings its own, with the lease
+        calls) and register it in the application's worker directory, where the cluster status
+        finds it. Returns its address."""
+        if control is None:
+            control = ControlServer(self.worker_id, self.node_ip, ControlHandlers())
+            await control.start()
+            self._own_control = control
+            address = control.address_of(TransferAddress(self.node_ip, 0, self.worker_id,
+                                                         ray.get_runtime_context().get_node_id()))
+        else:
+            address = self.worker.address
+        control.handlers.stats = self.stats
+        context = serve.get_replica_context()
+        self.registration = Registration(context.app_name, context.deployment, address)
+        self.registration.start()
+        return address
+
     async def _start_publisher(self, engine: LLMEngine, address: str) -> None:
         if not self.args.redis_url:
             return
@@ -112,7 +132,7 @@ class _WorkerServer:
     async def record_routing_stats(self) -> dict:  # async: Serve runs a sync one on a new thread each second
         return dict(self._load)
 
-    async def stats(self, target_replica: str | None = None) -> dict:
+    async def stats(self) -> dict:
         worker = self.worker
         snapshot = await worker.loop.call(lambda e: worker.stats.snapshot(e))
         index = None
@@ -135,6 +155,11 @@ class _WorkerServer:
         if getattr(self, "_stopped", False):
             return
         self._stopped = True
+        registration = getattr(self, "registration", None)
+        if registration is not None:
+            await registration.stop()  # the status stops asking this replica
+        if (control := getattr(self, "_own_control", None)) is not None:
+            await control.stop()
         worker, publisher = getattr(self, "worker", None), getattr(self, "publisher", None)
         if worker is not None:
             try:
@@ -152,9 +177,13 @@ class PrefillServer(_WorkerServer):
 
     async def __init__(self, args: dict) -> None:
         engine = self._setup(args)
+        stall = self.args.fault_injection.get("send_stall_s")
         self.worker = PrefillWorker(engine, self.worker_id, transfer_config(self.args),
-                                    self.args.lease_ttl_s, on_step=self._on_step)
-        address = f"{self.worker.server.address.host}:{self.worker.server.address.port}"
+                                    self.args.lease_ttl_s, on_step=self._on_step,
+                                    before_send=(lambda: asyncio.sleep(stall)) if stall else None)
+        await self.worker.start()
+        await self._start_control(self.worker.control)
+        address = f"{self.worker.address.host}:{self.worker.address.port}"
         await self._start_publisher(engine, address)
 
     async def record_routing_stats(self) -> dict:
@@ -168,41 +197,24 @@ class PrefillServer(_WorkerServer):
         self.metrics.request_timing(result.timing)
         return result
 
-    async def send_kv(self, transfer: TransferRequest, target_replica: str | None = None) -> SendResult:
-        if stall := self.args.fault_injection.get("send_stall_s"):
-            await asyncio.sleep(stall)
-        return await self.worker.send_kv(transfer)
-
-    async def release_kv(self, request_id: str, target_replica: str | None = None) -> bool:
-        return await self.worker.release(request_id)
-
 
 @serve.deployment(name="decode")
 class DecodeServer(_WorkerServer):
     role = "decode"
 
-    async def __init__(self, args: dict, prefill) -> None:
+    async def __init__(self, args: dict) -> None:
         engine = self._setup(args)
-        self.prefill = prefill
-        self.worker = DecodeWorker(engine, self.worker_id, self._request_send, self._request_release,
-                                   transfer_config(self.args), on_step=self._on_step)
+        self.worker = DecodeWorker(engine, self.worker_id, transfer_config(self.args), on_step=self._on_step)
+        await self._start_control()
         await self._start_publisher(engine, self.worker_id)
 
-    async def _request_send(self, transfer: TransferRequest, prefill_worker_id: str):
-        return await self.prefill.send_kv.remote(transfer, target_replica=prefill_worker_id)
-
-    async def _request_release(self, request_id: str, prefill_worker_id: str):
-        return await self.prefill.release_kv.remote(request_id, target_replica=prefill_worker_id)
-
-    async def generate(self, request: GenerateRequest, prefill: PrefillResult,
-                       target_replica: str | None = None) -> AsyncIterator[TokenChunk]:
+    async def generate(self, request: GenerateRequest, prefill: PrefillResult) -> AsyncIterator[TokenChunk]:
         async for chunk in self.worker.generate(request, prefill):
             if chunk.timing:
                 self.metrics.request_timing(chunk.timing)
             yield chunk
 
-    async def generate_local(self, request: GenerateRequest,
-                             target_replica: str | None = None) -> AsyncIterator[TokenChunk]:
+    async def generate_local(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         async for chunk in self.worker.generate_local(request):
             yield chunk
 
@@ -214,9 +226,9 @@ class ColocatedServer(_WorkerServer):
     async def __init__(self, args: dict) -> None:
         engine = self._setup(args)
         self.worker = ColocatedWorker(engine, self.worker_id, on_step=self._on_step)
+        await self._start_control()
         await self._start_publisher(engine, self.worker_id)
 
-    async def generate_local(self, request: GenerateRequest,
-                             target_replica: str | None = None) -> AsyncIterator[TokenChunk]:
+    async def generate_local(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         async for chunk in self.worker.generate_local(request):
             yield chunk

@@ -18,6 +18,8 @@ from deploy.args import Mode
 from deploy.http_errors import is_cancellation
 from deploy.openai_protocol import RequestError
 from workers.protocol import GenerateRequest, PrefillResult, TokenChunk, TokenLogprobs
+from workers.transfer.control import ControlClient
+from workers.transfer.errors import KVTransferError
 
 logger = logging.getLogger("pdserve")
 
@@ -38,6 +40,9 @@ def client_error(exc: BaseException) -> BaseException:
     return exc
 
 
+CONTROL_TIMEOUT_S = 5.0  # a release or lease extension at a prefill worker's control server
+LEASE_EXTENSION_S = 10.0  # each extension while a request waits for room on the decode pool
+MAX_DECODE_WAIT_S = 120.0  # then the request fails with the decode pool's 503
 SKIP_PREFILL_FRACTION = 0.9  # decode holds this much of the prompt: it computes the rest itself
 # A worker replica's process is gone (killed, its node lost): the call did not fail on its own.
 REPLICA_DEATHS = (ray.exceptions.RayActorError,)  # ActorDiedError, ActorUnavailableError
@@ -64,8 +69,10 @@ def continuation(choice: GenerateRequest, produced: Sequence[int], attempt: int,
 class WorkerCalls:
     def __init__(self, mode: Mode, prefill=None, decode=None, colocated=None, index=None,
                  rehash: Callable[[Sequence[int], str | None], tuple[str, ...]] | None = None,
-                 max_migrations: int = 0, on_migration: Callable[[], None] | None = None) -> None:
+                 max_migrations: int = 0, on_migration: Callable[[], None] | None = None,
+                 control: ControlClient | None = None) -> None:
         self.mode = mode
+        self.control = control  # the prefill workers' KV control servers (release, lease extension)
         self.prefill, self.decode, self.colocated = prefill, decode, colocated
         self.index = index  # PrefixIndex or None
         self.rehash = rehash or (lambda ids, salt: ())  # a continuation's block hashes, for routing
@@ -126,7 +133,9 @@ class WorkerCalls:
         holder = await self._decode_holding_prompt(choice) if allow_skip else None
         if holder is not None:
             self.skipped_prefills += 1
-            stream = self.decode.options(stream=True).generate_local.remote(choice, target_replica=holder)
+            # The decode router ranks the replica holding the prefix first (it looks the same
+            # blocks up); if it has no room now, another computes the whole prompt itself.
+            stream = self.decode.options(stream=True).generate_local.remote(choice)
             async for chunk in self._relay(stream):
                 yield chunk
             return
@@ -147,8 +156,10 @@ class WorkerCalls:
 
     async def _decode(self, choice: GenerateRequest, result: PrefillResult) -> AsyncIterator[TokenChunk]:
         """The decode stage. The first token is already out, so a full decode queue is waited
-        out (with backoff, while the prefill lease lasts) rather than refused."""
+        out (with backoff) rather than refused: while the wait lasts, the prefill worker's lease
+        on the prompt's blocks is extended (at its control address), up to ``MAX_DECODE_WAIT_S``."""
         deadline = result.kv_handle.lease_expires_at - 1.0 if result.kv_handle else time.time()
+        give_up = time.time() + MAX_DECODE_WAIT_S
         backoff = 0.05
         while True:
             stream = self.decode.options(stream=True).generate.remote(choice, result)
@@ -159,10 +170,30 @@ class WorkerCalls:
                     yield chunk
                 return
             except RequestError as exc:
-                if started or exc.status != 503 or time.time() + backoff > deadline:
+                if started or exc.status != 503:
                     raise
+                if time.time() + backoff > deadline:
+                    result = await self._extend_lease(result, give_up)
+                    if result is None:
+                        raise
+                    deadline = result.kv_handle.lease_expires_at - 1.0
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 1.0)
+
+    async def _extend_lease(self, result: PrefillResult, give_up: float) -> PrefillResult | None:
+        """``result`` with its lease extended by ``LEASE_EXTENSION_S``, or None when the wait is
+        over or the prefill worker cannot extend it (the caller then fails the request)."""
+        handle = result.kv_handle
+        if handle is None or self.control is None or time.time() + LEASE_EXTENSION_S / 2 > give_up:
+            return None
+        try:
+            left = await self.control.extend(handle.address, handle.request_id, LEASE_EXTENSION_S,
+                                             CONTROL_TIMEOUT_S)
+        except KVTransferError as exc:
+            logger.warning("request %s: could not extend its KV lease on %s while waiting for decode room: %s",
+                           handle.request_id, handle.prefill_worker_id, exc)
+            return None
+        return dataclasses.replace(result, kv_handle=dataclasses.replace(handle, lease_expires_at=time.time() + left))
 
     async def _decode_holding_prompt(self, choice: GenerateRequest) -> str | None:
         """A decode replica whose cache holds nearly all of the prompt (e.g. the previous turn
@@ -194,12 +225,12 @@ class WorkerCalls:
         Fire and forget (it runs while this request is being cancelled); the lease covers a
         call that does not arrive."""
         handle = result.kv_handle
-        if handle is None or self.prefill is None:
+        if handle is None or self.control is None:
             return
 
         async def release() -> None:
             with contextlib.suppress(Exception):
-                await self.prefill.release_kv.remote(result.request_id, target_replica=handle.prefill_worker_id)
+                await self.control.release(handle.address, result.request_id, CONTROL_TIMEOUT_S)
 
         with contextlib.suppress(RuntimeError):  # no running loop (finalized at exit): the lease frees
             task = asyncio.get_running_loop().create_task(release())

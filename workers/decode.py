@@ -1,6 +1,9 @@
 """Decode worker (and the colocated worker it builds on): continuous-batch decoding, with the
 prompt's KV pulled from the prefill worker named in the KVHandle.
 
+The prefill worker is reached directly at the control address in the KVHandle
+(``workers/transfer/control.py``): Send before the pull, Release when no block is needed.
+
 Block lifetime on this side: ``reserve_remote_kv`` allocates the prompt's blocks (reusing what
 this worker's prefix cache holds); the pull fills the missing ones; ``commit_remote_kv`` joins
 the batch, or recomputes the prompt when the pull failed. Leaving the stream early (client
@@ -11,21 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
 
 from workers.engine import LLMEngine, RequestOutput, SamplingParams
 from workers.engine_loop import EngineLoop
-from workers.protocol import GenerateRequest, PrefillResult, TokenChunk, TokenLogprobs, TransferRequest
+from workers.protocol import GenerateRequest, KVHandle, PrefillResult, TokenChunk, TokenLogprobs, TransferRequest
 from workers.transfer import KVTransferClient, KVTransferError, TransferConfig, Transport
+from workers.transfer.control import ControlClient
 from workers.worker_stats import WorkerStats
 
 logger = logging.getLogger(__name__)
 
-RequestSend = Callable[[TransferRequest, str], Awaitable[Any]]  # (request, prefill worker id)
-RequestRelease = Callable[[str, str], Awaitable[Any]]  # (request id, prefill worker id)
+RELEASE_TIMEOUT_S = 5.0  # a release is advisory (the lease frees the blocks anyway)
 
 
 def worker_params(request: GenerateRequest) -> SamplingParams:
@@ -79,16 +81,18 @@ class DecodeWorker(ColocatedWorker):
         self,
         engine: LLMEngine,
         worker_id: str,
-        request_send: RequestSend,
-        request_release: RequestRelease,
         transfer_config: TransferConfig | None = None,
         on_step=None,
+        control: ControlClient | None = None,
     ) -> None:
         super().__init__(engine, worker_id, role="decode", on_step=on_step)
         self.transfer_config = transfer_config or TransferConfig()
+        if self.transfer_config.transport is Transport.OBJECT_STORE:
+            raise ValueError("transport 'object_store' needs a Ray call between the workers to pass the "
+                             "buffer's ref; pdserve's KV control path is direct: use 'auto' or 'gloo'")
         self.client = KVTransferClient(worker_id, self.transfer_config, device=engine.device)
-        self._request_send = request_send
-        self._request_release = request_release
+        self.control = control or ControlClient(worker_id)
+        self._background: set[asyncio.Task] = set()
         self._receivers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-recv")
 
     async def generate(self, request: GenerateRequest, prefill: PrefillResult) -> AsyncIterator[TokenChunk]:
@@ -109,7 +113,7 @@ class DecodeWorker(ColocatedWorker):
             if reservation is None:
                 # No room for the prompt now: queue it here as a recompute; blocks free up as
                 # other sequences finish. The prefill worker's copy is not needed.
-                self._release_remote(rid, handle.prefill_worker_id)
+                self._release_remote(handle)
                 self.stats.recomputed_prefills += 1
                 self.stats.peer(handle.prefill_worker_id).recomputed_prefills += 1  # per-pair figures
                 await self.loop.call(lambda e: e.add_request(
@@ -132,7 +136,7 @@ class DecodeWorker(ColocatedWorker):
                         self.stats.peer(handle.prefill_worker_id).failed(recomputed=True)
                         recompute = True
                 else:
-                    self._release_remote(rid, handle.prefill_worker_id)  # we hold every block
+                    self._release_remote(handle)  # we hold every block
                 await self.loop.call(lambda e: e.commit_remote_kv(rid, recompute=recompute))
             while True:
                 item = await outputs.get()
@@ -156,18 +160,17 @@ class DecodeWorker(ColocatedWorker):
                 else:
                     self.loop.abort(rid)
 
-    async def _pull(self, handle, reservation):
+    async def _pull(self, handle: KVHandle, reservation):
         loop = asyncio.get_running_loop()
         src = [handle.block_ids[i] for i in reservation.missing_positions]
         timeout_s = self.transfer_config.transfer_timeout_s
-        blocking = self.transfer_config.transport is Transport.OBJECT_STORE
 
-        def request_send(transfer: TransferRequest):
-            # Runs on the pull thread: dispatch the prefill side's send on the event loop. For
-            # a pair group the send completes only once we receive, so do not wait for it.
-            future = asyncio.run_coroutine_threadsafe(
-                self._request_send(transfer, handle.prefill_worker_id), loop)
-            return future.result(timeout_s) if blocking else None
+        def request_send(transfer: TransferRequest) -> None:
+            # Runs on the pull thread: the Send call goes out on the event loop, and the pull
+            # waits for its acknowledgement (a refused or unreachable peer fails it here, within
+            # the call's deadline, before any receive is posted).
+            future = asyncio.run_coroutine_threadsafe(self.control.send(handle.address, transfer, timeout_s), loop)
+            future.result(timeout_s + 1.0)
 
         stats = await loop.run_in_executor(
             self._receivers,
@@ -180,11 +183,16 @@ class DecodeWorker(ColocatedWorker):
         self.stats.peer(handle.prefill_worker_id).transferred(stats.num_bytes, stats.seconds, stats.created_pair)
         return stats
 
-    def _release_remote(self, request_id: str, prefill_worker_id: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._request_release(request_id, prefill_worker_id))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # advisory: lease covers it
+    def _release_remote(self, handle: KVHandle) -> None:
+        """Tell the prefill worker it can free the request's blocks now (advisory: its lease
+        frees them anyway)."""
+        task = asyncio.get_running_loop().create_task(
+            self.control.release(handle.address, handle.request_id, RELEASE_TIMEOUT_S))
+        self._background.add(task)
+        task.add_done_callback(lambda t: (self._background.discard(t), t.cancelled() or t.exception()))
 
     async def shutdown(self) -> None:
         self._receivers.shutdown(wait=False, cancel_futures=True)
         self.client.close()
+        await self.control.close()
         await super().shutdown()

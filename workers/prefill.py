@@ -2,9 +2,12 @@
 sends them to the decode worker that claims them.
 
 Block lifetime on this side: a finished prefill holds its blocks (``hold_kv``) and gets a lease.
-Exactly one of these frees them: ``send_kv`` after sending (claimed), ``release`` (the decode
-side already had every block), or the lease expiring (no decode worker came). Cached full
-blocks stay in the prefix cache after being freed.
+Exactly one of these frees them: the send after a decode worker's Send call (claimed),
+``release`` (the decode side already had every block, or the request ended), or the lease
+expiring (no decode worker came). Cached full blocks stay in the prefix cache after being freed.
+
+Decode workers and the ingress reach this worker directly, through its KV control server
+(``workers/transfer/control.py``) at the address every KVHandle carries: ``start()`` opens it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -20,6 +24,7 @@ from workers.engine import LLMEngine, SamplingParams
 from workers.engine_loop import EngineDeadError, EngineLoop
 from workers.protocol import GenerateRequest, KVHandle, KVLayout, PrefillResult, TransferRequest
 from workers.transfer import KVTransferError, KVTransferServer, LeaseTable, SendResult, TransferConfig
+from workers.transfer.control import ControlHandlers, ControlServer, Refused
 from workers.worker_stats import WorkerStats
 
 logger = logging.getLogger(__name__)
@@ -33,6 +38,7 @@ class PrefillWorker:
         transfer_config: TransferConfig | None = None,
         lease_ttl_s: float = 30.0,
         on_step=None,
+        before_send: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.engine = engine
@@ -46,6 +52,16 @@ class PrefillWorker:
         self.leases.start(interval_s=min(1.0, lease_ttl_s / 4))
         # Sends block until the decode side receives: a pool, so they never block the event loop.
         self._senders = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-send")
+        self._sending: set[asyncio.Task] = set()
+        self._before_send = before_send  # fault injection (a stalled sender), tests only
+        self.control = ControlServer(worker_id, self.transfer_config.host, ControlHandlers(
+            send=self._on_send_call, release=self._on_release_call, extend=self._on_extend_call))
+        self.address = self.server.address  # with the control port once started
+
+    async def start(self) -> None:
+        """Open the control server (in the event loop that runs this worker)."""
+        await self.control.start()
+        self.address = self.control.address_of(self.server.address)
 
     async def prefill(self, request: GenerateRequest) -> PrefillResult:
         """Compute the prompt's KV and first token; return where to pull the KV from."""
@@ -90,19 +106,27 @@ class PrefillWorker:
             raise
         self.leases.grant(rid, self.lease_ttl_s, self._on_lease_end)
         handle = KVHandle(
-            request_id=rid, prefill_worker_id=self.worker_id, address=self.server.address,
+            request_id=rid, prefill_worker_id=self.worker_id, address=self.address,
             block_ids=tuple(block_ids), num_tokens=len(request.prompt_token_ids),
-            block_hashes=tuple(request.block_hashes), layout=self.layout,
+            layout=self.layout,
             lease_expires_at=time.time() + self.lease_ttl_s,
         )
         return replace(result, kv_handle=handle)
 
-    async def send_kv(self, request: TransferRequest) -> SendResult:
-        """Send the requested blocks to the decode worker that asked, then free them."""
+    def _claim(self, request: TransferRequest) -> None:
         rid = request.request_id
         if not self.leases.claim(rid):
             raise KVTransferError(f"no live lease for {rid} on {self.worker_id} (expired or already sent)",
                                   peer_id=request.decode_worker_id, request_id=rid)
+
+    async def send_kv(self, request: TransferRequest) -> SendResult:
+        """Send the requested blocks to the decode worker that asked, then free them (claims
+        the lease and waits for the send: an in-process caller's entry point)."""
+        self._claim(request)
+        return await self._send_claimed(request)
+
+    async def _send_claimed(self, request: TransferRequest) -> SendResult:
+        rid = request.request_id
         loop = asyncio.get_running_loop()
         try:
             result = await loop.run_in_executor(
@@ -120,8 +144,29 @@ class PrefillWorker:
             # The object store holds its own copy; a pair group has delivered or failed.
             self.loop.call_future(lambda e: e.release_kv(rid))
 
-    def connect(self, decode_worker_id: str, epoch: int, transport: str) -> None:
-        self.server.connect(decode_worker_id, epoch, transport)
+    # ------------------------------------------------------------ the control server's calls
+    async def _on_send_call(self, request: TransferRequest) -> None:
+        """A decode worker's Send: claim the lease and start the send, then answer (the send
+        completes only once the decode side receives, so the answer cannot wait for it)."""
+        if self._before_send is not None:
+            await self._before_send()
+        try:
+            self._claim(request)
+        except KVTransferError as exc:
+            raise Refused(str(exc)) from exc
+        task = asyncio.get_running_loop().create_task(self._send_claimed(request))
+        self._sending.add(task)  # the loop keeps only a weak reference
+        # Its failure is counted and logged by the send itself; the decode side sees it as its own.
+        task.add_done_callback(lambda t: (self._sending.discard(t), t.cancelled() or t.exception()))
+
+    async def _on_release_call(self, request_id: str) -> bool:
+        return await self.release(request_id)
+
+    async def _on_extend_call(self, request_id: str, ttl_s: float) -> float:
+        left = self.leases.extend(request_id, ttl_s)
+        if left is None:
+            raise Refused(f"no live lease for {request_id} on {self.worker_id} (expired or already sent)")
+        return left
 
     async def _release_now(self, request_id: str) -> bool:
         """Free held blocks; the release runs even if this call is cancelled meanwhile (awaiting
@@ -142,6 +187,7 @@ class PrefillWorker:
         # "claimed": send_kv frees after sending; "released": release() frees.
 
     async def shutdown(self) -> None:
+        await self.control.stop()
         self.leases.close()
         self._senders.shutdown(wait=False, cancel_futures=True)
         self.server.close()

@@ -1,14 +1,22 @@
 """Typed messages that cross process boundaries between ingress, prefill and decode workers.
 
 Every message is a frozen dataclass of plain data (ints, floats, strs, tuples, nested messages),
-never a tensor, so it can travel as a Ray argument, or as JSON over HTTP/Redis through
-``to_dict``/``from_dict`` without pickle. This module imports no torch and no Ray.
+never a tensor, so it can travel as a Ray argument, or as JSON (the KV control channel, the
+benchmarks' pipes) through one generic codec, ``encode``/``decode``: pydantic validates the
+JSON against the dataclass's own annotations (and runs its ``__post_init__`` checks), so there
+is no hand-written field list to drift and no pickle. This module imports no torch and no Ray.
 """
 
 from __future__ import annotations
 
+import enum
+import functools
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import TypeAdapter
+
+M = TypeVar("M")
 
 # Element sizes of the KV dtypes a worker may run with, by torch's short dtype name.
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -17,18 +25,44 @@ DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "float8_e4m
 QUANTIZED_DTYPES = frozenset({"int8", "float8_e4m3fn", "float8_e5m2"})
 SCALE_ROWS = 1
 
-TRANSPORTS = ("auto", "nccl", "gloo", "gloo_staged", "object_store")
+
+
+class Transport(str, enum.Enum):
+    """How blocks move between a prefill and a decode worker (the one list of transports).
+
+    AUTO: gloo for CPU tensors; NCCL for CUDA tensors unless both ranks sit on the same GPU (NCCL
+    refuses that), then GLOO_STAGED. GLOO_STAGED: gather on the GPU, copy to pinned host memory,
+    gloo send, copy back. OBJECT_STORE: ``ray.put``/``ray.get`` of the gathered buffer, between
+    Ray actors that pass the buffer's ref to each other (the library level and the transfer
+    benchmark's baseline); pdserve's pools do not offer it, since their control path is not a
+    Ray call (``workers/transfer/control.py``).
+    """
+
+    AUTO = "auto"
+    NCCL = "nccl"
+    GLOO = "gloo"
+    GLOO_STAGED = "gloo_staged"
+    OBJECT_STORE = "object_store"
+
+
+TRANSPORTS = tuple(t.value for t in Transport)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # the model's dtype | int8 / float8_e4m3fn with block scales
 
 
-def _require(data: dict[str, Any], cls: type) -> None:
-    missing = [f.name for f in fields(cls) if f.name not in data]
-    if missing:
-        raise ValueError(f"{cls.__name__} message is missing fields {missing}")
+@functools.cache
+def _adapter(cls: type) -> TypeAdapter:
+    return TypeAdapter(cls)
 
 
-def _ints(values) -> tuple[int, ...]:
-    return tuple(int(v) for v in values)
+def encode(message: Any) -> bytes:
+    """A message (any dataclass of this module, or plain data) as JSON bytes."""
+    return _adapter(type(message)).dump_json(message)
+
+
+def decode(cls: type[M], data: bytes | str) -> M:
+    """The ``cls`` message ``encode`` wrote; ValueError (pydantic's ValidationError) naming the
+    field for anything else."""
+    return _adapter(cls).validate_json(data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,23 +117,16 @@ class KVLayout:
                 + ": start both pools with the same model, --block-size and --kv-cache-dtype"
             )
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> KVLayout:
-        _require(data, cls)
-        return cls(
-            num_layers=int(data["num_layers"]), block_size=int(data["block_size"]),
-            num_kv_heads=int(data["num_kv_heads"]), head_dim=int(data["head_dim"]),
-            dtype=str(data["dtype"]),
-        )
 
 
 @dataclass(frozen=True, slots=True)
 class TransferAddress:
-    """Where a prefill worker's pair-group rendezvous store listens, and what device it sends from.
+    """Where a prefill worker's pair-group rendezvous store (``port``) and its KV control server
+    (``control_port``) listen, and what device it sends from.
 
+    ``generation`` is drawn afresh each time a worker starts: a peer that sees a new generation
+    at a known worker id knows the process restarted, so any pair group with the old one is dead.
     ``node_id`` plus ``device_uuid`` (or ``device_index`` when no uuid is known) identify the
     sender's GPU, so a receiver on the same GPU picks gloo staging instead of NCCL.
     """
@@ -111,18 +138,10 @@ class TransferAddress:
     device_type: str = "cpu"
     device_index: int = 0
     device_uuid: str = ""
+    control_port: int = 0  # 0: no control server (a library-level sender)
+    generation: int = 0
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TransferAddress:
-        return cls(
-            host=str(data["host"]), port=int(data["port"]), worker_id=str(data["worker_id"]),
-            node_id=str(data.get("node_id", "")), device_type=str(data.get("device_type", "cpu")),
-            device_index=int(data.get("device_index", 0)),
-            device_uuid=str(data.get("device_uuid", "")),
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,35 +157,10 @@ class KVHandle:
     address: TransferAddress
     block_ids: tuple[int, ...]
     num_tokens: int
-    block_hashes: tuple[str, ...]
     layout: KVLayout
     lease_expires_at: float
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "prefill_worker_id": self.prefill_worker_id,
-            "address": self.address.to_dict(),
-            "block_ids": list(self.block_ids),
-            "num_tokens": self.num_tokens,
-            "block_hashes": list(self.block_hashes),
-            "layout": self.layout.to_dict(),
-            "lease_expires_at": self.lease_expires_at,
-        }
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> KVHandle:
-        _require(data, cls)
-        return cls(
-            request_id=str(data["request_id"]),
-            prefill_worker_id=str(data["prefill_worker_id"]),
-            address=TransferAddress.from_dict(data["address"]),
-            block_ids=_ints(data["block_ids"]),
-            num_tokens=int(data["num_tokens"]),
-            block_hashes=tuple(str(h) for h in data["block_hashes"]),
-            layout=KVLayout.from_dict(data["layout"]),
-            lease_expires_at=float(data["lease_expires_at"]),
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,29 +184,7 @@ class TransferRequest:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport {self.transport!r} is not one of {TRANSPORTS}")
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "decode_worker_id": self.decode_worker_id,
-            "epoch": self.epoch,
-            "src_block_ids": list(self.src_block_ids),
-            "layout": self.layout.to_dict(),
-            "transport": self.transport,
-            "tag": self.tag,
-        }
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TransferRequest:
-        _require(data, cls)
-        return cls(
-            request_id=str(data["request_id"]),
-            decode_worker_id=str(data["decode_worker_id"]),
-            epoch=int(data["epoch"]),
-            src_block_ids=_ints(data["src_block_ids"]),
-            layout=KVLayout.from_dict(data["layout"]),
-            transport=str(data["transport"]),
-            tag=int(data["tag"]),
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,30 +204,7 @@ class PrefillResult:
     first_token_top_logprobs: tuple[tuple[int, float], ...] = ()
     timing: dict[str, float] | None = None  # prefill_queue_s, prefill_s
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "first_token_id": self.first_token_id,
-            "prompt_token_ids": list(self.prompt_token_ids),
-            "kv_handle": None if self.kv_handle is None else self.kv_handle.to_dict(),
-            "num_cached_tokens": self.num_cached_tokens,
-            "finish_reason": self.finish_reason,
-            "first_token_logprob": self.first_token_logprob,
-        }
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PrefillResult:
-        handle = data.get("kv_handle")
-        logprob = data.get("first_token_logprob")
-        return cls(
-            request_id=str(data["request_id"]),
-            first_token_id=int(data["first_token_id"]),
-            prompt_token_ids=_ints(data["prompt_token_ids"]),
-            kv_handle=None if handle is None else KVHandle.from_dict(handle),
-            num_cached_tokens=int(data["num_cached_tokens"]),
-            finish_reason=data.get("finish_reason"),
-            first_token_logprob=None if logprob is None else float(logprob),
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,13 +220,7 @@ class TransferStats:
     seconds: float
     created_pair: bool
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TransferStats:
-        _require(data, cls)
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,12 +239,6 @@ class GenerateRequest:
     block_hashes: tuple[str, ...] = ()
     arrival_time: float = 0.0  # wall clock at the ingress, for queue-time metrics
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
-            "sampling": dict(self.sampling), "cache_salt": self.cache_salt,
-            "block_hashes": list(self.block_hashes), "arrival_time": self.arrival_time,
-        }
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""Prefill and decode workers wired directly (no Ray): KV moves over a real gloo pair group,
+"""Prefill and decode workers wired directly (no Ray): the decode worker calls the prefill
+worker's KV control server at the address in the KVHandle, KV moves over a real gloo pair group,
 decoding continues on the decode worker, and the output equals transformers' greedy output."""
 
 from __future__ import annotations
@@ -28,16 +29,8 @@ async def pd(tiny_llama):
     cfg = TransferConfig(transfer_timeout_s=5.0, connect_timeout_s=5.0)
     prefill = PrefillWorker(LLMEngine(tiny_llama, num_kv_blocks=128, load_progress=False), "prefill-0",
                             cfg, lease_ttl_s=2.0)
-
-    async def send(transfer, prefill_id):
-        assert prefill_id == "prefill-0"
-        return await prefill.send_kv(transfer)
-
-    async def release(request_id, prefill_id):
-        return await prefill.release(request_id)
-
-    decode = DecodeWorker(LLMEngine(tiny_llama, num_kv_blocks=128, load_progress=False), "decode-0",
-                          send, release, cfg)
+    await prefill.start()  # its KV control server: the decode worker calls it at the handle's address
+    decode = DecodeWorker(LLMEngine(tiny_llama, num_kv_blocks=128, load_progress=False), "decode-0", cfg)
     yield prefill, decode
     for worker in (prefill, decode):
         await worker.loop.call(lambda e: e.block_manager.check_idle())

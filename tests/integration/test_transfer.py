@@ -22,7 +22,7 @@ from tests.integration.transfer_peers import (
     relay_pull,
     start_peer,
 )
-from workers.protocol import TransferStats
+from workers.protocol import TransferStats, decode
 
 PREFILL_SEED = 1
 
@@ -59,7 +59,7 @@ def assert_exact_pull(outcome, sender, seed: int, src: list[int], dst: list[int]
     assert result["digest"] == expected_digest(seed, src, dtype)
     assert result["others_untouched"]
     assert result["num_free"] == NUM_BLOCKS
-    stats = TransferStats.from_dict(result["stats"])
+    stats = decode(TransferStats, result["stats"])
     assert stats.num_blocks == len(src)
     assert stats.num_bytes == len(src) * LAYOUTS[dtype].bytes_per_block
     return stats

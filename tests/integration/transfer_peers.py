@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from workers.protocol import KVHandle, KVLayout, TransferAddress, TransferRequest
+from workers.protocol import KVHandle, KVLayout, TransferAddress, TransferRequest, decode, encode
 from workers.transfer import KVTransferClient, KVTransferError, KVTransferServer, TransferConfig
 
 NUM_BLOCKS = 1100
@@ -59,7 +59,7 @@ def block_digest(kv_caches: list[torch.Tensor], block_ids) -> str:
 def prefill_main(conn, worker_id: str, seed: int, config: dict, device: str = "cpu") -> None:
     caches = {name: make_kv_caches(layout, NUM_BLOCKS, seed, device) for name, layout in LAYOUTS.items()}
     server = KVTransferServer(worker_id, TransferConfig(**config), device=device)
-    conn.send(server.address.to_dict())
+    conn.send(encode(server.address))
     while True:
         cmd, args = conn.recv()
         if cmd == "stop":
@@ -70,7 +70,7 @@ def prefill_main(conn, worker_id: str, seed: int, config: dict, device: str = "c
                            timeout_s=args["timeout_s"])
             conn.send(("connected", args["epoch"]))
             continue
-        request = TransferRequest.from_dict(args["request"])
+        request = decode(TransferRequest, args["request"])
         if cmd == "connect_then_die":
             # Pair group up, then SIGKILL before the payload goes out.
             server.connect(request.decode_worker_id, request.epoch, request.transport,
@@ -79,7 +79,7 @@ def prefill_main(conn, worker_id: str, seed: int, config: dict, device: str = "c
         time.sleep(args.get("stall_s", 0.0))
         try:
             result = server.send(request, caches[request.layout.dtype], timeout_s=args["timeout_s"])
-            conn.send(("sent", result.stats.to_dict()))
+            conn.send(("sent", encode(result.stats)))
         except KVTransferError as exc:
             conn.send(("send_failed", str(exc)))
 
@@ -96,13 +96,13 @@ def decode_main(conn, worker_id: str, seed: int, config: dict, device: str = "cp
             client.close()
             return
         if cmd == "connect":
-            address = TransferAddress.from_dict(args["address"])
+            address = decode(TransferAddress, args["address"])
             epoch = client.connect(address, lambda worker, epoch, transport: conn.send(
                 ("connect_request", {"decode_worker_id": worker, "epoch": epoch, "transport": transport})),
                 timeout_s=args["timeout_s"])
             conn.send(("connected", epoch))
             continue
-        handle = KVHandle.from_dict(args["handle"])
+        handle = decode(KVHandle, args["handle"])
         kv = caches[handle.layout.dtype]
         dst = list(args["dst"])
         others = sorted(set(range(NUM_BLOCKS)) - set(dst))
@@ -111,7 +111,7 @@ def decode_main(conn, worker_id: str, seed: int, config: dict, device: str = "cp
         free_blocks -= set(dst)  # allocate
         started = time.monotonic()
         try:
-            stats = client.pull(handle, kv, dst, lambda req: conn.send(("send_request", req.to_dict())),
+            stats = client.pull(handle, kv, dst, lambda req: conn.send(("send_request", encode(req))),
                                 src_block_ids=args.get("src"), timeout_s=args["timeout_s"])
         except (KVTransferError, ValueError) as exc:
             elapsed = time.monotonic() - started
@@ -120,7 +120,7 @@ def decode_main(conn, worker_id: str, seed: int, config: dict, device: str = "cp
             conn.send((kind, {"error": str(exc), "elapsed": elapsed, "freed": dst,
                               "num_free": len(free_blocks)}))
             continue
-        result = {"stats": stats.to_dict(), "digest": block_digest(kv, dst),
+        result = {"stats": encode(stats), "digest": block_digest(kv, dst),
                   "others_untouched": block_digest(kv, others) == before}
         free_blocks |= set(dst)  # the request finished
         result["num_free"] = len(free_blocks)
@@ -169,7 +169,7 @@ def start_peer(role: str, worker_id: str, seed: int, config: dict | None = None,
 
 
 def await_address(peer: Peer, timeout_s: float = 60.0) -> Peer:
-    peer.address = TransferAddress.from_dict(peer.recv(timeout_s))
+    peer.address = decode(TransferAddress, peer.recv(timeout_s))
     return peer
 
 
@@ -177,12 +177,12 @@ def make_handle(prefill: Peer, request_id: str, src: list[int], dtype: str = "fl
                 lease_s: float = 60.0) -> KVHandle:
     layout = LAYOUTS[dtype]
     return KVHandle(request_id, prefill.worker_id, prefill.address, tuple(src),
-                    len(src) * layout.block_size, (), layout, time.time() + lease_s)
+                    len(src) * layout.block_size, layout, time.time() + lease_s)
 
 
 def relay_connect(prefill: Peer, decode: Peer, timeout_s: float = 10.0) -> tuple[int, int]:
     """Play the control plane for an eager connect; returns the epoch each side reports."""
-    decode.conn.send(("connect", {"address": prefill.address.to_dict(), "timeout_s": timeout_s}))
+    decode.conn.send(("connect", {"address": encode(prefill.address), "timeout_s": timeout_s}))
     kind, request = decode.recv(timeout_s + 30)
     assert kind == "connect_request", request
     prefill.conn.send(("connect", {**request, "timeout_s": timeout_s}))
@@ -193,7 +193,7 @@ def relay_pull(prefill: Peer, decode: Peer, handle: KVHandle, dst: list[int], *,
                timeout_s: float = 10.0, prefill_cmd: str = "send", stall_s: float = 0.0,
                wait_sender: bool = True) -> tuple[tuple[str, Any], tuple[str, Any] | None]:
     """Play the control plane for one pull; returns (decode's outcome, prefill's outcome)."""
-    decode.conn.send(("pull", {"handle": handle.to_dict(), "dst": dst, "timeout_s": timeout_s}))
+    decode.conn.send(("pull", {"handle": encode(handle), "dst": dst, "timeout_s": timeout_s}))
     kind, request = decode.recv(timeout_s + 30)
     if kind != "send_request":
         return (kind, request), None

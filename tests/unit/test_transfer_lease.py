@@ -83,6 +83,24 @@ def test_regrant_after_release_uses_the_new_ttl(clock, released):
     assert released == [("r1", "released")]
 
 
+def test_extend_moves_the_end_later_never_earlier(clock, released):
+    table = LeaseTable(clock)
+    table.grant("r1", 5.0, lambda rid, why: released.append((rid, why)))
+    clock.now = 104.0
+    assert table.extend("r1", 10.0) == 10.0  # now ends at 114
+    assert table.extend("r1", 2.0) == 10.0  # shorter than what is left: unchanged
+    clock.now = 110.0
+    assert table.sweep() == [] and released == []  # the first expiry (105) went stale
+    clock.now = 114.0
+    assert table.sweep() == ["r1"] and released == [("r1", "expired")]
+    assert table.extend("r1", 5.0) is None  # ended: cannot come back
+    table.grant("r2", 1.0, lambda rid, why: released.append((rid, why)))
+    clock.now = 115.5
+    assert table.extend("r2", 5.0) is None  # overdue: the sweep ends it as expired
+    with pytest.raises(ValueError, match="positive"):
+        table.extend("r2", 0.0)
+
+
 def test_bad_grants_are_rejected(clock):
     table = LeaseTable(clock)
     table.grant("r1", 1.0, lambda rid, why: None)

@@ -110,8 +110,10 @@ class KVTransferClient:
         """Copy ``src_block_ids`` (default: all of the handle's blocks) into ``dst_block_ids``.
 
         ``request_send(request)`` must dispatch ``KVTransferServer.send(request, ...)`` on the
-        prefill worker named in the handle and return without waiting for it (the send cannot
-        finish before this side receives). Its return value is used only by ``object_store``:
+        prefill worker named in the handle and return without waiting for it to finish (the send
+        cannot finish before this side receives); pdserve's decode worker waits for the control
+        server's acknowledgement (``workers/transfer/control.py``), and an exception it raises
+        fails the pull before any receive is posted. Its return value is used only by ``object_store``:
         the sender's ``SendResult``, its ``object_ref``, or a Ray ref to either.
 
         Raises ValueError for bad arguments (checked before any traffic) and KVTransferError
@@ -150,16 +152,22 @@ class KVTransferClient:
             if group is not None and group.transport is not transport:
                 slot.tear_down(f"transport changed to {transport.value}")
                 group = None
+            if group is not None and handle.address.generation != slot.peer_generation:
+                slot.tear_down(f"{peer} restarted (generation {handle.address.generation:x})")
+                group = None
             epoch = group.epoch if group is not None else self._next_epoch()
             request = request_for(epoch)
             request_send(request)
             created = group is None
             if created:
                 group = self._create_group(slot, handle.address, epoch, transport, deadline)
+                slot.peer_generation = handle.address.generation
             nbytes = group.recv(kv_caches, dst, handle.layout, request.tag, deadline)
             return stats(epoch, nbytes, created)
         except Exception as exc:
-            slot.tear_down(f"pull of {handle.request_id} failed")
+            # A send the peer refused (its lease ended) never touched the group: keep it.
+            if not getattr(exc, "refused", False):
+                slot.tear_down(f"pull of {handle.request_id} failed")
             logger.warning("KV pull %s <- %s failed after %.2fs: %s", handle.request_id, peer,
                            time.monotonic() - start, exc)
             raise KVTransferError(f"pulling {handle.request_id} from {peer} failed: {exc}",

@@ -2,25 +2,10 @@
 
 from __future__ import annotations
 
-import enum
 import socket
 from dataclasses import dataclass
 
-
-class Transport(str, enum.Enum):
-    """How blocks move between a prefill and a decode worker.
-
-    AUTO: gloo for CPU tensors; NCCL for CUDA tensors unless both ranks sit on the same GPU (NCCL
-    refuses that), then GLOO_STAGED. GLOO_STAGED: gather on the GPU, copy to pinned host memory,
-    gloo send, copy back. OBJECT_STORE: ``ray.put``/``ray.get`` of the gathered buffer, for
-    platforms with no working process group and as the benchmark baseline.
-    """
-
-    AUTO = "auto"
-    NCCL = "nccl"
-    GLOO = "gloo"
-    GLOO_STAGED = "gloo_staged"
-    OBJECT_STORE = "object_store"
+from workers.protocol import Transport
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ ends it, and ``on_release(request_id, reason)`` runs exactly once, outside the t
   * "released" - the request ended another way, e.g. the client went away (``release``),
   * "expired"  - nobody claimed it within the TTL (``sweep``), so a decode worker that crashed
                  after receiving the handle strands nothing.
+``extend`` pushes a live lease's end later (a request waiting for room on the decode side).
 ``on_release`` is where the prefill worker frees (or caches) the blocks; it must not call back
 into the table.
 
@@ -82,6 +83,22 @@ class LeaseTable:
         reason = "claimed" if self._clock() < entry.lease.expires_at else "expired"
         self._fire(entry, reason)
         return reason == "claimed"
+
+    def extend(self, request_id: str, ttl_s: float) -> float | None:
+        """Hold the blocks until ``ttl_s`` from now (a lease never ends earlier than it already
+        would); returns the seconds left, None when the lease is unknown or already overdue."""
+        if ttl_s <= 0:
+            raise ValueError(f"lease TTL must be positive, got {ttl_s}")
+        now = self._clock()
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is None or entry.lease.expires_at <= now:
+                return None
+            if now + ttl_s > entry.lease.expires_at:
+                entry.lease = Lease(request_id, now + ttl_s)
+                entry.seq = next(self._seq)  # the old heap item goes stale
+                heapq.heappush(self._heap, (entry.lease.expires_at, entry.seq, request_id))
+            return entry.lease.expires_at - now
 
     def release(self, request_id: str) -> bool:
         """End the lease as "released" (request aborted); False if it was unknown."""

@@ -213,12 +213,15 @@ class PairSlot:
     """Per-peer state. ``lock`` serializes every transfer with this peer, across epochs.
 
     ``last_epoch`` is the newest epoch this side has created (or tried to create) a group for;
-    an epoch is never used twice, since its store keys are already spent.
+    an epoch is never used twice, since its store keys are already spent. ``peer_generation``
+    is the peer's process generation the group was made with (decode side; 0: unknown): a
+    KVHandle naming another one comes from a restarted peer, whose end of the group is gone.
     """
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     group: PairGroup | None = None
     last_epoch: int = -1
+    peer_generation: int = 0
 
     def tear_down(self, reason: str) -> None:
         if self.group is None:
