@@ -103,6 +103,31 @@ def test_prefill_replica_death_is_retried_with_the_same_output(slow_prefill_app,
     wait_idle(base)
 
 
+def test_a_prefill_replica_serve_has_just_replaced_serves_the_next_request(slow_prefill_app, tiny_llama):
+    """Decode reaches a new prefill replica at the address in its first KVHandle: no blackout
+    while routers learn of it; the first request after the replacement moves its KV from it
+    (through Serve handles, that send failed for a few seconds and decode recomputed)."""
+    base = slow_prefill_app
+    old = set(replicas("faults", "prefill"))
+    for name in old:  # both: the next request can only go to a new replica
+        kill(name)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (set(replicas("faults", "prefill")) - old):
+        time.sleep(0.1)
+    new_ids = {n.rsplit("#", 1)[1] for n in set(replicas("faults", "prefill")) - old}
+    assert new_ids, "Serve did not start a replacement prefill replica"
+    prompt = random_prompts((60,), seed=87)[0]
+    resp = complete(base, prompt, 12, return_timing=True)  # sent at once: waits for the new replica
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == expected_text(tiny_llama, prompt, 12)
+    status = httpx.get(f"{base}/v1/cluster/status", timeout=30).json()
+    from_new = [p for p in status["pairs"] if p["prefill"] in new_ids]
+    assert sum(p["transfers"] for p in from_new) == 1, status["pairs"]
+    assert sum(p["transfer_failures"] + p["recomputed_prefills"] for p in from_new) == 0, status["pairs"]
+    wait_replicas("faults", "prefill", 2, base)
+    wait_idle(base)
+
+
 def test_decode_replica_death_ends_the_stream_with_an_error(slow_prefill_app, tiny_llama):
     base = slow_prefill_app
     body = {"model": MODEL, "prompt": random_prompts((30,), seed=82)[0], "max_tokens": 1500,

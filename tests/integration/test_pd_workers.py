@@ -108,3 +108,62 @@ async def test_request_that_ends_at_first_token_needs_no_decode(pd):
     result = await prefill.prefill(request("z", [5, 6, 7], max_tokens=1))
     assert result.kv_handle is None and result.finish_reason == "length"
     assert await prefill.loop.call(lambda e: e.num_held) == 0
+
+
+async def test_a_dead_prefill_workers_control_call_fails_by_its_deadline_and_decode_recomputes(pd, tiny_llama):
+    prefill, decode = pd
+    prompt = random_prompts((50,), seed=45)[0]
+    req = request("dead", prompt)
+    result = await prefill.prefill(req)
+    await prefill.control.stop(grace_s=0)  # the prefill worker's process is gone, as far as decode can tell
+    tokens = [result.first_token_id]
+    async for chunk in decode.generate(req, result):  # a hang here fails the test's timeout
+        tokens.extend(chunk.token_ids)
+    assert tokens == hf_greedy(tiny_llama, tuple(prompt))
+    assert decode.stats.transfer_failures == 1 and decode.stats.recomputed_prefills == 1
+    assert decode.stats.peer("prefill-0").transfer_failures == 1
+    # The prefill side's lease (2 s, shorter than the 5 s deadline) freed the blocks it held.
+    await wait_idle(prefill)
+    assert await prefill.loop.call(lambda e: e.num_held) == 0 and prefill.stats.leases_expired == 1
+
+
+async def test_32_concurrent_transfers_between_two_prefill_and_two_decode_workers_reach_their_holders(tiny_llama):
+    cfg = TransferConfig(transfer_timeout_s=30.0, connect_timeout_s=30.0)
+
+    def engine() -> LLMEngine:
+        return LLMEngine(tiny_llama, num_kv_blocks=256, load_progress=False)
+
+    prefills = [PrefillWorker(engine(), f"prefill-{i}", cfg, lease_ttl_s=60.0) for i in range(2)]
+    for p in prefills:
+        await p.start()
+    decodes = [DecodeWorker(engine(), f"decode-{i}", cfg) for i in range(2)]
+    prompts = random_prompts(tuple(20 + 7 * i for i in range(32)), seed=46)  # 2..15 blocks each
+    pairs = [(i % 2, (i // 2) % 2) for i in range(32)]  # every (prefill, decode) pair 8 times
+
+    async def one(i: int) -> tuple[list[int], int, int]:
+        p, d = prefills[pairs[i][0]], decodes[pairs[i][1]]
+        req = request(f"c{i}", prompts[i], max_tokens=6)
+        result = await p.prefill(req)
+        tokens, moved = [result.first_token_id], None
+        async for chunk in d.generate(req, result):
+            tokens.extend(chunk.token_ids)
+            if chunk.timing:
+                moved = int(chunk.timing["transfer_bytes"])
+        return tokens, moved, len(result.kv_handle.block_ids) * result.kv_handle.layout.bytes_per_block
+
+    try:
+        results = await asyncio.gather(*(one(i) for i in range(32)))
+        for i, (tokens, moved, expected_bytes) in enumerate(results):
+            assert tokens == hf_greedy(tiny_llama, tuple(prompts[i]), 6), i
+            assert moved == expected_bytes, (i, moved, expected_bytes)  # every block, from its holder
+        for d, decode in enumerate(decodes):
+            assert decode.stats.transfer_failures == 0 and decode.stats.recomputed_prefills == 0
+            for p, prefill in enumerate(prefills):
+                assert decode.stats.peer(prefill.worker_id).transfers == pairs.count((p, d)) == 8
+        for prefill in prefills:
+            assert prefill.stats.transfers == 16 and prefill.stats.leases_expired == 0
+    finally:
+        for worker in (*prefills, *decodes):
+            await wait_idle(worker)
+            await worker.loop.call(lambda e: e.check_idle())
+            await worker.shutdown()
