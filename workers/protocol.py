@@ -228,8 +228,8 @@ class GenerateRequest:
     """Ingress -> worker: one sequence to generate (one choice of an OpenAI request).
 
     ``sampling`` holds ``SamplingParams`` fields as plain data. ``block_hashes`` (hex) are the
-    prompt's chained block hashes, computed once by the ingress for routing. ``target_replica``
-    pins the call to one replica (used for calls that must reach the worker holding a lease).
+    prompt's chained block hashes, computed once by the ingress for routing (the routers, the
+    prefix index and the engines' prefix caches all use these same hex strings).
     """
 
     request_id: str
