@@ -228,8 +228,8 @@ class GenerateRequest:
     """Ingress -> worker: one sequence to generate (one choice of an OpenAI request).
 
     ``sampling`` holds ``SamplingParams`` fields as plain data. ``block_hashes`` (hex) are the
-    prompt's chained block hashes, computed once by the ingress for routing (the routers, the
-    prefix index and the engines' prefix caches all use these same hex strings).
+    prompt's chained block hashes, computed once by the ingress for routing (the routers look
+    them up in the prefix index as bytes).
     """
 
     request_id: str
