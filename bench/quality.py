@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workers.engine import LLMEngine, SamplingParams  # noqa: E402
-from workers.engine.kv_cache import bytes_per_block, scale_granularity  # noqa: E402
+from workers.layers.kv_cache import bytes_per_block, scale_granularity  # noqa: E402
 from workers.models.config import ModelConfig  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"

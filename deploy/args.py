@@ -72,7 +72,7 @@ class PoolBoundsArgs(BaseModel):
 
 class AutoscalingArgs(BaseModel):
     """``autoscaling: pd``: one decision for both pools within a total replica budget
-    (``deploy/autoscaling.py``), applied by the ``autoscaler`` deployment through Serve's
+    (``deploy/pools/autoscaling.py``), applied by the ``autoscaler`` deployment through Serve's
     external-scaler API. ``autoscaling: pd`` alone takes every default."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

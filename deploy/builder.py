@@ -8,7 +8,7 @@ caller asks for the access log (``pdserve up --access-log``): INFO on the consol
 changes.
 
 P/D-aware autoscaling (``autoscaling: pd``): the pools start at their ``replicas`` and an
-``autoscaler`` deployment (``deploy/autoscaler.py``) sets both pools' counts through Serve's
+``autoscaler`` deployment (``deploy/pools/autoscaler.py``) sets both pools' counts through Serve's
 external-scaler API, so the application must be deployed with ``external_scaler_enabled``
 (``deploy_and_wait`` does; in a Serve config, ``external_scaler_enabled: true`` beside ``args``).
 
@@ -26,14 +26,14 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 
 from deploy.args import Mode, PDServeArgs, PoolArgs, check_redis_url_for_cluster
-from deploy.autoscaler import PDAutoscaler
+from deploy.pools.autoscaler import PDAutoscaler
 from deploy.compat import check_ray_version
-from deploy.ingress import OpenAIIngress
-from deploy.servers import ColocatedServer, DecodeServer, PrefillServer
+from deploy.api.ingress import OpenAIIngress
+from deploy.pools.servers import ColocatedServer, DecodeServer, PrefillServer
 from workers.engine.config import EngineConfig
 
-PREFIX_ROUTER = "deploy.routers:PrefixAwareRouter"
-DECODE_ROUTER = "deploy.routers:DecodeRouter"
+PREFIX_ROUTER = "deploy.pools.routers:PrefixAwareRouter"
+DECODE_ROUTER = "deploy.pools.routers:DecodeRouter"
 INGRESS_DRAIN_S = 10.0  # in-flight requests may finish this long after a stop (then they are cut)
 # Serve stops every deployment of a deleted application at once, and a stopping replica takes no
 # new calls: the pools outlive the ingress's drain so that its in-flight requests can finish.

@@ -5,7 +5,7 @@ the ids the model generated, so the block-hash chain would break at the first an
 blocks (and everything after them) would never be reused. The ingress therefore records each
 finished turn's ids (prompt + answer) under a digest of the text the client sends back (the
 rendered prompt + the answer text exactly as returned); a later turn whose rendered prompt
-starts with that text is tokenized as the recorded ids + the rest (``deploy.conversation``).
+starts with that text is tokenized as the recorded ids + the rest (``deploy.api.conversation``).
 
 Two stores with one interface: ``RedisConversationStore`` (shared by every ingress replica, keys
 ``pd:{model_key}:conv:<hex digest>`` with a TTL) and ``LocalConversationStore`` (a bounded

@@ -64,7 +64,7 @@ def smollm2_gguf(tmp_path_factory) -> str:
 
 def chat_prompt_ids(model_dir: str, question: str) -> list[int]:
     """The ids the ingress serves for one user message: the chat template's text, tokenized
-    without extra special tokens (deploy/ingress.py does the same)."""
+    without extra special tokens (deploy/api/ingress.py does the same)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -42,7 +42,7 @@ class Up:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("RAY_ADDRESS", None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", "up", *args], cwd=REPO_ROOT, env=env,
+            [sys.executable, "-m", "deploy.ops.cli", "up", *args], cwd=REPO_ROOT, env=env,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,  # its own process group, as a shell job: killpg reaches all of it
         )

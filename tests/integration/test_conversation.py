@@ -16,7 +16,7 @@ import openai
 import pytest
 import redis
 
-from deploy.status_table import format_status
+from deploy.ops.status_table import format_status
 from tests.integration.conftest import deploy, wait_idle
 
 pytestmark = pytest.mark.timeout(600)

@@ -22,7 +22,7 @@ def test_actor_threads_follow_the_pool_not_ray(serve_cluster):
             import torch
 
             from deploy.args import PoolArgs
-            from deploy.servers import set_engine_threads
+            from deploy.pools.servers import set_engine_threads
 
             before = torch.get_num_threads()
             return before, set_engine_threads(PoolArgs(**pool)), os.environ.get("OMP_NUM_THREADS")

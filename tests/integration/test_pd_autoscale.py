@@ -13,7 +13,7 @@ import threading
 import httpx
 import pytest
 
-from deploy.status_table import format_status
+from deploy.ops.status_table import format_status
 from tests.integration.conftest import deploy, wait_for, wait_idle
 from tests.integration.test_faults import MODEL, app_args, expected_text
 from tests.unit.engine_helpers import random_prompts

@@ -112,7 +112,7 @@ def test_a_10mbit_link_under_a_1s_transfer_deadline_recomputes_and_never_hangs(f
 
 
 def test_link_aware_routing_sends_no_prompts_to_a_prefill_host_whose_sends_fail(fault_app, testbed, wide_tiny_model):
-    """The prefill router tries last a replica whose recent sends failed (deploy/routers.py)."""
+    """The prefill router tries last a replica whose recent sends failed (deploy/pools/routers.py)."""
     slow = testbed.role("prefill")[0]
     if len(testbed.role("prefill")) < 2:
         pytest.skip("needs another prefill host to send the prompts to")

@@ -71,7 +71,8 @@ def test_eager_switch_compiles_nothing(tiny_llama):
 @pytest.mark.slow
 def test_compiled_smollm2_equals_transformers_on_chat_prompts(smollm2_dir):
     prompts = [chat_prompt_ids(smollm2_dir, q) for q in CHAT_QUESTIONS]
-    engine = compiled_engine(smollm2_dir, num_kv_blocks=256, max_num_seqs=8)
+    # One graph (batch 8; smaller batches pad to it): the real model's compile is the test's cost.
+    engine = compiled_engine(smollm2_dir, num_kv_blocks=256, max_num_seqs=8, compile_batch_sizes=(8,))
     outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
     for question, prompt, out in zip(CHAT_QUESTIONS, prompts, outs, strict=True):
         assert out.token_ids == hf_greedy(smollm2_dir, tuple(prompt), 24), question

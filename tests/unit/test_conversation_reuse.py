@@ -7,15 +7,15 @@ import asyncio
 
 import pytest
 
-from deploy.context_limit import fit_to_context
-from deploy.conversation import (
+from deploy.api.context_limit import fit_to_context
+from deploy.api.conversation import (
     ConversationCache,
     ConversationTurn,
     answer_token_ids,
     history_candidates,
 )
-from deploy.openai_protocol import RequestError
-from deploy.output import ChoiceAssembler
+from deploy.api.openai_protocol import RequestError
+from deploy.api.output import ChoiceAssembler
 from kvstore.conversation import (
     ConversationConfig,
     LocalConversationStore,

@@ -1,4 +1,4 @@
-"""Decode migration (deploy/worker_calls.py): a decode stream whose replica dies resumes on
+"""Decode migration (deploy/pools/worker_calls.py): a decode stream whose replica dies resumes on
 another replica from prompt + the tokens already out, with sampling positions continued. The
 engine half is exact (a continuation samples the same tokens, seeded or greedy); the routing
 half runs WorkerCalls against stand-in pool handles that die on cue."""
@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from deploy.args import Mode
-from deploy.worker_calls import DecodeMigrationError, WorkerCalls, continuation
+from deploy.pools.worker_calls import DecodeMigrationError, WorkerCalls, continuation
 from tests.unit.engine_helpers import random_prompts
 from workers.engine import LLMEngine, SamplingParams
 from workers.protocol import GenerateRequest, PrefillResult, TokenChunk

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from deploy.cli import main
+from deploy.ops.cli import main
 from workers.engine import LLMEngine
 from workers.engine.kv_plan import plan_kv
 from workers.models.config import ModelConfig

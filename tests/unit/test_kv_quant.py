@@ -13,7 +13,7 @@ import torch
 from tests.unit.engine_helpers import MAX_NEW_TOKENS, random_prompts
 from tests.unit.test_engine_disagg import copy_blocks, prefill, run_decode
 from workers.engine import LLMEngine, SamplingParams
-from workers.engine.kv_cache import PagedKVCache
+from workers.layers.kv_cache import PagedKVCache
 from workers.models.config import ModelConfig
 from workers.protocol import KVLayout
 from workers.transfer import gather_blocks, layout_of, scatter_blocks

@@ -1,8 +1,8 @@
 """Every metric DESIGN.md names is registered by the ingress or a worker (no Ray cluster needed:
 ray.util.metrics objects can be created without one)."""
 
-from deploy import metrics
-from deploy.metrics import IngressMetrics, WorkerMetrics
+from deploy.ops import metrics
+from deploy.ops.metrics import IngressMetrics, WorkerMetrics
 
 DESIGN_METRICS = {
     "pdserve_time_to_first_token_seconds", "pdserve_inter_token_latency_seconds",

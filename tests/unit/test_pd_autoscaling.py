@@ -1,6 +1,6 @@
-"""The pd autoscaling policy as a pure function (deploy/autoscaling.py): budget, bounds,
+"""The pd autoscaling policy as a pure function (deploy/pools/autoscaling.py): budget, bounds,
 hysteresis and a load that shifts between the pools; its signals from replica stats
-(deploy/autoscaling_signals.py); its arguments (deploy/args.py); its line in pdserve status."""
+(deploy/pools/autoscaling_signals.py); its arguments (deploy/args.py); its line in pdserve status."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import logging
 import pytest
 from pydantic import ValidationError
 
-from deploy.autoscaling import (
+from deploy.pools.autoscaling import (
     DecodeSignals, PolicyConfig, PolicyState, PoolBounds, PrefillSignals, decide, decode_need, describe,
     fit_budget, follow, prefill_need,
 )
-from deploy.autoscaling_signals import SignalReader
+from deploy.pools.autoscaling_signals import SignalReader
 
 CONFIG = PolicyConfig(max_total_replicas=4, prefill=PoolBounds(1, 3), decode=PoolBounds(1, 3),
                       ttft_target_s=1.0, tpot_target_s=0.05, prefill_tokens_per_s=1000.0,
@@ -235,7 +235,7 @@ def test_args_take_the_shorthand_and_check_budget_and_bounds(tmp_path):
 
 
 def test_status_table_shows_targets_signals_and_changes():
-    from deploy.status_table import _autoscaling_lines
+    from deploy.ops.status_table import _autoscaling_lines
 
     state = {"budget": 4, "bounds": {"prefill": [1, 3], "decode": [1, 3]}, "targets": {"prefill": 3, "decode": 1},
              "ttft_target_s": 1.0, "tpot_target_s": 0.05, "error": None,

@@ -10,7 +10,7 @@ from deploy.builder import _pool_options, serve_logging
 
 
 def options(pool: PoolArgs) -> dict:
-    return _pool_options(pool, "deploy.routers:DecodeRouter", {}, serve_logging("INFO", access_log=False))
+    return _pool_options(pool, "deploy.pools.routers:DecodeRouter", {}, serve_logging("INFO", access_log=False))
 
 
 def test_autoscaling_config_replaces_a_fixed_replica_count():

@@ -15,9 +15,9 @@ from ray.exceptions import TaskCancelledError
 from ray.serve.exceptions import RequestCancelledError
 from starlette.requests import ClientDisconnect
 
-from deploy import http_errors
-from deploy.http_errors import install_error_handlers, is_cancellation
-from deploy.request_stats import OUTCOMES, RequestStats
+from deploy.api import http_errors
+from deploy.api.http_errors import install_error_handlers, is_cancellation
+from deploy.api.request_stats import OUTCOMES, RequestStats
 
 
 # ------------------------------------------------------------------ counting
@@ -112,7 +112,7 @@ class _Workers:
 
 
 def _ingress(script):
-    from deploy.ingress import OpenAIIngress
+    from deploy.api.ingress import OpenAIIngress
 
     class Ingress(OpenAIIngress.func_or_class):  # the class Serve runs, built without __init__
         def __del__(self):  # Serve's wrapper has an async one, for a replica's shutdown

@@ -2,7 +2,7 @@
 
 import random
 
-from deploy.routers import demote_failing, power_of_two, rank_by_prefix, rank_for_decode
+from deploy.pools.routers import demote_failing, power_of_two, rank_by_prefix, rank_for_decode
 
 
 def test_longest_prefix_wins_when_balanced():

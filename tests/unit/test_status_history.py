@@ -1,6 +1,6 @@
-"""The dashboard's server-side window (deploy/status_history.py), the status endpoint's added
-figures (deploy/cluster_status.py: pair table, rates), the decode workers' per-pair counters
-(workers/worker_stats.py) and ``pdserve status``'s table (deploy/status_table.py). No Ray."""
+"""The dashboard's server-side window (deploy/ops/status_history.py), the status endpoint's added
+figures (deploy/ops/cluster_status.py: pair table, rates), the decode workers' per-pair counters
+(workers/worker_stats.py) and ``pdserve status``'s table (deploy/ops/status_table.py). No Ray."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 
-from deploy.cluster_status import extend_status, pair_table
-from deploy.dashboard import install_dashboard
-from deploy.http_errors import install_error_handlers
-from deploy.openai_protocol import RequestError
-from deploy.status_history import INTERVAL_S, RESPONSES, ResponseCounts, StatusHistory, condense
-from deploy.status_table import format_status
+from deploy.ops.cluster_status import extend_status, pair_table
+from deploy.ops.dashboard import install_dashboard
+from deploy.api.http_errors import install_error_handlers
+from deploy.api.openai_protocol import RequestError
+from deploy.ops.status_history import INTERVAL_S, RESPONSES, ResponseCounts, StatusHistory, condense
+from deploy.ops.status_table import format_status
 from workers.engine.stats import EngineStats
 from workers.worker_stats import PairStats, WorkerStats, percentiles
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from deploy.cli import _threads_per_replica
+from deploy.ops.cli import _threads_per_replica
 
 
 def _args(**kw) -> argparse.Namespace:

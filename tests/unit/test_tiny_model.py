@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from deploy.cli import main as cli_main  # noqa: E402
+from deploy.ops.cli import main as cli_main  # noqa: E402
 from workers.models.tiny import (  # noqa: E402
     ARCHS, SPECIAL_TOKENS, Llama3RopeScaling, TinyModelSpec, make_tiny_model, tokenizer_vocab_size,
 )

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cluster.local import LocalCluster, wait_for_redis
-from deploy.worker_calls import PoolReadiness
+from deploy.pools.worker_calls import PoolReadiness
 from tests.redis_server import find_redis_server
 from tests.unit.test_local_cluster import start_launcher
 
@@ -216,7 +216,7 @@ def test_kill_stops_redis_at_once():
 
 # ------------------------------------------------------------------ the two-step Ctrl-C
 def test_the_stop_flag_waits_like_an_event():
-    from deploy.cli import _StopFlag
+    from deploy.ops.cli import _StopFlag
 
     flag = _StopFlag()
     assert not flag.is_set() and flag.wait(0.05) is False
@@ -227,7 +227,7 @@ def test_the_stop_flag_waits_like_an_event():
 def test_first_interrupt_asks_for_a_stop_a_second_one_exits_at_once():
     script = textwrap.dedent("""
         import sys, time
-        from deploy.cli import _StopSignals
+        from deploy.ops.cli import _StopSignals
         signals = _StopSignals()
         signals.on_force = lambda: print("forced", flush=True)
         signals.install()

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
-from workers.engine.attention import PagedAttention
+from workers.layers.paged_attention import PagedAttention
 from workers.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from workers.engine.block_manager import NULL_BLOCK, BlockManager, CachedPrefix,
 from workers.engine.compiled import CompiledDecode
 from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer, find_stop_cut
-from workers.engine.kv_cache import PagedKVCache, plan_num_blocks
+from workers.layers.kv_cache import PagedKVCache, plan_num_blocks
 from workers.engine.model_runner import ModelRunner
 from workers.engine.sampler import sample
 from workers.engine.sampling_params import SamplingParams

@@ -2,7 +2,7 @@
 
 Pure arithmetic over ``config.json`` (no weights, no torch device), so an operator can size
 pools before deploying: ``pdserve kv-plan --model DIR --gpu-mem 80 --context 8192 --concurrency 64``.
-The figures follow the engine's own allocation (``workers.engine.kv_cache.bytes_per_block``):
+The figures follow the engine's own allocation (``workers.layers.kv_cache.bytes_per_block``):
 a quantized block carries one extra row of scales (K per channel, V per token: one row of
 ``block_size`` tokens + 1, i.e. 17/16 byte per value at block size 16), and a sliding-window
 sequence never holds more than its window's blocks plus one.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.kv_cache import bytes_per_block, scale_granularity
+from workers.layers.kv_cache import bytes_per_block, scale_granularity
 from workers.models.config import ModelConfig
 from workers.models.loader import resolve_dtype
 from workers.protocol import KV_CACHE_DTYPES

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.engine.attention import PagedAttention
+from workers.layers.paged_attention import PagedAttention
 from workers.models.config import ModelConfig, RopeConfig
 
 

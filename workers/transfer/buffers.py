@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from workers.engine.kv_cache import as_wide_rows
+from workers.layers.kv_cache import as_wide_rows
 from workers.protocol import QUANTIZED_DTYPES, SCALE_ROWS, KVLayout
 
 

@@ -24,7 +24,7 @@ Deadlines and restarts:
 
 Every worker replica runs one (decode and colocated ones answer only ``Stats`` and ``Hello``):
 the cluster status reads each replica's figures there, at the address the replica registered in
-its application's worker directory (``deploy/directory.py``), again without a Serve call.
+its application's worker directory (``deploy/pools/directory.py``), again without a Serve call.
 
 The send is acknowledged as soon as the prefill side has claimed the lease and started its
 send (its send completes only once the decode side receives, so it cannot be waited for):

@@ -3,7 +3,7 @@
 Validates (pydantic, 400 with the parameter named), applies the chat template, tokenizes,
 hashes the prompt's blocks for routing, and runs each choice through the worker pools:
 disaggregated (prefill pool -> first token, streamed at once; decode pool -> the rest) or
-colocated (one pool). Text, stop strings and logprobs are assembled here (``deploy.output``).
+colocated (one pool). Text, stop strings and logprobs are assembled here (``deploy.api.output``).
 """
 
 
@@ -18,19 +18,19 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from deploy.args import PDServeArgs
-from deploy import http_errors
-from deploy.context_limit import fit_to_context
-from deploy.conversation import ConversationCache, ConversationTurn
-from deploy.dashboard import install_dashboard
-from deploy.http_errors import install_error_handlers, is_cancellation
-from deploy.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
-from deploy.output import ChoiceAssembler
-from deploy.responses import ResponseBuilder
-from deploy.worker_calls import PoolReadiness, WorkerCalls
-from deploy import directory as worker_directory
-from deploy.cluster_status import PoolReader, autoscaling_status, extend_status, index_status, start_history
-from deploy.metrics import IngressMetrics
-from deploy.request_stats import RequestStats
+from deploy.api import http_errors
+from deploy.api.context_limit import fit_to_context
+from deploy.api.conversation import ConversationCache, ConversationTurn
+from deploy.ops.dashboard import install_dashboard
+from deploy.api.http_errors import install_error_handlers, is_cancellation
+from deploy.api.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from deploy.api.output import ChoiceAssembler
+from deploy.api.responses import ResponseBuilder
+from deploy.pools.worker_calls import PoolReadiness, WorkerCalls
+from deploy.pools import directory as worker_directory
+from deploy.ops.cluster_status import PoolReader, autoscaling_status, extend_status, index_status, start_history
+from deploy.ops.metrics import IngressMetrics
+from deploy.api.request_stats import RequestStats
 from kvstore.hashing import hash_prompt_blocks
 from workers.engine.config import EngineConfig
 from workers.models.config import ModelConfig
@@ -71,7 +71,7 @@ class OpenAIIngress:
             self.index = PrefixIndex(IndexConfig(redis_url=self.args.redis_url, model_key=self.model_key))
         self.conversations = self._conversation_cache()
         self.pools = {"prefill": prefill, "decode": decode, "colocated": colocated}
-        self.autoscaler = autoscaler  # autoscaling: pd (deploy/autoscaler.py); shown in the status
+        self.autoscaler = autoscaler  # autoscaling: pd (deploy/pools/autoscaler.py); shown in the status
         self.metrics = IngressMetrics(self.args.model_name)
         # The workers' control servers (KV releases, lease extensions, each replica's figures),
         # found through the application's worker directory, which the first ingress creates.
@@ -153,7 +153,7 @@ class OpenAIIngress:
                         "migrations": self.workers.migrations, "failed_migrations": self.workers.failed_migrations},
             "conversations": self.conversations.stats() if self.conversations is not None else None,
             "autoscaling": await autoscaling_status(self.autoscaler),
-        }, self)  # + pair table, HTTP outcomes, last-minute rates (deploy/cluster_status.py)
+        }, self)  # + pair table, HTTP outcomes, last-minute rates (deploy/ops/cluster_status.py)
 
     @app.get("/v1/cluster/history")
     async def cluster_history(self, since: float | None = None) -> dict:
@@ -258,7 +258,7 @@ class OpenAIIngress:
         """Deltas of one choice; stops the workers' stream when a stop string ends it. A chat
         turn is recorded before its last delta goes out: the client's next turn can reuse it.
 
-        Ends as one outcome (``deploy.request_stats``): finished; aborted when the client left
+        Ends as one outcome (``deploy.api.request_stats``): finished; aborted when the client left
         (this generator is cancelled or closed, or a worker call was cancelled); else failed.
         Closing the workers' stream aborts the request there, which frees its KV blocks."""
         stream = self.workers.generate(choice)

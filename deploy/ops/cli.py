@@ -513,7 +513,7 @@ def _run_status(args: argparse.Namespace) -> int:
 
     import httpx
 
-    from deploy.status_table import format_status
+    from deploy.ops.status_table import format_status
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:

@@ -6,8 +6,8 @@ import json
 import time
 from typing import Any
 
-from deploy.openai_protocol import RequestError, error_body
-from deploy.output import ChoiceAssembler, ChoiceDelta
+from deploy.api.openai_protocol import RequestError, error_body
+from deploy.api.output import ChoiceAssembler, ChoiceDelta
 from workers.protocol import TokenLogprobs
 
 

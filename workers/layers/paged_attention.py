@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from workers.engine.kv_cache import KVWritePlan, PagedKVCache
+from workers.layers.kv_cache import KVWritePlan, PagedKVCache
 
 try:  # optional, CUDA only
     from flash_attn import flash_attn_with_kvcache  # type: ignore[import-not-found]

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from deploy.autoscaling import DecodeSignals, PrefillSignals
+from deploy.pools.autoscaling import DecodeSignals, PrefillSignals
 
 SMOOTHING = 0.5  # weight of the newest busy interval in tokens/s per replica
 

@@ -43,12 +43,15 @@ import functools
 import logging
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from workers.engine.config import EngineConfig
 from workers.models.config import ModelConfig
 from workers.protocol import KV_CACHE_DTYPES, SCALE_ROWS, KVLayout
+
+if TYPE_CHECKING:  # the engine's config, for an annotation: this module does not import the engine
+    from workers.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The ``autoscaler`` deployment (``autoscaling: pd``): one replica that, every ``interval_s``,
-reads both pools' replicas, runs the pd policy (``deploy/autoscaling.py``) and sets each pool's
+reads both pools' replicas, runs the pd policy (``deploy/pools/autoscaling.py``) and sets each pool's
 target replica count through Serve's external-scaler API (the application is deployed with
 ``external_scaler_enabled``; see the policy module for what Serve 2.60 offers and why).
 
@@ -20,9 +20,9 @@ from typing import Any
 from ray import serve
 
 from deploy.args import PDServeArgs
-from deploy.autoscaling import Decision, PolicyConfig, PolicyState, PoolBounds, decide, describe
-from deploy.autoscaling_signals import SignalReader
-from deploy.cluster_status import PoolReader
+from deploy.pools.autoscaling import Decision, PolicyConfig, PolicyState, PoolBounds, decide, describe
+from deploy.pools.autoscaling_signals import SignalReader
+from deploy.ops.cluster_status import PoolReader
 from workers.transfer.control import ControlClient
 
 logger = logging.getLogger("ray.serve.pdserve")  # Serve's handlers; its LoggingConfig sets the level

@@ -1,8 +1,8 @@
 """The cluster's state as the ingress sees it: every replica of every pool (each asked for its
 figures directly, at the control address it registered in the application's worker directory,
-``deploy/directory.py``; no Serve call), the Redis index, and the ingress's own request
+``deploy/pools/directory.py``; no Serve call), the Redis index, and the ingress's own request
 figures. Backs ``GET /v1/cluster/status``, the dashboard and ``pdserve status``; what the
-ingress's history samples (``deploy.status_history``) comes from here too."""
+ingress's history samples (``deploy.ops.status_history``) comes from here too."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import ray
 
-from deploy.status_history import RESPONSES, StatusHistory
+from deploy.ops.status_history import RESPONSES, StatusHistory
 
 logger = logging.getLogger("pdserve")
 
@@ -45,7 +45,7 @@ class PoolReader:
         self.timeout_s = timeout_s
 
     async def read(self, deployment: str) -> list[dict[str, Any]]:
-        from deploy import directory as worker_directory
+        from deploy.pools import directory as worker_directory
 
         if self.directory is None:
             self.directory = await asyncio.to_thread(worker_directory.find, self.app_name)
@@ -88,7 +88,7 @@ async def index_status(index) -> dict[str, Any]:
 
 
 async def autoscaling_status(autoscaler, timeout_s: float = 5.0) -> dict[str, Any] | None:
-    """The pd autoscaler's state (``deploy/autoscaler.py``: targets, last signals, recent
+    """The pd autoscaler's state (``deploy/pools/autoscaler.py``: targets, last signals, recent
     changes, the targets' timeline); None without ``autoscaling: pd``."""
     if autoscaler is None:
         return None
@@ -145,5 +145,5 @@ def extend_status(status: dict[str, Any], ingress) -> dict[str, Any]:
 
 
 def start_history(ingress) -> StatusHistory:
-    """The ingress's status history, sampling from now on (see ``deploy.status_history``)."""
+    """The ingress's status history, sampling from now on (see ``deploy.ops.status_history``)."""
     return StatusHistory(lambda: sample_status(ingress)).start()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from deploy.openai_protocol import RequestError
+from deploy.api.openai_protocol import RequestError
 
 
 def fit_to_context(prompt_ids: Sequence[int], max_tokens: int | None, vocab_size: int,

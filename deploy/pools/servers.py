@@ -19,9 +19,9 @@ import torch
 from ray import serve
 
 from deploy.args import PDServeArgs, PoolArgs
-from deploy.directory import Registration
-from deploy.metrics import WorkerMetrics
-from deploy.routers import LINK_FAILURE_WINDOW_S
+from deploy.pools.directory import Registration
+from deploy.ops.metrics import WorkerMetrics
+from deploy.pools.routers import LINK_FAILURE_WINDOW_S
 from kvstore import IndexConfig, IndexPublisher, WorkerSpec
 from workers.decode import ColocatedWorker, DecodeWorker
 from workers.engine import LLMEngine

@@ -15,8 +15,8 @@ import ray
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from deploy.args import Mode
-from deploy.http_errors import is_cancellation
-from deploy.openai_protocol import RequestError
+from deploy.api.http_errors import is_cancellation
+from deploy.api.openai_protocol import RequestError
 from workers.protocol import GenerateRequest, PrefillResult, TokenChunk, TokenLogprobs
 from workers.transfer.control import ControlClient
 from workers.transfer.errors import KVTransferError

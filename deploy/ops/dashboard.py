@@ -2,9 +2,9 @@
 
 The page holds no data of its own. On load it draws the ingress's server-side window
 (``GET /v1/cluster/history``: one sample every 2 s over the last 10 minutes, see
-``deploy.status_history``), then every 2 s it polls ``GET /v1/cluster/status`` for the figures
+``deploy.ops.status_history``), then every 2 s it polls ``GET /v1/cluster/status`` for the figures
 and ``GET /v1/cluster/history?since=<newest sample>`` for the charts. Everything it loads
-(HTML, JS, CSS) comes from ``deploy/static`` through this app, so it works on a cluster with no
+(HTML, JS, CSS) comes from ``deploy/ops/static`` through this app, so it works on a cluster with no
 outside network.
 
 Every URL in the page is relative to the page itself, so the dashboard works at ``/dashboard``
@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
-from deploy.status_history import install_response_counter
+from deploy.ops.status_history import install_response_counter
 
 STATIC_DIR = Path(__file__).parent / "static"
 

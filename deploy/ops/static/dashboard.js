@@ -21,7 +21,7 @@
   const apiKey = new URLSearchParams(location.search).get("key");
   const headers = apiKey ? { Authorization: `Bearer ${apiKey}` } : {};
 
-  // the server's samples (deploy/status_history.py), t in ms: {t, ttft: {p50,p90,p99}, itl,
+  // the server's samples (deploy/ops/status_history.py), t in ms: {t, ttft: {p50,p90,p99}, itl,
   // output_tokens_per_s, failed_per_s, refused_per_s, aborted_per_s, transfer_bytes_per_s, …}
   const history = [];
   let latest = null;           // the last status answer
@@ -317,7 +317,7 @@
   }
 
   // ------------------------------------------------------------------ autoscaling (pd policy)
-  // status.autoscaling (deploy/autoscaler.py): budget, bounds, targets, the last round's signals,
+  // status.autoscaling (deploy/pools/autoscaler.py): budget, bounds, targets, the last round's signals,
   // recent changes ({time, prefill, decode, from, line}) and a timeline [t, prefill, decode, ...]
   function drawReplicas(timeline, budget) {
     const chart = $("chart-replicas");

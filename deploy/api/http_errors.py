@@ -32,7 +32,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from deploy.openai_protocol import RequestError, error_body
+from deploy.api.openai_protocol import RequestError, error_body
 
 logger = logging.getLogger("pdserve")
 

@@ -1,6 +1,6 @@
 """The P/D-aware autoscaling policy (``autoscaling: pd``): one decision for both pools, as a pure
 function of their signals (``decide``: signals and the previous state in, replica counts and
-the next state out). ``deploy/autoscaler.py`` runs it and applies what it decides.
+the next state out). ``deploy/pools/autoscaler.py`` runs it and applies what it decides.
 
 What Ray Serve 2.60 offers, and why pdserve runs its own loop (read in the installed
 ``ray/serve``):
@@ -25,7 +25,7 @@ What Ray Serve 2.60 offers, and why pdserve runs its own loop (read in the insta
   application enabled external scaling.
 
 So the policy lives here, the pools are deployed with ``external_scaler_enabled``, and a small
-controller deployment (``deploy/autoscaler.py``) reads the replicas' own stats (the ``stats``
+controller deployment (``deploy/pools/autoscaler.py``) reads the replicas' own stats (the ``stats``
 call ``pdserve status`` uses), decides, and sets each pool's target through the external-scaler
 entry point. It calls ``update_deployment_replicas`` itself, the call the REST endpoint makes,
 because the dashboard's HTTP server is optional (``ray.init(include_dashboard=False)`` test
