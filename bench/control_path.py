@@ -172,8 +172,8 @@ def main() -> None:
             print(f"round {r + 1}/{args.rounds}: {name} ({tree}) ...", file=sys.stderr, flush=True)
             result = run_tree(tree, args)
             rows[name].append(result)
-            print(f"  ttft p50 {statistics.median(result['ttft_s']) * 1e3:.1f} ms, second token p50 "
-                  f"{statistics.median(result['second_token_s']) * 1e3:.1f} ms (done), control rtt p50 "
+            print(f"  ttft p50 {statistics.median(result['ttft_s']) * 1e3:.1f} ms, done p50 "
+                  f"{statistics.median(result['second_token_s']) * 1e3:.1f} ms, control rtt p50 "
                   f"{statistics.median(result['control_rtt_s']) * 1e3:.2f} ms; {result['transfers']} transfers, "
                   f"{result['recomputes']} recomputes", file=sys.stderr, flush=True)
 
