@@ -36,7 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.compare import bench_model  # noqa: E402
 from bench.serve import COMPLETIONS, RequestResult, send_request  # noqa: E402
 
-
 APP = "bench"
 
 
@@ -265,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     for run in runs:
         s = summarize(run, opts.ttft_s, opts.tpot_s)
-        per_phase = {name: summarize(run, opts.ttft_s, opts.tpot_s, name) for name in dict.fromkeys(p for p, _ in run.results)}
+        phases = dict.fromkeys(p for p, _ in run.results)  # in order of first appearance
+        per_phase = {name: summarize(run, opts.ttft_s, opts.tpot_s, name) for name in phases}
         report["runs"].append({"label": run.label, **s, "phases": per_phase, "timeline": run.timeline,
                                "phase_starts": run.phase_starts, "decisions": run.decisions,
                                "duration_s": run.duration_s})

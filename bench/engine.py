@@ -263,8 +263,8 @@ def section_a(engine: LLMEngine, args, results: dict) -> None:
     print("\n(a) decode tokens/s, one sequence: paged KV cache vs recompute-every-step")
     print(f"{'context':>8} {'paged tok/s':>12} {'recompute tok/s':>16} {'speedup':>8}")
     for ctx in args.contexts:
-        paged = best_of(lambda: decode_paged(engine, ctx, args.decode_steps), args.repeats)
-        recompute = best_of(lambda: decode_recompute(engine, ctx, args.recompute_steps), args.repeats)
+        paged = best_of(lambda ctx=ctx: decode_paged(engine, ctx, args.decode_steps), args.repeats)
+        recompute = best_of(lambda ctx=ctx: decode_recompute(engine, ctx, args.recompute_steps), args.repeats)
         results[f"decode_ctx{ctx}"] = {"paged": paged, "recompute": recompute, "speedup": paged / recompute}
         print(f"{ctx:>8} {paged:>12.1f} {recompute:>16.2f} {paged / recompute:>7.1f}x")
 
@@ -279,9 +279,9 @@ def section_b(engines: dict[str, LLMEngine], model_dir, device, args, results: d
     rng = random.Random(0)
     for batch in args.batches:
         prompts = [[rng.randrange(100, 30000) for _ in range(args.prompt_len)] for _ in range(batch)]
-        ours = {n: best_of(lambda e=e: engine_throughput(e, prompts, args.new_tokens), args.repeats)
+        ours = {n: best_of(lambda e=e, prompts=prompts: engine_throughput(e, prompts, args.new_tokens), args.repeats)
                 for n, e in engines.items()}
-        theirs = best_of(lambda: hf_throughput(hf, prompts, args.new_tokens, device), args.repeats)
+        theirs = best_of(lambda prompts=prompts: hf_throughput(hf, prompts, args.new_tokens, device), args.repeats)
         results[f"throughput_b{batch}"] = {**{f"pdserve_{n}": v for n, v in ours.items()}, "transformers": theirs,
                                            **{f"ratio_{n}": v / theirs for n, v in ours.items()}}
         print(f"{batch:>6} " + " ".join(f"{v:>17.1f}" for v in ours.values()) + f" {theirs:>13.1f} "

@@ -101,11 +101,11 @@ def _sync(device: torch.device) -> None:
 
 def check_roofline(batches: list[int], context: int, steps: int, smoke: bool = False) -> None:
     from workers.engine.compiled import CompiledDecode
-    from workers.layers.kv_cache import PagedKVCache
     from workers.engine.model_runner import ModelRunner
     from workers.engine.sampling_params import SamplingParams
     from workers.engine.scheduler import ScheduledSeq, SchedulerOutput
     from workers.engine.sequence import Sequence
+    from workers.layers.kv_cache import PagedKVCache
     from workers.models.config import ModelConfig
     from workers.models.llama import LlamaForCausalLM
 

@@ -87,11 +87,12 @@ def receiver_main(netns: str, ip: str, cfg: dict, hello: dict, parent, peer) -> 
         handle = KVHandle(f"link-{size}-{time.monotonic_ns()}", "link-prefill", address, tuple(src),
                           n * layout.block_size, layout, time.time() + 3600)
 
-        def raw() -> None:
+        # The closures bind this iteration's values (they run within it, but a late call would not).
+        def raw(nbytes: int = nbytes) -> None:
             peer.send(("raw", nbytes))
             raw_pg.recv([dst_raw[:nbytes]], 0, 0).wait()
 
-        def kv() -> None:
+        def kv(handle: KVHandle = handle, dst: list[int] = dst) -> None:
             client.pull(handle, caches, dst, lambda req: peer.send(("kv", encode(req))), timeout_s=600)
 
         # Interleaved (raw, pdserve, raw, pdserve, ...) after one warm-up of each: on a shared
@@ -271,7 +272,8 @@ def main() -> None:
     if "link" in result:
         print_link(result["link"], layout_args, args.reps)
     if "ttft" in result:
-        print(f"\n{args.prompt_tokens}-token prompts, links {args.ttft_rate}, median of {args.requests} after 1 warm-up:")
+        print(f"\n{args.prompt_tokens}-token prompts, links {args.ttft_rate}, "
+              f"median of {args.requests} after 1 warm-up:")
         print(f"{'placement':>10} {'TTFT s':>8} {'decode start s':>15} {'transfer s':>11} {'KV MiB':>7}")
         for run in result["ttft"]:
             mib = (run.get("median_transfer_bytes") or 0) / MIB

@@ -4,8 +4,8 @@ that real weights do not change (routing, transfer)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 TINY = "tiny"
 MODEL_HELP = ("model dir, .gguf file or 'smollm2' (default: SmolLM2-135M-Instruct); "

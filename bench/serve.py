@@ -32,7 +32,12 @@ if __package__ in (None, ""):  # run as a script from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.workloads import (  # noqa: E402
-    DATASETS, Conversation, Prompt, Workload, WorkloadSpec, build_workload,
+    DATASETS,
+    Conversation,
+    Prompt,
+    Workload,
+    WorkloadSpec,
+    build_workload,
 )
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"

@@ -192,15 +192,16 @@ def main() -> None:
         memcpy_src = torch.empty(nbytes, dtype=torch.uint8, device=receiver_device).random_(0, 255)
         memcpy_dst = torch.empty_like(memcpy_src)
 
-        def raw() -> None:
+        # The closures bind this iteration's values (they run within it, but a late call would not).
+        def raw(nbytes: int = nbytes) -> None:
             conn.send(("raw", nbytes))
             raw_pg.recv([raw_dst[:nbytes]], 0, 0).wait()
 
-        def kv() -> None:
+        def kv(handle: KVHandle = handle, dst: list[int] = dst) -> None:
             client.pull(handle, caches, dst, lambda req: conn.send(("kv", encode(req))), timeout_s=120)
 
         row = {"size_mib": size, "blocks": n,
-               "memcpy_s": timed(lambda: memcpy_dst.copy_(memcpy_src), args.reps, receiver_device),
+               "memcpy_s": timed(lambda d=memcpy_dst, s=memcpy_src: d.copy_(s), args.reps, receiver_device),
                "raw_s": timed(raw, args.reps, receiver_device),
                "kv_s": timed(kv, args.reps, receiver_device)}
         rows.append(row)
@@ -223,7 +224,8 @@ def main() -> None:
             handle = KVHandle(f"bench-obj-{n}", "bench-prefill-ray", obj_address, tuple(src),
                               n * layout.block_size, layout, time.time() + 3600)
             row["object_store_s"] = timed(
-                lambda: obj_client.pull(handle, caches, dst, lambda req: actor.send.remote(req), timeout_s=120),
+                lambda handle=handle, dst=dst: obj_client.pull(
+                    handle, caches, dst, lambda req: actor.send.remote(req), timeout_s=120),
                 args.reps, receiver_device)
         ray.shutdown()
 
@@ -231,7 +233,8 @@ def main() -> None:
     print(f"host: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; "
           f"device {args.device}, transport {transport}, raw baseline {raw_backend}; layout {layout} "
           f"({layout.bytes_per_block // 1024} KiB/block); median of {args.reps} after 1 warm-up\n")
-    header = f"{'MiB':>5} {'blocks':>6} {'memcpy GB/s':>12} {'raw GB/s':>9} {'kv GB/s':>8} {'kv/raw':>7} {'kv/memcpy':>9}"
+    header = (f"{'MiB':>5} {'blocks':>6} {'memcpy GB/s':>12} {'raw GB/s':>9} {'kv GB/s':>8} {'kv/raw':>7} "
+              f"{'kv/memcpy':>9}")
     if not args.no_object_store:
         header += f" {'objstore GB/s':>14} {'obj/raw':>8}"
     print(header)

@@ -340,7 +340,8 @@ def _run(argv: list[str], check: bool = True, timeout_s: float = 60.0,
          **kwargs: Any) -> subprocess.CompletedProcess:
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, **kwargs)
     if check and proc.returncode != 0:
-        raise TestbedError(f"{shlex.join(argv)} failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
+        output = proc.stderr.strip() or proc.stdout.strip()
+        raise TestbedError(f"{shlex.join(argv)} failed ({proc.returncode}): {output}")
     return proc
 
 
@@ -572,7 +573,10 @@ def _make_network(tb: Testbed, say) -> None:
         _run(["ip", "link", "set", host.veth, "master", tb.bridge])
         _no_ipv6(host.veth)
         _run(["ip", "link", "set", host.veth, "up"])
-        ns = lambda *argv: _run(tb.exec_argv(host, list(argv)))  # noqa: E731
+
+        def ns(*argv: str, host: Host = host) -> None:  # this iteration's host, bound
+            _run(tb.exec_argv(host, list(argv)))
+
         ns("sh", "-c", "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6; "
                        "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6")
         ns("ip", "link", "set", "lo", "up")
@@ -581,7 +585,7 @@ def _make_network(tb: Testbed, say) -> None:
         ns("ip", "link", "set", _NS_IFACE, "up")
         _run(_tbf_argv("add", host.veth, tb.rate))  # towards the host
         ns(*_tbf_argv("add", _NS_IFACE, tb.rate))  # from the host
-    say(f"hosts: " + ", ".join(f"{h.name} {h.ip} ({h.role})" for h in tb.hosts)
+    say("hosts: " + ", ".join(f"{h.name} {h.ip} ({h.role})" for h in tb.hosts)
         + f"; bridge {tb.bridge} {tb.bridge_ip}/24; links {tb.rate}")
 
 

@@ -157,7 +157,8 @@ class PDServeArgs(BaseModel):
     prefill_routing: str = Field(
         default="cache_aware", description="cache_aware (prefix index + load), power_of_two, round_robin")
     min_prefix_match_blocks: int = Field(default=2, ge=1, description="shorter matches route by load")
-    prefix_imbalance_threshold: int = Field(default=8, ge=0, description="queue-length gap that overrides a prefix match")
+    prefix_imbalance_threshold: int = Field(
+        default=8, ge=0, description="queue-length gap that overrides a prefix match")
     api_keys: tuple[str, ...] = Field(default=(), description="accepted Bearer keys; empty: no auth")
     max_request_bytes: int = Field(default=1 << 20, ge=1024, description="larger bodies get 413")
     request_timeout_s: float = Field(default=600.0, gt=0)
@@ -195,7 +196,7 @@ class PDServeArgs(BaseModel):
         return str(resolve_model(v))
 
     @model_validator(mode="after")
-    def _cross_field(self) -> "PDServeArgs":
+    def _cross_field(self) -> PDServeArgs:
         if self.mode is Mode.DISAGGREGATED and self.transport == "nccl" and self.decode.num_gpus == 0:
             raise ValueError("transport nccl needs GPU replicas: set decode.num_gpus and prefill.num_gpus")
         if self.device == "cuda" and self.mode is Mode.DISAGGREGATED and (

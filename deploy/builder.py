@@ -25,10 +25,10 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 
-from deploy.args import Mode, PDServeArgs, PoolArgs, check_redis_url_for_cluster
-from deploy.pools.autoscaler import PDAutoscaler
-from deploy.compat import check_ray_version
 from deploy.api.ingress import OpenAIIngress
+from deploy.args import Mode, PDServeArgs, PoolArgs, check_redis_url_for_cluster
+from deploy.compat import check_ray_version
+from deploy.pools.autoscaler import PDAutoscaler
 from deploy.pools.servers import ColocatedServer, DecodeServer, PrefillServer
 from workers.engine.config import EngineConfig
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
 from array import array
 from collections.abc import Sequence
-import sys
 
 BlockHash = bytes  # 16 bytes
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -33,6 +34,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from deploy.api.openai_protocol import RequestError, error_body
+
+if sys.version_info < (3, 11):  # a builtin from 3.11; before, anyio raises its backport's
+    from exceptiongroup import BaseExceptionGroup
 
 logger = logging.getLogger("pdserve")
 

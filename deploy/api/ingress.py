@@ -17,20 +17,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
-from deploy.args import PDServeArgs
 from deploy.api import http_errors
 from deploy.api.context_limit import fit_to_context
 from deploy.api.conversation import ConversationCache, ConversationTurn
-from deploy.ops.dashboard import install_dashboard
 from deploy.api.http_errors import install_error_handlers, is_cancellation
 from deploy.api.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from deploy.api.output import ChoiceAssembler
-from deploy.api.responses import ResponseBuilder
-from deploy.pools.worker_calls import PoolReadiness, WorkerCalls
-from deploy.pools import directory as worker_directory
-from deploy.ops.cluster_status import PoolReader, autoscaling_status, extend_status, index_status, start_history
-from deploy.ops.metrics import IngressMetrics
 from deploy.api.request_stats import RequestStats
+from deploy.api.responses import ResponseBuilder
+from deploy.args import PDServeArgs
+from deploy.ops.cluster_status import PoolReader, autoscaling_status, extend_status, index_status, start_history
+from deploy.ops.dashboard import install_dashboard
+from deploy.ops.metrics import IngressMetrics
+from deploy.pools import directory as worker_directory
+from deploy.pools.worker_calls import PoolReadiness, WorkerCalls
 from kvstore.hashing import hash_prompt_blocks
 from workers.engine.config import EngineConfig
 from workers.models.config import ModelConfig
@@ -149,7 +149,8 @@ class OpenAIIngress:
             "block_size": self.args.block_size, "pools": pools,
             "index": await index_status(self.index),
             "requests": self.stats.snapshot(),
-            "routing": {"skipped_prefills": self.workers.skipped_prefills, "prefill_retries": self.workers.prefill_retries,
+            "routing": {"skipped_prefills": self.workers.skipped_prefills,
+                        "prefill_retries": self.workers.prefill_retries,
                         "migrations": self.workers.migrations, "failed_migrations": self.workers.failed_migrations},
             "conversations": self.conversations.stats() if self.conversations is not None else None,
             "autoscaling": await autoscaling_status(self.autoscaler),

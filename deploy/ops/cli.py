@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from deploy.args import POOL_TRANSPORTS  # torch-free, like the line below
 from workers.protocol import KV_CACHE_DTYPES  # torch-free: the CLI starts without torch
@@ -58,7 +58,10 @@ def _add_tiny_model_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_tiny_model(args: argparse.Namespace) -> int:
     from workers.models.tiny import (
-        Llama3RopeScaling, TinyModelSpec, tokenizer_vocab_size, write_tiny_model,
+        Llama3RopeScaling,
+        TinyModelSpec,
+        tokenizer_vocab_size,
+        write_tiny_model,
     )
 
     try:
@@ -149,7 +152,6 @@ def _run_generate(args: argparse.Namespace) -> int:
     import time
 
     from workers.engine import LLMEngine, SamplingParams
-
     from workers.models.gguf import describe_model
 
     model = resolve_model_arg(args.model)

@@ -86,7 +86,8 @@ def format_status(status: dict) -> str:
     rates = status.get("throughput")
     if rates:
         window = f"last {rates['window_s']:.0f} s" if rates.get("window_s") else "no window yet"
-        aborted_rate = f", {_rate(rates['aborted_per_s'], 2)} aborted/s" if rates.get("aborted_per_s") is not None else ""
+        aborted = rates.get("aborted_per_s")
+        aborted_rate = f", {_rate(aborted, 2)} aborted/s" if aborted is not None else ""
         lines.append(f"  throughput ({window}): {_rate(rates['output_tokens_per_s'])} output tokens/s, "
                      f"{_rate(rates['requests_per_s'], 2)} requests/s")
         lines.append(f"  errors ({window}): {_pct(rates.get('error_fraction'))} of requests failed, "

@@ -20,9 +20,9 @@ from typing import Any
 from ray import serve
 
 from deploy.args import PDServeArgs
+from deploy.ops.cluster_status import PoolReader
 from deploy.pools.autoscaling import Decision, PolicyConfig, PolicyState, PoolBounds, decide, describe
 from deploy.pools.autoscaling_signals import SignalReader
-from deploy.ops.cluster_status import PoolReader
 from workers.transfer.control import ControlClient
 
 logger = logging.getLogger("ray.serve.pdserve")  # Serve's handlers; its LoggingConfig sets the level

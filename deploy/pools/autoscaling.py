@@ -57,7 +57,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-
 BLOCKED_BY_DECODE = 0.5  # prefill KV share held for decode beyond which prefill waits on decode
 
 

@@ -3,9 +3,9 @@ status`` shows) two samples at a time: rates are the counters' deltas over the i
 
 - prefill: queued prompt tokens = (waiting + running sequences) x the recent mean prompt
   length (a prefill replica's running sequences are the ones still prefilling; held KV is
-  not counted); held KV share = held prompts x the mean prompt length / the pool's KV tokens; tokens/s per replica = computed (uncached) prompt tokens per second of a
-  replica that had work queued at both samples, smoothed, so an idle pool keeps its last
-  measure.
+  not counted); held KV share = held prompts x the mean prompt length / the pool's KV tokens;
+  tokens/s per replica = computed (uncached) prompt tokens per second of a replica that had
+  work queued at both samples, smoothed, so an idle pool keeps its last measure.
 - decode: running and waiting sequences and KV usage as reported; TPOT = mean running
   sequences / generated tokens per second (each running sequence gains one token per step),
   per replica, weighted by running sequences.

@@ -19,8 +19,8 @@ import torch
 from ray import serve
 
 from deploy.args import PDServeArgs, PoolArgs
-from deploy.pools.directory import Registration
 from deploy.ops.metrics import WorkerMetrics
+from deploy.pools.directory import Registration
 from deploy.pools.routers import LINK_FAILURE_WINDOW_S
 from kvstore import IndexConfig, IndexPublisher, WorkerSpec
 from workers.decode import ColocatedWorker, DecodeWorker

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import ray
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from deploy.args import Mode
 from deploy.api.http_errors import is_cancellation
 from deploy.api.openai_protocol import RequestError
+from deploy.args import Mode
 from workers.protocol import GenerateRequest, PrefillResult, TokenChunk, TokenLogprobs
 from workers.transfer.control import ControlClient
 from workers.transfer.errors import KVTransferError

@@ -123,7 +123,7 @@ def wait_idle(base: str, timeout_s: float = 30.0, headers: dict | None = None) -
         replicas = [r for pool in status["pools"].values() for r in pool]
         records = (status["index"].get("workers") or {}) if status["index"].get("healthy") else {}
 
-        def idle(r: dict) -> bool:
+        def idle(r: dict, records: dict = records) -> bool:
             if r.get("healthy"):
                 return r["free_blocks"] == r["total_blocks"]
             # A replica the ingress's router cannot reach yet (just replaced): its own record in

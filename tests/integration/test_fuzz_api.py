@@ -107,19 +107,23 @@ def test_schema_fuzz_never_5xx(fuzz_app):
         modes = [GenerationMode.POSITIVE]
         if op.method.upper() == "POST":
             modes.append(GenerationMode.NEGATIVE)
-        cases = st.one_of(*(op.as_strategy(mode) for mode in modes))
-
-        @settings(max_examples=EXAMPLES.get(op.label, 10), deadline=None, database=None, derandomize=True,
-                  phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-        @given(case=cases, use_served_model=st.booleans())
-        def call(case, use_served_model):
-            if case.body is not None and not isinstance(case.body, (bytes, str)):
-                case.body = bounded(case.body, use_served_model)
-            response = case.call(base_url=fuzz_app, timeout=REQUEST_TIMEOUT_S)
-            check_response(response.status_code, response.text, f"{op.label} {case.body!r}")
-
-        call()
+        _fuzz_operation(op, modes, fuzz_app)
     assert_no_violations(since)
+
+
+def _fuzz_operation(op, modes: list, base_url: str) -> None:
+    """Call one operation with its generated cases (each with its own label in a failure)."""
+
+    @settings(max_examples=EXAMPLES.get(op.label, 10), deadline=None, database=None, derandomize=True,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(case=st.one_of(*(op.as_strategy(mode) for mode in modes)), use_served_model=st.booleans())
+    def call(case, use_served_model):
+        if case.body is not None and not isinstance(case.body, (bytes, str)):
+            case.body = bounded(case.body, use_served_model)
+        response = case.call(base_url=base_url, timeout=REQUEST_TIMEOUT_S)
+        check_response(response.status_code, response.text, f"{op.label} {case.body!r}")
+
+    call()
 
 
 def _chat(**fields) -> dict:

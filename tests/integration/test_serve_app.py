@@ -36,7 +36,8 @@ def apps(serve_cluster, tiny_llama):
                                                            api_keys=[API_KEY], max_request_bytes=4096))
     yield {"pd": disagg, "colo": colo}
     for base in (disagg, colo):
-        wait_idle(base, headers={"Authorization": f"Bearer {API_KEY}"})  # every replica's blocks back to free once traffic stops
+        # every replica's blocks back to free once traffic stops
+        wait_idle(base, headers={"Authorization": f"Bearer {API_KEY}"})
 
 
 def client(base: str) -> openai.OpenAI:

@@ -268,11 +268,15 @@ def test_prefill_link_down_during_transfers_recomputes_then_transfers_resume(app
     deadline = time.monotonic() + 90
     resumed_pairs = during_pairs
     fresh = iter(random_prompts((300,) * 60, seed=64))
+
+    def answer(answers: dict[int, httpx.Response], i: int, prompt) -> None:
+        answers[i] = complete(app, prompt)
+
     while not regrouped(resumed_pairs) and time.monotonic() < deadline:
         burst = [next(fresh) for _ in range(4)]
         answers: dict[int, httpx.Response] = {}
-        senders = [threading.Thread(target=lambda i=i: answers.__setitem__(i, complete(app, burst[i])))
-                   for i in range(len(burst))]
+        # A sender still running after its join timeout writes into its own burst's answers.
+        senders = [threading.Thread(target=answer, args=(answers, i, prompt)) for i, prompt in enumerate(burst)]
         for t in senders:
             t.start()
         for t in senders:

@@ -127,7 +127,8 @@ def test_link_aware_routing_sends_no_prompts_to_a_prefill_host_whose_sends_fail(
                     httpx.get(f"{fault_app}/v1/cluster/status", timeout=30).json()["pools"]["prefill"]}
             if all(rows[rid]["recent_transfer_failures"] >= 2 for rid in slow_ids):
                 break
-            run_concurrently(lambda p: complete(fault_app, p, timeout=CLIENT_TIMEOUT_S), [next(fresh) for _ in range(4)])
+            run_concurrently(lambda p: complete(fault_app, p, timeout=CLIENT_TIMEOUT_S),
+                             [next(fresh) for _ in range(4)])
         time.sleep(2.0)  # the routers have the new routing stats
         before = pair_totals(fault_app, slow_ids)
         prompts = [next(fresh) for _ in range(6)]

@@ -216,7 +216,8 @@ def _run_testbed_commands(config: dict, kind: str, ip: str, home: Path) -> list[
     stubbed to print their arguments; returns each stubbed call's argv."""
     script = "; ".join(config[f"{kind}_start_ray_commands"])
     stubs = ('hostname() { echo "$STUB_IP "; }; '
-             'for tool in ray serve redis-server; do eval "$tool() { printf CALL; printf \\" %q\\" $tool \\"\\$@\\"; echo; }"; done; '
+             'for tool in ray serve redis-server; do '
+             'eval "$tool() { printf CALL; printf \\" %q\\" $tool \\"\\$@\\"; echo; }"; done; '
              'redis-cli() { return 1; }; ulimit() { :; }; mkdir() { :; }; ')
     env = dict(os.environ, STUB_IP=ip, RAY_HEAD_IP=config["provider"]["head_ip"], PDTB_DIR="/tmp/pdtb",
                HOME=str(home))
@@ -279,7 +280,8 @@ def test_testbed_workers_carry_their_pool_and_the_serve_config_fits_them(tmp_pat
     args = PDServeArgs.model_validate(_pdserve_app(serve_config)["args"])
     assert (args.prefill.replicas, args.decode.replicas) == (2, 2) and args.redis_url == tb.redis_url
     for host in tb.hosts[1:]:
-        (ray_start,) = [c for c in _run_testbed_commands(config, "worker", host.ip, tmp_path) if c[:2] == ["ray", "start"]]
+        commands = _run_testbed_commands(config, "worker", host.ip, tmp_path)
+        (ray_start,) = [c for c in commands if c[:2] == ["ray", "start"]]
         flags = _flags(ray_start)
         assert flags["address"] == f"{head}:{RAY_GCS_PORT}" and flags["node-ip-address"] == host.ip
         resources = json.loads(flags["resources"])

@@ -65,7 +65,7 @@ def test_split_prefill_and_decode_match_transformers(pair, tiny_llama):
 def test_decode_reuses_its_own_prefix_cache_and_moves_only_missing_blocks(pair, tiny_llama):
     p, d = pair
     prefix = random_prompts((64,), seed=22)[0]
-    first_prompt, second_prompt = prefix + [5, 6, 7], prefix + [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]
+    first_prompt, second_prompt = prefix + [5, 6, 7], prefix + list(range(8, 25))
     for rid, prompt in (("a", first_prompt), ("b", second_prompt)):
         first, src_ids = prefill(p, rid, prompt, GREEDY)
         res = d.reserve_remote_kv(rid, prompt, first, GREEDY)

@@ -12,7 +12,12 @@ import pytest
 
 from workers.models import source
 from workers.models.gguf import (
-    GGUF_ARCHITECTURES, MARKER, UnsupportedGGUFError, check_supported, describe_model, dequantizable_types,
+    GGUF_ARCHITECTURES,
+    MARKER,
+    UnsupportedGGUFError,
+    check_supported,
+    dequantizable_types,
+    describe_model,
 )
 
 

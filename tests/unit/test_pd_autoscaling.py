@@ -4,14 +4,21 @@ hysteresis and a load that shifts between the pools; its signals from replica st
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 from pydantic import ValidationError
 
 from deploy.pools.autoscaling import (
-    DecodeSignals, PolicyConfig, PolicyState, PoolBounds, PrefillSignals, decide, decode_need, describe,
-    fit_budget, follow, prefill_need,
+    DecodeSignals,
+    PolicyConfig,
+    PolicyState,
+    PoolBounds,
+    PrefillSignals,
+    decide,
+    decode_need,
+    describe,
+    fit_budget,
+    follow,
+    prefill_need,
 )
 from deploy.pools.autoscaling_signals import SignalReader
 
@@ -28,9 +35,10 @@ def decode(replicas=2, running=0, waiting=0, kv=0.0, tpot=None, ready=None) -> D
     return DecodeSignals(replicas, replicas if ready is None else ready, running, waiting, kv, tpot)
 
 
-def run(p, d, state=PolicyState(), start=0.0, seconds=30, step=2.0):
+def run(p, d, state: PolicyState | None = None, start=0.0, seconds=30, step=2.0):
     """Decide every ``step`` seconds on the same signals; the decisions and the last state."""
     decisions, t = [], start
+    state = PolicyState() if state is None else state
     while t <= start + seconds:
         decision = decide(p, d, CONFIG, state, t)
         state = decision.state

@@ -42,7 +42,7 @@ def assert_matches_hf(model_dir: str, prompt: list[int], got, top: int = TOP) ->
         got_values = torch.tensor([v for _, v in entry.top])
         assert torch.allclose(got_values, values, atol=TOL), i
         # the same tokens, up to ties within the tolerance
-        for (tok, value), want_value in zip(entry.top, values.tolist()):
+        for (tok, _value), want_value in zip(entry.top, values.tolist()):
             assert abs(row[tok].item() - want_value) <= TOL
 
 

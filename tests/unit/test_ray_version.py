@@ -18,7 +18,8 @@ def test_the_installed_ray_is_a_tested_one():
 @pytest.mark.parametrize("version", ["2.61.0", "2.59.1", "3.0.0", "2.7.0"])
 def test_an_untested_ray_fails_saying_what_to_install(version, monkeypatch):
     monkeypatch.delenv(ALLOW_ENV, raising=False)
-    with pytest.raises(RuntimeError, match=rf"tested with Ray 2\.60 and this is Ray {version}.*ray\[serve\]==2\.60\.\*"):
+    expected = rf"tested with Ray 2\.60 and this is Ray {version}.*ray\[serve\]==2\.60\.\*"
+    with pytest.raises(RuntimeError, match=expected):
         check_ray_version(version)
 
 

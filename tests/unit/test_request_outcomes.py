@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 
 import pytest
 from fastapi import FastAPI
@@ -19,11 +20,14 @@ from deploy.api import http_errors
 from deploy.api.http_errors import install_error_handlers, is_cancellation
 from deploy.api.request_stats import OUTCOMES, RequestStats
 
+if sys.version_info < (3, 11):  # builtins from 3.11; anyio's backport before
+    from exceptiongroup import BaseExceptionGroup, ExceptionGroup
+
 
 # ------------------------------------------------------------------ counting
 def test_each_outcome_has_its_own_counter():
     stats = RequestStats()
-    for outcome in ("finished", "aborted", "aborted", "failed"):
+    for _ in range(4):  # then ended as finished, aborted, aborted, failed
         stats.begin(prompt_tokens=10)
     assert stats.active == 4 and stats.started == 4 and stats.prompt_tokens == 40
     stats.end("finished", e2e_s=0.5)

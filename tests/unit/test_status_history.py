@@ -12,10 +12,10 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 
-from deploy.ops.cluster_status import extend_status, pair_table
-from deploy.ops.dashboard import install_dashboard
 from deploy.api.http_errors import install_error_handlers
 from deploy.api.openai_protocol import RequestError
+from deploy.ops.cluster_status import extend_status, pair_table
+from deploy.ops.dashboard import install_dashboard
 from deploy.ops.status_history import INTERVAL_S, RESPONSES, ResponseCounts, StatusHistory, condense
 from deploy.ops.status_table import format_status
 from workers.engine.stats import EngineStats
@@ -271,7 +271,8 @@ def full_status() -> dict:
     return {
         "model": "llama", "mode": "disaggregated", "block_size": 16,
         "pools": {"prefill": [{**replica, "worker_id": "pre1", "node_ip": "10.0.0.11"}],
-                  "decode": [{**replica, "worker_id": "dec1"}, {"worker_id": "dec2", "healthy": False, "error": "gone"}]},
+                  "decode": [{**replica, "worker_id": "dec1"},
+                             {"worker_id": "dec2", "healthy": False, "error": "gone"}]},
         "pairs": [{"prefill": "pre1", "decode": "dec1", "prefill_live": True, "transfers": 4,
                    "transfer_bytes": 3 * 2**20, "transfer_p50_s": 0.004, "transfer_p99_s": 0.0125,
                    "transfer_failures": 1, "recomputed_prefills": 2},

@@ -14,7 +14,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 
 from deploy.ops.cli import main as cli_main  # noqa: E402
 from workers.models.tiny import (  # noqa: E402
-    ARCHS, SPECIAL_TOKENS, Llama3RopeScaling, TinyModelSpec, make_tiny_model, tokenizer_vocab_size,
+    ARCHS,
+    SPECIAL_TOKENS,
+    Llama3RopeScaling,
+    TinyModelSpec,
+    make_tiny_model,
+    tokenizer_vocab_size,
 )
 
 _DTYPE_KWARG = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
@@ -28,7 +33,7 @@ def _load(path: Path):
     return model.eval()
 
 
-def _tensors(path: Path) -> dict[str, "torch.Tensor"]:
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
     tensors = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:

@@ -43,7 +43,7 @@ def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
 
 # ------------------------------------------------------------------ /health
 class _Method:
-    def __init__(self, pool: "_Pool") -> None:
+    def __init__(self, pool: _Pool) -> None:
         self.pool = pool
 
     def remote(self):
@@ -267,7 +267,7 @@ def test_serve_access_log_is_off_unless_asked_for():
 
 
 def test_every_deployment_gets_the_logging_config(tiny_llama):
-    from deploy.builder import POOL_DRAIN_S, INGRESS_DRAIN_S, make_app
+    from deploy.builder import INGRESS_DRAIN_S, POOL_DRAIN_S, make_app
 
     app = make_app({"model": tiny_llama, "device": "cpu"})
     ingress = app._bound_deployment

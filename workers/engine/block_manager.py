@@ -27,7 +27,6 @@ from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvstore.hashing import ROOT_PARENT_HASH, BlockHash, hash_prompt_blocks
 from workers.engine.sequence import Sequence
 
-
 NULL_BLOCK = -1  # a block table entry whose block was dropped (outside the sliding window)
 
 

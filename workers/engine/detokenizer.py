@@ -35,8 +35,9 @@ class IncrementalDetokenizer:
         """Append one token; return the newly stable text (possibly empty)."""
         self._ids.append(token_id)
         decode = self.tokenizer.decode
-        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self.skip_special_tokens)
-        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=self.skip_special_tokens)
+        skip = self.skip_special_tokens
+        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
+        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""  # mid-character (or nothing visible yet): wait for more bytes
         delta = full[len(prefix) :]
@@ -56,8 +57,9 @@ class IncrementalDetokenizer:
         if self._read_offset >= len(self._ids):
             return ""
         decode = self.tokenizer.decode
-        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self.skip_special_tokens)
-        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=self.skip_special_tokens)
+        skip = self.skip_special_tokens
+        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
+        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=skip)
         delta = full[len(prefix) :] if len(full) > len(prefix) else ""
         self._read_offset = len(self._ids)
         self.text += delta

@@ -25,13 +25,13 @@ from workers.engine.block_manager import NULL_BLOCK, BlockManager, CachedPrefix,
 from workers.engine.compiled import CompiledDecode
 from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer, find_stop_cut
-from workers.layers.kv_cache import PagedKVCache, plan_num_blocks
 from workers.engine.model_runner import ModelRunner
 from workers.engine.sampler import sample
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import FinishReason, RequestStatus, Sequence, TokenLogprob
 from workers.engine.stats import EngineStats
+from workers.layers.kv_cache import PagedKVCache, plan_num_blocks
 from workers.models.config import ModelConfig
 from workers.models.loader import load_model, resolve_dtype
 
@@ -385,8 +385,9 @@ class LLMEngine:
             reason = FinishReason.STOP
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
-        cut = find_stop_cut(detok.text, len(new_text), params.stop, params.include_stop_str_in_output) if detok else None
-        if cut is not None:
+        cut = (find_stop_cut(detok.text, len(new_text), params.stop, params.include_stop_str_in_output)
+               if detok else None)
+        if detok and cut is not None:
             emitted_before = len(detok.text) - len(new_text)
             detok.text = detok.text[:cut]
             new_text = detok.text[emitted_before:] if cut > emitted_before else ""

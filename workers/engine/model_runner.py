@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import torch
 
-from workers.layers.paged_attention import (
-    AttentionMetadata, PagedAttention, PrefillSpan, attention_mask, flash_attn_usable,
-)
 from workers.engine.block_manager import first_window_block
 from workers.engine.compiled import CompiledDecode
-from workers.layers.kv_cache import PagedKVCache
 from workers.engine.sampler import prompt_logprobs
 from workers.engine.scheduler import ScheduledSeq, SchedulerOutput
 from workers.engine.sequence import Sequence, TokenLogprob
+from workers.layers.kv_cache import PagedKVCache
+from workers.layers.paged_attention import (
+    AttentionMetadata,
+    PagedAttention,
+    PrefillSpan,
+    attention_mask,
+    flash_attn_usable,
+)
 from workers.models.llama import LlamaForCausalLM
 
 PROMPT_LOGITS_ROWS = 512  # rows of prompt logits computed at once ([rows, vocab] fp32)

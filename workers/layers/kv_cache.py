@@ -165,7 +165,8 @@ def _table(device: torch.device, kind: str) -> torch.Tensor:
         codes = torch.arange(256, dtype=torch.float64)
         return torch.exp2(codes / SCALE_CODE_STEPS - SCALE_CODE_BIAS).to(torch.float32).to(device)
     if kind == "e4m3":
-        return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).to(device)
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        return codes.view(torch.float8_e4m3fn).to(torch.float32).to(device)
     byte = torch.arange(256, dtype=torch.int64)
     steps = torch.stack((byte & 15, byte >> 4), dim=-1).to(torch.float64)
     return torch.exp2(-K_STEP_CODES * steps / SCALE_CODE_STEPS).to(torch.float32).to(device)
@@ -284,7 +285,9 @@ class PagedKVCache:
         steps = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
         return offsets, base - K_STEP_CODES * steps
 
-    def _k_offsets_scales(self, k_meta: torch.Tensor, v_meta: torch.Tensor) -> tuple[torch.Tensor | float, torch.Tensor]:
+    def _k_offsets_scales(
+        self, k_meta: torch.Tensor, v_meta: torch.Tensor,
+    ) -> tuple[torch.Tensor | float, torch.Tensor]:
         """Per-channel K offsets and scales (float32 ``[..., H, D]``; offsets 0.0 for symmetric K),
         by table lookups: what a read needs, in few operations."""
         if not self.k_offsets:

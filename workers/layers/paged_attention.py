@@ -16,9 +16,10 @@ query's window have been freed by the block manager).
 K/V go through ``PagedKVCache``, which quantizes on write and dequantizes on gather for an
 int8/fp8 cache. A quantized cache stores V rotated (``PagedKVCache.rotation``): attention over
 gathered values runs in the rotated basis and its output is rotated back once
-(``unrotate_values``), which is exact up to rounding since the rotation is orthonormal. On CUDA with flash-attn installed, a block size it accepts (a multiple of 256), a
-full-precision cache and full attention, the decode batch uses ``flash_attn_with_kvcache`` over
-the block tables instead of gathering.
+(``unrotate_values``), which is exact up to rounding since the rotation is orthonormal. On CUDA
+with flash-attn installed, a block size it accepts (a multiple of 256), a full-precision cache
+and full attention, the decode batch uses ``flash_attn_with_kvcache`` over the block tables
+instead of gathering.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         model_dir = Path(model_dir)
         path = model_dir / "config.json"
         if not path.is_file():
@@ -85,7 +85,7 @@ class ModelConfig:
         return cls.from_dict(raw, generation)
 
     @classmethod
-    def from_dict(cls, raw: dict, generation: dict | None = None) -> "ModelConfig":
+    def from_dict(cls, raw: dict, generation: dict | None = None) -> ModelConfig:
         generation = generation or {}
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)

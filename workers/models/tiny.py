@@ -20,8 +20,9 @@ import hashlib
 import inspect
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from workers.models.gguf import MARKER
 
@@ -378,7 +379,7 @@ def _save_shard(tensors: dict[str, Any], path: Path) -> None:
     path.chmod(0o644)  # safetensors creates the file 0600; other local users may serve it
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trained_tokenizer_json(vocab_size: int) -> str:
     """Byte-level BPE trained on the shipped corpus; deterministic, cached per vocab size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
