@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from deploy.pools.routers import LINK_FAILURE_THRESHOLD, LINK_FAILURE_WINDOW_S
 from tests.integration.conftest import wait_idle
 from tests.multihost.conftest import APP, MODEL_NAME
 from tests.multihost.test_across_hosts import complete, expected_text, pair_totals, replica_placement
@@ -117,15 +118,23 @@ def test_link_aware_routing_sends_no_prompts_to_a_prefill_host_whose_sends_fail(
     if len(testbed.role("prefill")) < 2:
         pytest.skip("needs another prefill host to send the prompts to")
     slow_ids = {rid for rid, ip in replica_placement(testbed)["prefill"].items() if ip == slow.ip}
+    def recent_failures() -> dict[str, int]:
+        rows = {r["worker_id"]: r for r in
+                httpx.get(f"{fault_app}/v1/cluster/status", timeout=30).json()["pools"]["prefill"]}
+        return {rid: rows[rid]["recent_transfer_failures"] for rid in slow_ids}
+
+    # Failures an earlier test left (the 10 Mbit/s one) would age out of the window in the middle
+    # of this one: wait until they have, so the failures below are this test's own and fresh.
+    deadline = time.monotonic() + LINK_FAILURE_WINDOW_S + 15
+    while max(recent_failures().values()) >= LINK_FAILURE_THRESHOLD and time.monotonic() < deadline:
+        time.sleep(1.0)
     testbed.set_rate(slow, "10mbit")
     try:
         # Until its sends have failed twice (as its routing stats say, refreshed every second).
         deadline = time.monotonic() + 120
         fresh = iter(random_prompts((300,) * 40, seed=75))
         while time.monotonic() < deadline:
-            rows = {r["worker_id"]: r for r in
-                    httpx.get(f"{fault_app}/v1/cluster/status", timeout=30).json()["pools"]["prefill"]}
-            if all(rows[rid]["recent_transfer_failures"] >= 2 for rid in slow_ids):
+            if all(n >= LINK_FAILURE_THRESHOLD for n in recent_failures().values()):
                 break
             run_concurrently(lambda p: complete(fault_app, p, timeout=CLIENT_TIMEOUT_S),
                              [next(fresh) for _ in range(4)])
