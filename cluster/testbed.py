@@ -870,7 +870,7 @@ def stop_host(state_dir: str | None = None, grace_s: float = 10.0) -> int:
                 args = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if any((keyword in comm) if by_name else (keyword in args) for keyword, by_name in RAY_PROCESSES):
+        if any(str(keyword) in (comm if by_name else args) for keyword, by_name in RAY_PROCESSES):
             victims.append(pid)
     _kill_pids(victims, grace_s)
     print(f"stopped {len(victims)} Ray processes on {hosts[own].name}")
@@ -953,11 +953,11 @@ def _run_testbed(args: argparse.Namespace) -> int:
         if command == "serve-config":
             import yaml
 
-            tb = Testbed.load(args.state_dir)
-            if tb is None:
+            recorded = Testbed.load(args.state_dir)
+            if recorded is None:
                 print(f"no testbed recorded in {args.state_dir}: run `pdserve testbed up` first", file=sys.stderr)
                 return 1
-            text = yaml.safe_dump(tb.serve_config(str(Path(args.model).resolve())), sort_keys=False)
+            text = yaml.safe_dump(recorded.serve_config(str(Path(args.model).resolve())), sort_keys=False)
             if args.out:
                 Path(args.out).write_text(text)
             else:

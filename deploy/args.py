@@ -178,9 +178,10 @@ class PDServeArgs(BaseModel):
     @field_validator("kv_cache_dtype", "transport", "prefill_routing")
     @classmethod
     def _one_of(cls, v: str, info: ValidationInfo) -> str:
-        allowed = _CHOICES[info.field_name]
+        name = str(info.field_name)  # a field validator's info always names its field
+        allowed = _CHOICES[name]
         if v not in allowed:
-            raise ValueError(f"{info.field_name} {v!r}: choose one of {', '.join(allowed)}")
+            raise ValueError(f"{name} {v!r}: choose one of {', '.join(allowed)}")
         return v
 
     @field_validator("autoscaling", mode="before")

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from ray import serve
+from ray.serve import Deployment
 from ray.serve.config import RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 
@@ -61,15 +62,24 @@ def _pool_options(pool: PoolArgs, router: str, router_kwargs: dict[str, Any],
         max_ongoing_requests=pool.max_ongoing_requests,
         max_queued_requests=pool.max_queued_requests,
         ray_actor_options={"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus, "resources": dict(pool.resources)},
+        # Ray annotates RequestRouterConfig(**kwargs) as dict[str, Any] values; they are its fields.
         request_router_config=RequestRouterConfig(
-            request_router_class=router, request_router_kwargs=router_kwargs,
-            request_routing_stats_period_s=1.0, request_routing_stats_timeout_s=5.0,
+            request_router_class=router, request_router_kwargs=router_kwargs,  # type: ignore[arg-type]
+            request_routing_stats_period_s=1.0, request_routing_stats_timeout_s=5.0,  # type: ignore[arg-type]
         ),
         health_check_period_s=5.0,
         logging_config=logging_config,
         graceful_shutdown_timeout_s=POOL_DRAIN_S,
         graceful_shutdown_wait_loop_s=DRAIN_CHECK_S,
     )
+
+
+def _deployment(decorated: object) -> Deployment:
+    """A ``@serve.deployment`` class as what it is at run time (mypy keeps a decorated class's
+    own type: python/mypy#3135)."""
+    if not isinstance(decorated, Deployment):
+        raise TypeError(f"{decorated!r} is not a Serve deployment")
+    return decorated
 
 
 def build_app(args: dict[str, Any] | PDServeArgs) -> serve.Application:
@@ -91,24 +101,25 @@ def make_app(args: dict[str, Any] | PDServeArgs, access_log: bool | None = None)
         "imbalance_threshold": parsed.prefix_imbalance_threshold,
         "block_size": parsed.block_size,
     }
-    ingress = OpenAIIngress.options(num_replicas=parsed.ingress_replicas, logging_config=logs,
+    ingress = _deployment(OpenAIIngress).options(num_replicas=parsed.ingress_replicas, logging_config=logs,
                                     graceful_shutdown_timeout_s=INGRESS_DRAIN_S,
                                     graceful_shutdown_wait_loop_s=DRAIN_CHECK_S)
     if parsed.mode is Mode.COLOCATED:
-        colocated = ColocatedServer.options(
+        colocated = _deployment(ColocatedServer).options(
             **_pool_options(parsed.colocated, PREFIX_ROUTER,
                             {**router_kwargs, "role": "colocated", "policy": parsed.prefill_routing}, logs)).bind(raw)
         return ingress.bind(raw, colocated=colocated)
     prefill_kwargs = {**router_kwargs, "role": "prefill", "policy": parsed.prefill_routing}
-    prefill = PrefillServer.options(**_pool_options(parsed.prefill, PREFIX_ROUTER, prefill_kwargs, logs)).bind(raw)
-    decode = DecodeServer.options(
+    prefill = _deployment(PrefillServer).options(
+        **_pool_options(parsed.prefill, PREFIX_ROUTER, prefill_kwargs, logs)).bind(raw)
+    decode = _deployment(DecodeServer).options(
         **_pool_options(parsed.decode, DECODE_ROUTER, {**router_kwargs, "role": "decode"}, logs)).bind(raw)
     if parsed.autoscaling is None:
         return ingress.bind(raw, prefill=prefill, decode=decode)
     # INFO: its decision lines go through Serve's replica logger (access log as for the rest)
     autoscaler_logs = LoggingConfig(log_level="DEBUG" if logs.log_level == "DEBUG" else "INFO",
                                     enable_access_log=logs.enable_access_log)
-    autoscaler = PDAutoscaler.options(logging_config=autoscaler_logs).bind(raw)
+    autoscaler = _deployment(PDAutoscaler).options(logging_config=autoscaler_logs).bind(raw)
     return ingress.bind(raw, prefill=prefill, decode=decode, autoscaler=autoscaler)
 
 

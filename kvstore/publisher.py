@@ -249,7 +249,7 @@ class IndexPublisher:
                                          px=self.config.ttl_ms),
             self.config.write_timeout_s,
         )
-        if pool is not None:
+        if isinstance(pool, (str, bytes)):  # SET NX GET answers the pool's record, or None for a new pool
             compat.check_joins(PoolCompat.from_json(pool))
         run_id = await self.link.server_run_id()
         first = self._run_id is None

@@ -98,6 +98,8 @@ class DecodeWorker(ColocatedWorker):
     async def generate(self, request: GenerateRequest, prefill: PrefillResult) -> AsyncIterator[TokenChunk]:
         """Continue a prefilled request: pull its KV (or recompute), then stream its tokens."""
         rid, handle = request.request_id, prefill.kv_handle
+        if handle is None:
+            raise ValueError(f"request {rid} finished at its first token: there is no KV to decode from")
         prompt = list(request.prompt_token_ids)
         params = worker_params(request)
         outputs = self.loop.attach(rid)
@@ -189,7 +191,13 @@ class DecodeWorker(ColocatedWorker):
         task = asyncio.get_running_loop().create_task(
             self.control.release(handle.address, handle.request_id, RELEASE_TIMEOUT_S))
         self._background.add(task)
-        task.add_done_callback(lambda t: (self._background.discard(t), t.cancelled() or t.exception()))
+
+        def forget(t: asyncio.Task) -> None:
+            self._background.discard(t)
+            if not t.cancelled():
+                t.exception()  # retrieved: nobody awaits an advisory release
+
+        task.add_done_callback(forget)
 
     async def shutdown(self) -> None:
         self._receivers.shutdown(wait=False, cancel_futures=True)

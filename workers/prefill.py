@@ -76,6 +76,8 @@ class PrefillWorker:
                                     hold_kv=needs_decode),
         ):
             final = output
+        if final is None or final.timing is None:  # the engine's final output carries the timing
+            raise RuntimeError(f"prefill of {rid}: the engine ended it without a final output")
         first = final.token_ids[0]
         finish = final.finish_reason if final.finish_reason == "stop" or not needs_decode else None
         if finish is None and len(request.prompt_token_ids) + 1 >= self.engine.max_model_len:
@@ -104,6 +106,8 @@ class PrefillWorker:
             with contextlib.suppress(EngineDeadError):
                 self.loop.call_future(lambda e: e.release_kv(rid))
             raise
+        if block_ids is None:
+            raise RuntimeError(f"prefill of {rid}: the engine no longer holds its KV for decode")
         self.leases.grant(rid, self.lease_ttl_s, self._on_lease_end)
         handle = KVHandle(
             request_id=rid, prefill_worker_id=self.worker_id, address=self.address,
@@ -156,8 +160,14 @@ class PrefillWorker:
             raise Refused(str(exc)) from exc
         task = asyncio.get_running_loop().create_task(self._send_claimed(request))
         self._sending.add(task)  # the loop keeps only a weak reference
-        # Its failure is counted and logged by the send itself; the decode side sees it as its own.
-        task.add_done_callback(lambda t: (self._sending.discard(t), t.cancelled() or t.exception()))
+
+        def forget(t: asyncio.Task) -> None:
+            self._sending.discard(t)
+            if not t.cancelled():
+                # Retrieved: the send counts and logs its own failure; the decode side sees it as its own.
+                t.exception()
+
+        task.add_done_callback(forget)
 
     async def _on_release_call(self, request_id: str) -> bool:
         return await self.release(request_id)

@@ -56,13 +56,13 @@ def _adapter(cls: type) -> TypeAdapter:
 
 def encode(message: Any) -> bytes:
     """A message (any dataclass of this module, or plain data) as JSON bytes."""
-    return _adapter(type(message)).dump_json(message)
+    return _adapter(type(message)).dump_json(message)  # type: ignore[arg-type]  # types hash: python/mypy#11470
 
 
 def decode(cls: type[M], data: bytes | str) -> M:
     """The ``cls`` message ``encode`` wrote; ValueError (pydantic's ValidationError) naming the
     field for anything else."""
-    return _adapter(cls).validate_json(data)
+    return _adapter(cls).validate_json(data)  # type: ignore[arg-type]  # types hash: python/mypy#11470
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -95,8 +95,9 @@ class OpenAIIngress:
         Redis, shared by every ingress replica, or in this replica's memory without Redis."""
         if not self.args.conversation_reuse:
             return None
-        from kvstore.conversation import LocalConversationStore, RedisConversationStore
+        from kvstore.conversation import ConversationStore, LocalConversationStore, RedisConversationStore
 
+        store: ConversationStore
         if self.args.redis_url:
             from kvstore import IndexConfig
 
@@ -185,8 +186,9 @@ class OpenAIIngress:
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
                     for m in body.messages]
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt, tokenize=False)
+            # tokenize=False: the rendered text (Hugging Face's type names every form it returns)
+            text = cast(str, self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt, tokenize=False))
         except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
             raise RequestError(f"messages do not fit the model's chat template: {exc}", "messages") from exc
         stitched, turn = None, None
@@ -285,7 +287,7 @@ class OpenAIIngress:
                 assembler.num_cached_tokens = max(assembler.num_cached_tokens, chunk.num_cached_tokens)
                 if chunk.timing:
                     assembler.timing.update(chunk.timing)
-                if turn is not None and assembler.finish_reason is not None:
+                if turn is not None and self.conversations is not None and assembler.finish_reason is not None:
                     await self.conversations.remember(turn, choice.prompt_token_ids, assembler)
                 yield delta
                 if assembler.finish_reason is not None:

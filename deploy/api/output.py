@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from workers.engine.detokenizer import IncrementalDetokenizer, find_stop_cut
+from workers.engine.detokenizer import IncrementalDetokenizer, TokenDecoder, find_stop_cut
 from workers.protocol import TokenLogprobs
 
 
@@ -20,7 +20,7 @@ class ChoiceDelta:
 
 @dataclass
 class ChoiceAssembler:
-    tokenizer: object
+    tokenizer: TokenDecoder
     prompt_token_ids: list[int]
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False

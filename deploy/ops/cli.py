@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from deploy.args import POOL_TRANSPORTS  # torch-free, like the line below
 from workers.protocol import KV_CACHE_DTYPES  # torch-free: the CLI starts without torch
@@ -156,7 +157,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     model = resolve_model_arg(args.model)
     print(f"pdserve generate: {model} ({describe_model(model)})", file=sys.stderr)
-    compile_kwargs = {"enforce_eager": False, "max_num_seqs": len(args.prompts)} if args.compile else {}
+    compile_kwargs: dict[str, Any] = {"enforce_eager": False, "max_num_seqs": len(args.prompts)} if args.compile else {}
     engine = LLMEngine(model, block_size=args.block_size, device=args.device, dtype=args.dtype,
                        kv_cache_dtype=args.kv_cache_dtype, **compile_kwargs)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
@@ -349,6 +350,7 @@ def _wait_until_serving(app_name: str, targets: dict[str, int], probe: str, stop
     be served). False when the deployment failed (said on stderr) or a stop was asked for first."""
     import httpx
     from ray import serve
+    from ray.serve.schema import ReplicaState
 
     last_health: str | None = None
     with httpx.Client(timeout=2.0) as client:
@@ -360,7 +362,7 @@ def _wait_until_serving(app_name: str, targets: dict[str, int], probe: str, stop
                     return False
                 for name, want in targets.items():
                     deployment = app.deployments.get(name)
-                    running = deployment.replica_states.get("RUNNING", 0) if deployment is not None else 0
+                    running = deployment.replica_states.get(ReplicaState.RUNNING, 0) if deployment is not None else 0
                     if name not in announced and running >= want:
                         announced.add(name)
                         _say(f"{name}: {running}/{want} {'replica' if want == 1 else 'replicas'} ready")
@@ -454,7 +456,7 @@ def _deploy_and_serve(args: argparse.Namespace, model: str, local, signals: _Sto
 
     from ray import serve
 
-    from deploy.args import PDServeArgs
+    from deploy.args import PDServeArgs, PoolArgs
     from deploy.builder import make_app, serve_logging
 
     if not debug:  # Serve's driver-side INFO ("Started Serve in namespace", ...): our lines say it
@@ -463,8 +465,8 @@ def _deploy_and_serve(args: argparse.Namespace, model: str, local, signals: _Sto
             "num_threads": _threads_per_replica(args)}
     app_args = PDServeArgs(
         model=model, served_model_name=args.served_model_name, mode=args.mode,
-        prefill={**pool, "replicas": args.prefill}, decode={**pool, "replicas": args.decode},
-        colocated={**pool, "replicas": args.colocated}, device=args.device, dtype=args.dtype,
+        prefill=PoolArgs(**pool, replicas=args.prefill), decode=PoolArgs(**pool, replicas=args.decode),
+        colocated=PoolArgs(**pool, replicas=args.colocated), device=args.device, dtype=args.dtype,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_gib=args.kv_cache_memory_gib, kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len, conversation_reuse=not args.no_conversation_reuse,

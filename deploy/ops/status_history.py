@@ -193,10 +193,13 @@ class StatusHistory:
         return True
 
     async def _run(self) -> None:
+        collect = self.collect
+        if collect is None:  # ensure_running starts no task then
+            return
         while True:
             started = time.monotonic()
             try:
-                status = await self.collect()
+                status = await collect()
                 self.record(status)
             except asyncio.CancelledError:
                 raise
@@ -226,8 +229,9 @@ class StatusHistory:
         delta: dict[str, float | None] = {}
         for counter, rate in RATES.items():
             a, b = current.get(counter), (base or {}).get(counter)
-            delta[counter] = max(0, a - b) if span > 0 and a is not None and b is not None else None
-            out[rate] = delta[counter] / span if delta[counter] is not None else None
+            counted = max(0, a - b) if span > 0 and a is not None and b is not None else None
+            delta[counter] = counted
+            out[rate] = counted / span if counted is not None else None
         ended = sum(delta[k] or 0 for k in ("finished", "failed", "aborted"))
         out["error_fraction"] = (delta["failed"] or 0) / ended if ended else None
         http_now, http_base = status.get("http") or {}, (base or {}).get("http_total")

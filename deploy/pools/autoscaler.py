@@ -59,8 +59,10 @@ async def set_target(app_name: str, deployment: str, num_replicas: int) -> None:
 
 @serve.deployment(name="autoscaler", num_replicas=1, ray_actor_options={"num_cpus": 0})
 class PDAutoscaler:
-    async def __init__(self, args: dict) -> None:
+    async def __init__(self, args: dict) -> None:  # type: ignore[misc]  # Serve awaits an async constructor
         self.args = PDServeArgs.model_validate(args)
+        if self.args.autoscaling is None:
+            raise ValueError("the pd autoscaler runs only with `autoscaling: pd` in the args")
         self.config = policy_config(self.args)
         self.interval_s = self.args.autoscaling.interval_s
         self.app_name = serve.get_replica_context().app_name

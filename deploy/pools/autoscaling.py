@@ -192,23 +192,25 @@ def decide(prefill: PrefillSignals, decode: DecodeSignals, config: PolicyConfig,
     if wanted == current:
         return keep(None, replace(state, pending=None, pending_since=None))
     grows = any(w > c for w, c in zip(wanted, current))
-    if state.pending is None or _direction(state.pending, current) != _direction(wanted, current):
-        state = replace(state, pending=wanted, pending_since=now)
-    else:
-        state = replace(state, pending=wanted)
+    pending_since = state.pending_since
+    if (state.pending is None or pending_since is None
+            or _direction(state.pending, current) != _direction(wanted, current)):
+        pending_since = now
+    state = replace(state, pending=wanted, pending_since=pending_since)
     landing = prefill.ready_replicas != prefill.replicas or decode.ready_replicas != decode.replicas
     if landing and state.last_change is not None and now - state.last_change < config.landing_timeout_s:
         return keep("the last change is still landing (replicas starting or stopping)", state)
     if state.last_change is not None and now - state.last_change < config.cooldown_s:
         return keep(f"cooldown ({config.cooldown_s:g} s after the last change)", state)
     delay = config.upscale_delay_s if grows else config.downscale_delay_s
-    if now - state.pending_since < delay:
+    if now - pending_since < delay:
         return keep(f"{'upscale' if grows else 'downscale'} delay ({delay:g} s)", state)
     return Decision(wanted[0], wanted[1], True, needs[0], needs[1], PolicyState(last_change=now))
 
 
 def _direction(proposal: tuple[int, int], current: tuple[int, int]) -> tuple[int, int]:
-    return tuple((p > c) - (p < c) for p, c in zip(proposal, current))  # type: ignore[return-value]
+    (p0, p1), (c0, c1) = proposal, current
+    return (p0 > c0) - (p0 < c0), (p1 > c1) - (p1 < c1)
 
 
 def describe(decision: Decision, prefill: PrefillSignals, decode: DecodeSignals, config: PolicyConfig) -> str:

@@ -21,6 +21,7 @@ import logging
 import time
 
 import ray
+from ray.actor import ActorHandle
 
 from workers.protocol import TransferAddress
 
@@ -54,13 +55,15 @@ class WorkerDirectory:
         return {wid: address for (dep, wid), (_, address) in self._entries.items() if dep == deployment}
 
 
-def get_or_create(app_name: str):
+def get_or_create(app_name: str) -> ActorHandle:
     """The application's directory, created if it does not exist (the ingress's call). Blocking."""
-    return WorkerDirectory.options(name=directory_name(app_name), namespace=NAMESPACE,
-                                   get_if_exists=True).remote()
+    # An ActorClass: mypy keeps a decorated class's own type (python/mypy#3135).
+    directory = WorkerDirectory.options(  # type: ignore[attr-defined]
+        name=directory_name(app_name), namespace=NAMESPACE, get_if_exists=True)
+    return directory.remote()
 
 
-def find(app_name: str):
+def find(app_name: str) -> ActorHandle | None:
     """The application's directory, or None while no ingress has created it. Blocking."""
     try:
         return ray.get_actor(directory_name(app_name), namespace=NAMESPACE)
@@ -73,7 +76,7 @@ class Registration:
 
     def __init__(self, app_name: str, deployment: str, address: TransferAddress) -> None:
         self.app_name, self.deployment, self.address = app_name, deployment, address
-        self._directory = None
+        self._directory: ActorHandle | None = None
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:

@@ -32,9 +32,12 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+if TYPE_CHECKING:
+    from kvstore import PrefixIndex  # imported when first used: a router without Redis never needs it
 
 logger = logging.getLogger("pdserve")
 
@@ -108,7 +111,9 @@ def rank_for_decode(
 
 
 class _IndexRouter(FIFOMixin, RequestRouter):
-    def initialize_state(
+    # Serve calls this with the deployment's request_router_kwargs; naming them (Serve's own
+    # pattern) narrows the base's **kwargs, which mypy reads as breaking the override.
+    def initialize_state(  # type: ignore[override]
         self,
         redis_url: str | None = None,
         model_key: str = "",
@@ -123,7 +128,7 @@ class _IndexRouter(FIFOMixin, RequestRouter):
         self._block_size = block_size
         self._policy = policy
         self._next = 0  # round-robin position
-        self._index = None
+        self._index: PrefixIndex | None = None
         self.decisions = {"prefix": 0, "load": 0}
         self._in_flight: dict[str, int] = {}  # replica id -> requests routed there, not completed
         self._routed: dict[str, str] = {}  # internal request id -> replica id

@@ -27,7 +27,7 @@ from workers.decode import ColocatedWorker, DecodeWorker
 from workers.engine import LLMEngine
 from workers.prefill import PrefillWorker
 from workers.protocol import GenerateRequest, PrefillResult, TokenChunk, TransferAddress
-from workers.transfer import TransferConfig
+from workers.transfer import TransferConfig, Transport
 from workers.transfer.control import ControlHandlers, ControlServer
 
 logger = logging.getLogger("pdserve")
@@ -56,7 +56,7 @@ def set_engine_threads(pool: PoolArgs) -> int:
 
 def transfer_config(args: PDServeArgs) -> TransferConfig:
     return TransferConfig(
-        transport=args.transport, host=ray.util.get_node_ip_address(),
+        transport=Transport(args.transport), host=ray.util.get_node_ip_address(),
         node_id=ray.get_runtime_context().get_node_id(),
         connect_timeout_s=args.transfer_timeout_s, transfer_timeout_s=args.transfer_timeout_s,
     )
@@ -66,6 +66,7 @@ class _WorkerServer:
     """What every pool's replica shares: engine construction, index publishing, stats."""
 
     role = "worker"
+    worker: PrefillWorker | ColocatedWorker  # each pool's server sets its own
 
     def _setup(self, args: dict) -> LLMEngine:
         self.args = PDServeArgs.model_validate(args)
@@ -86,18 +87,18 @@ class _WorkerServer:
                     engine.num_kv_blocks, self.device)
         return engine
 
-    async def _start_control(self, control: ControlServer | None = None) -> TransferAddress:
+    async def _start_control(self, prefill: PrefillWorker | None = None) -> TransferAddress:
         """Open this replica's control server (a prefill worker brings its own, with the lease
         calls) and register it in the application's worker directory, where the cluster status
         finds it. Returns its address."""
-        if control is None:
+        if prefill is None:
             control = ControlServer(self.worker_id, self.node_ip, ControlHandlers())
             await control.start()
             self._own_control = control
             address = control.address_of(TransferAddress(self.node_ip, 0, self.worker_id,
                                                          ray.get_runtime_context().get_node_id()))
         else:
-            address = self.worker.address
+            control, address = prefill.control, prefill.address
         control.handlers.stats = self.stats
         context = serve.get_replica_context()
         self.registration = Registration(context.app_name, context.deployment, address)
@@ -174,15 +175,16 @@ class _WorkerServer:
 @serve.deployment(name="prefill")
 class PrefillServer(_WorkerServer):
     role = "prefill"
+    worker: PrefillWorker
 
-    async def __init__(self, args: dict) -> None:
+    async def __init__(self, args: dict) -> None:  # type: ignore[misc]  # Serve awaits an async constructor
         engine = self._setup(args)
         stall = self.args.fault_injection.get("send_stall_s")
         self.worker = PrefillWorker(engine, self.worker_id, transfer_config(self.args),
                                     self.args.lease_ttl_s, on_step=self._on_step,
                                     before_send=(lambda: asyncio.sleep(stall)) if stall else None)
         await self.worker.start()
-        await self._start_control(self.worker.control)
+        await self._start_control(self.worker)
         address = f"{self.worker.address.host}:{self.worker.address.port}"
         await self._start_publisher(engine, address)
 
@@ -201,8 +203,9 @@ class PrefillServer(_WorkerServer):
 @serve.deployment(name="decode")
 class DecodeServer(_WorkerServer):
     role = "decode"
+    worker: DecodeWorker
 
-    async def __init__(self, args: dict) -> None:
+    async def __init__(self, args: dict) -> None:  # type: ignore[misc]  # Serve awaits an async constructor
         engine = self._setup(args)
         self.worker = DecodeWorker(engine, self.worker_id, transfer_config(self.args), on_step=self._on_step)
         await self._start_control()
@@ -222,8 +225,9 @@ class DecodeServer(_WorkerServer):
 @serve.deployment(name="colocated")
 class ColocatedServer(_WorkerServer):
     role = "colocated"
+    worker: ColocatedWorker
 
-    async def __init__(self, args: dict) -> None:
+    async def __init__(self, args: dict) -> None:  # type: ignore[misc]  # Serve awaits an async constructor
         engine = self._setup(args)
         self.worker = ColocatedWorker(engine, self.worker_id, on_step=self._on_step)
         await self._start_control()

@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 
 import ray
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -84,7 +84,7 @@ class WorkerCalls:
         self.failed_migrations = 0  # streams that broke once more than max_migrations allows
         self._background: set[asyncio.Task] = set()
 
-    async def generate(self, choice: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    async def generate(self, choice: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         """One choice's tokens. In disaggregated mode a decode stream whose replica dies resumes
         on another decode replica (at most ``max_migrations`` times) from the prompt plus the
         tokens already yielded: the caller sees one uninterrupted stream."""
@@ -173,10 +173,10 @@ class WorkerCalls:
                 if started or exc.status != 503:
                     raise
                 if time.time() + backoff > deadline:
-                    result = await self._extend_lease(result, give_up)
-                    if result is None:
+                    extended = await self._extend_lease(result, give_up)
+                    if extended is None or extended.kv_handle is None:
                         raise
-                    deadline = result.kv_handle.lease_expires_at - 1.0
+                    result, deadline = extended, extended.kv_handle.lease_expires_at - 1.0
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 1.0)
 
@@ -224,13 +224,13 @@ class WorkerCalls:
         """Free the blocks a prefill replica holds for ``result`` now, not when its lease ends.
         Fire and forget (it runs while this request is being cancelled); the lease covers a
         call that does not arrive."""
-        handle = result.kv_handle
-        if handle is None or self.control is None:
+        handle, control = result.kv_handle, self.control
+        if handle is None or control is None:
             return
 
         async def release() -> None:
             with contextlib.suppress(Exception):
-                await self.control.release(handle.address, result.request_id, CONTROL_TIMEOUT_S)
+                await control.release(handle.address, result.request_id, CONTROL_TIMEOUT_S)
 
         with contextlib.suppress(RuntimeError):  # no running loop (finalized at exit): the lease frees
             task = asyncio.get_running_loop().create_task(release())

@@ -9,13 +9,21 @@ decoding ends in U+FFFD. Stop strings are matched on the emitted text.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol, cast
 
 _WINDOW = 6  # tokens of left context re-decoded with each new token (handles merges at the seam)
 
 
+class TokenDecoder(Protocol):
+    """What detokenizing needs of a tokenizer (a Hugging Face tokenizer is one). A flat list of
+    ids decodes to one string; Hugging Face's type names every form ``decode`` can return."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str | list[str]: ...
+
+
 @dataclass(slots=True)
 class IncrementalDetokenizer:
-    tokenizer: object
+    tokenizer: TokenDecoder
     prompt_token_ids: list[int]
     skip_special_tokens: bool = True
     text: str = ""
@@ -34,10 +42,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; return the newly stable text (possibly empty)."""
         self._ids.append(token_id)
-        decode = self.tokenizer.decode
-        skip = self.skip_special_tokens
-        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
-        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=skip)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""  # mid-character (or nothing visible yet): wait for more bytes
         delta = full[len(prefix) :]
@@ -52,14 +58,15 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    def _decode(self, token_ids: list[int]) -> str:
+        return cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens))
+
     def flush(self) -> str:
         """At the end of a sequence, emit whatever is pending (a dangling partial character)."""
         if self._read_offset >= len(self._ids):
             return ""
-        decode = self.tokenizer.decode
-        skip = self.skip_special_tokens
-        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
-        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=skip)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
         delta = full[len(prefix) :] if len(full) > len(prefix) else ""
         self._read_offset = len(self._ids)
         self.text += delta

@@ -352,11 +352,13 @@ class LLMEngine:
 
     def generate(
         self,
-        prompts: Seq[str] | Seq[Seq[int]],
+        prompts: Seq[str | Seq[int]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        params = params or SamplingParams()
-        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            per_prompt = [SamplingParams() if params is None else params] * len(prompts)
+        else:
+            per_prompt = list(params)
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         for request_id, prompt, p in zip(ids, prompts, per_prompt):
             self.add_request(request_id, prompt, p)

@@ -84,12 +84,13 @@ class ModelRunner:
         for item in out.prefills:
             start = item.seq.num_computed_tokens
             context_len = start + item.num_new_tokens
-            table, first = None, 0
+            cached_table: torch.Tensor | None = None  # only a chunk after cached tokens reads the cache
+            first = 0
             if context_len != item.num_new_tokens:
                 first = first_window_block(start, self.sliding_window, bs)
                 num_blocks = -(-context_len // bs)
-                table = torch.tensor(item.seq.block_table[first:num_blocks], dtype=torch.long, device=dev)
-            meta.prefills.append(PrefillSpan(row, item.num_new_tokens, context_len, table, first * bs))
+                cached_table = torch.tensor(item.seq.block_table[first:num_blocks], dtype=torch.long, device=dev)
+            meta.prefills.append(PrefillSpan(row, item.num_new_tokens, context_len, cached_table, first * bs))
             row += item.num_new_tokens
 
         attn = PagedAttention(self.kv, meta, self.model.attention_scale)
@@ -112,12 +113,15 @@ class ModelRunner:
     def _prompt_logprobs(self, hidden: torch.Tensor, seq: Sequence, targets: range, row: int) -> list[TokenLogprob]:
         """Logprobs of prompt tokens ``targets + 1`` from the hidden rows of positions ``targets``
         (starting at ``row``)."""
+        top = seq.params.prompt_logprobs
+        if top is None:  # prompt_logprob_targets is empty then: no rows to score
+            return []
         result: list[TokenLogprob] = []
         for first in range(0, len(targets), PROMPT_LOGITS_ROWS):
             n = min(PROMPT_LOGITS_ROWS, len(targets) - first)
             logits = self.model.compute_logits(hidden[row + first : row + first + n])
             ids = seq.token_ids[targets.start + first + 1 : targets.start + first + n + 1]
-            result.extend(prompt_logprobs(logits, ids, seq.params.prompt_logprobs))
+            result.extend(prompt_logprobs(logits, ids, top))
         return result
 
     def _scratch_attention(self, batch: int) -> PagedAttention:

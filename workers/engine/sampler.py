@@ -26,6 +26,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
                 # A pure function of (seed, output position): the same tokens whichever worker
                 # samples them, after a preemption, or when prefill and decode are split.
                 position = seq.params.output_position_offset + seq.num_output_tokens
+                assert seq.generator is not None, "add_request gives a seeded sequence its own generator"
                 seq.generator.manual_seed(_position_seed(seq.params.seed, position))
             tokens[i] = _sample_row(logits[i], seq.params, seq.generator)
     token_list = tokens.tolist()

@@ -192,19 +192,23 @@ def _hadamard(dim: int) -> torch.Tensor:
 
 
 @dataclass(slots=True)
-class KVWritePlan:
-    """Which slots a step writes, computed once per step on the host and used by every layer.
+class BlockWrites:
+    """The blocks behind a quantized cache's slots: tokens of one sequence are consecutive and
+    write only blocks that sequence owns alone (a shared block is full and never written), so
+    blocks are listed per token without sorting."""
 
-    A quantized cache also needs the blocks behind them: tokens of one sequence are consecutive
-    and write only blocks that sequence owns alone (a shared block is full and never written),
-    so blocks are listed per token without sorting. A full-precision cache needs ``slots`` only.
-    """
+    ids: torch.Tensor  # [U] distinct blocks written
+    token_block: torch.Tensor  # [T] index into ``ids`` of each token's block
+    offsets: torch.Tensor  # [T] each token's row in its block
+    held: torch.Tensor  # [U] rows the block already holds (0: its old contents are void)
+
+
+@dataclass(slots=True)
+class KVWritePlan:
+    """Which slots a step writes, computed once per step on the host and used by every layer."""
 
     slots: torch.Tensor  # [T] row in the flat ``[2, num_blocks * rows, ...]`` view
-    blocks: torch.Tensor | None = None  # [U] distinct blocks written
-    token_block: torch.Tensor | None = None  # [T] index into ``blocks`` of each token's block
-    offsets: torch.Tensor | None = None  # [T] each token's row in its block
-    held: torch.Tensor | None = None  # [U] rows the block already holds (0: its old contents are void)
+    blocks: BlockWrites | None = None  # a quantized cache's; a full-precision one needs slots only
 
     @classmethod
     def build(cls, block_ids: list[int], offsets: list[int], rows: int, device: torch.device,
@@ -226,8 +230,7 @@ class KVWritePlan:
                 blocks.append(block)
                 held.append(offset)  # a sequence writes its tokens in order: the first is the lowest
             token_block.append(index)
-        return cls(slots, blocks=tensor(blocks), token_block=tensor(token_block), offsets=tensor(offsets),
-                   held=tensor(held))
+        return cls(slots, BlockWrites(tensor(blocks), tensor(token_block), tensor(offsets), tensor(held)))
 
 
 class PagedKVCache:
@@ -287,11 +290,11 @@ class PagedKVCache:
 
     def _k_offsets_scales(
         self, k_meta: torch.Tensor, v_meta: torch.Tensor,
-    ) -> tuple[torch.Tensor | float, torch.Tensor]:
-        """Per-channel K offsets and scales (float32 ``[..., H, D]``; offsets 0.0 for symmetric K),
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Per-channel K offsets and scales (float32 ``[..., H, D]``; no offsets for symmetric K),
         by table lookups: what a read needs, in few operations."""
         if not self.k_offsets:
-            return 0.0, decode_scale(k_meta)
+            return None, decode_scale(k_meta)
         offsets = _lookup(_table(k_meta.device, "e4m3"), k_meta)
         base = decode_scale(v_meta[..., self.block_size : self.block_size + 1])
         packed = v_meta[..., self.block_size + 1 : self.block_size + 1 + self.head_dim // 2]
@@ -344,18 +347,21 @@ class PagedKVCache:
             flat[0].index_copy_(0, plan.slots, k.to(self.dtype))
             flat[1].index_copy_(0, plan.slots, v.to(self.dtype))
             return
+        writes, rotation = plan.blocks, self.rotation
+        if writes is None or rotation is None:  # a quantized cache has a rotation, its plans blocks
+            raise ValueError("a quantized cache writes with a plan from its own write_plan()")
         # Quantized elements are one byte: blocks are read and written back as uint8, which every
         # index op supports (CPU has no index_copy_ for float8), as 16-byte rows where possible.
         raw = self.layers[layer].view(torch.uint8)
         wide = as_wide_rows(raw)
-        blocks = wide.index_select(1, plan.blocks).view(torch.uint8).view(
+        blocks = wide.index_select(1, writes.ids).view(torch.uint8).view(
             2, -1, self.rows, self.num_kv_heads, self.head_dim)  # [2, U, rows, H, D], a copy
         bs = self.block_size
-        tb, off = plan.token_block, plan.offsets
+        tb, off = writes.token_block, writes.offsets
         k_meta, v_meta = blocks[0, :, bs], blocks[1, :, bs]  # [U, H, D] views into the copy
 
         # V: one scale per token per head, after the rotation; nothing already stored changes.
-        v_rot = v.to(torch.float32) @ self.rotation
+        v_rot = v.to(torch.float32) @ rotation
         v_codes = encode_scale(v_rot.abs().amax(-1) / self.qmax)  # [T, H]
         blocks[1, tb, off] = self._quantize(v_rot / decode_scale(v_codes)[..., None])
         blocks[1, tb, bs, :, off] = v_codes.to(torch.uint8)
@@ -365,11 +371,11 @@ class PagedKVCache:
         k = k.to(torch.float32)
         old_offsets, old_codes = self._k_params(k_meta, v_meta)  # [U, H, D]
         old_scales = decode_scale(old_codes)
-        fresh = (plan.held == 0)[:, None, None]
+        fresh = (writes.held == 0)[:, None, None]
         misfit = torch.zeros(blocks.shape[1], bs, self.num_kv_heads, self.head_dim, dtype=torch.bool, device=k.device)
         misfit[tb, off] = (k - old_offsets[tb]).abs_() > old_scales[tb] * self.fit_limit
         keep = ~fresh & ~misfit.any(1)
-        held = torch.arange(bs, device=k.device)[None, :] < plan.held[:, None]  # [U, bs] rows already there
+        held = torch.arange(bs, device=k.device)[None, :] < writes.held[:, None]  # [U, bs] rows already there
         values = self._dequantize(blocks[0, :, :bs]).mul_(old_scales[:, None]).add_(old_offsets[:, None])
         held_values = values.clone()
         values[tb, off] = k
@@ -390,7 +396,7 @@ class PagedKVCache:
             blocks[0, :, :bs] = torch.where(redo, requant, blocks[0, :, :bs])
         blocks[0, tb, off] = self._quantize((k - offsets[tb]) / scales[tb])
         self._store_k_params(k_meta, v_meta, offsets, codes)
-        wide.index_copy_(1, plan.blocks, as_wide_rows(blocks))
+        wide.index_copy_(1, writes.ids, as_wide_rows(blocks))
 
     def _quantize(self, x: torch.Tensor) -> torch.Tensor:
         """Scaled float32 values -> the storage dtype, returned as its bytes (uint8)."""
@@ -428,11 +434,11 @@ class PagedKVCache:
         v_scales = decode_scale(v_meta[..., :bs]).transpose(-1, -2)  # [..., n, bs, H]
         out = self._dequantize(blocks[..., :bs, :, :])  # [2, ..., n, bs, H, D], scales applied in fp32
         out[0].mul_(scales.unsqueeze(-3))
-        if self.k_offsets:
+        if offsets is not None:
             out[0].add_(offsets.unsqueeze(-3))
         out[1].mul_(v_scales.unsqueeze(-1))
         if not rotated_values:
-            out[1] = out[1] @ self.rotation.T
+            out[1] = self.unrotate_values(out[1])
         return out.to(self.compute_dtype).reshape(2, *lead[:-1], lead[-1] * bs, self.num_kv_heads, self.head_dim)
 
     def unrotate_values(self, out: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from workers.layers.kv_cache import KVWritePlan, PagedKVCache
 
 try:  # optional, CUDA only
-    from flash_attn import flash_attn_with_kvcache  # type: ignore[import-not-found]
+    from flash_attn import flash_attn_with_kvcache
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     flash_attn_with_kvcache = None
 
@@ -85,11 +85,19 @@ class PagedAttention:
         self.meta = meta
         self.scale = scale
 
+    @property
+    def cache(self) -> PagedKVCache:
+        """The KV cache, which a step that writes K/V, decodes or extends a cached prefix needs
+        (only a step of fresh prompts runs without one)."""
+        if self.kv is None:
+            raise ValueError("this step reads or writes the KV cache but its attention has none")
+        return self.kv
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] (already rotated). Returns [T, Hq, D]."""
         meta = self.meta
         if meta.write is not None:
-            self.kv.write(layer, meta.write, k, v)
+            self.cache.write(layer, meta.write, k, v)
 
         out = torch.empty_like(q)
         if meta.num_decodes:
@@ -112,13 +120,15 @@ class PagedAttention:
                         enable_gqa=True,
                     )
             else:
-                kv = self.kv.gather(layer, span.block_table, rotated_values=True)  # [2, n_blocks * bs, Hkv, D]
+                if span.block_table is None:
+                    raise ValueError("a chunk after cached tokens needs its block table")
+                kv = self.cache.gather(layer, span.block_table, rotated_values=True)  # [2, n_blocks * bs, Hkv, D]
                 length = span.context_len - span.first_key_pos
                 ks = kv[0, :length].transpose(0, 1).unsqueeze(0)
                 vs = kv[1, :length].transpose(0, 1).unsqueeze(0)
                 query_pos = torch.arange(span.context_len - span.num_tokens, span.context_len, device=q.device)
                 key_pos = torch.arange(span.first_key_pos, span.context_len, device=q.device)
-                o = self.kv.unrotate_values(F.scaled_dot_product_attention(
+                o = self.cache.unrotate_values(F.scaled_dot_product_attention(
                     qs, ks, vs, attn_mask=attention_mask(query_pos, key_pos, window), scale=self.scale,
                     enable_gqa=True,
                 ))
@@ -126,18 +136,21 @@ class PagedAttention:
         return out
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        meta = self.meta
+        meta, cache = self.meta, self.cache
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        if tables is None or lens is None:
+            raise ValueError("a step with decodes needs their block tables and context lengths")
         if meta.use_flash_attn:
-            cache = self.kv.layers[layer]
+            layer_cache = cache.layers[layer]
             o = flash_attn_with_kvcache(
-                q.unsqueeze(1), cache[0], cache[1],
-                cache_seqlens=meta.decode_context_lens.to(torch.int32),
-                block_table=meta.decode_block_tables.to(torch.int32),
+                q.unsqueeze(1), layer_cache[0], layer_cache[1],
+                cache_seqlens=lens.to(torch.int32),
+                block_table=tables.to(torch.int32),
                 softmax_scale=self.scale, causal=True,
             )
             return o.squeeze(1)
-        kv = self.kv.gather(layer, meta.decode_block_tables, rotated_values=True).transpose(2, 3)  # [2, B, Hkv, L, D]
+        kv = cache.gather(layer, tables, rotated_values=True).transpose(2, 3)  # [2, B, Hkv, L, D]
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), kv[0], kv[1], attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
         )
-        return self.kv.unrotate_values(o.squeeze(2))
+        return cache.unrotate_values(o.squeeze(2))

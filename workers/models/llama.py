@@ -53,6 +53,9 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position, computed once in fp32 as transformers does per step."""
 
+    cos: torch.Tensor  # [max_positions, head_dim] buffers (build)
+    sin: torch.Tensor
+
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         self.rope, self.head_dim, self.max_positions = rope, head_dim, max_positions

@@ -305,7 +305,7 @@ def _build_config(spec: TinyModelSpec, bos_id: int, eos_ids: list[int], pad_id: 
         kwargs["sliding_window"] = spec.sliding_window
     rope_scaling = (spec.rope_scaling.as_dict(spec.max_position_embeddings)
                     if spec.rope_scaling is not None else None)
-    if "rope_parameters" in inspect.signature(config_cls.__init__).parameters:
+    if "rope_parameters" in inspect.signature(config_cls).parameters:
         # transformers >= 5: theta and scaling live together in "rope_parameters".
         kwargs["rope_parameters"] = {"rope_theta": float(spec.rope_theta),
                                      **(rope_scaling or {"rope_type": "default"})}

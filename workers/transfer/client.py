@@ -159,7 +159,7 @@ class KVTransferClient:
             request = request_for(epoch)
             request_send(request)
             created = group is None
-            if created:
+            if group is None:
                 group = self._create_group(slot, handle.address, epoch, transport, deadline)
                 slot.peer_generation = handle.address.generation
             nbytes = group.recv(kv_caches, dst, handle.layout, request.tag, deadline)

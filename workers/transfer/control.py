@@ -39,7 +39,7 @@ import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc import aio
@@ -48,6 +48,7 @@ from workers.protocol import TransferAddress, TransferRequest, decode, encode
 from workers.transfer.errors import KVTransferError
 
 logger = logging.getLogger(__name__)
+M = TypeVar("M")  # a control message
 
 SERVICE = "pdserve.KVControl"
 MAX_MESSAGE_BYTES = 16 << 20  # a TransferRequest names block ids; 16 MiB covers millions
@@ -150,7 +151,7 @@ class ControlServer:
     def address_of(self, address: TransferAddress) -> TransferAddress:
         return replace(address, control_port=self.port, generation=self.generation)
 
-    def _method(self, message_type: type, handler: Callable[[object], Awaitable[ControlReply]]):
+    def _method(self, message_type: type[M], handler: Callable[[M], Awaitable[ControlReply]]):
         async def call(payload: bytes, context: aio.ServicerContext) -> bytes:
             try:
                 message = decode(message_type, payload)

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,9 @@ import torch.distributed as dist
 from workers.protocol import KVLayout
 from workers.transfer.buffers import buffer_shape, gather_blocks, scatter_blocks
 from workers.transfer.config import Transport
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Backend as C10dBackend  # what both process groups are
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +53,7 @@ def backend_of(transport: Transport) -> str:
 
 def new_process_group(store: dist.Store, rank: int, world_size: int, backend: str,
                       timeout: datetime.timedelta, bind_host: str | None = None,
-                      device: torch.device | None = None) -> dist.ProcessGroup:
+                      device: torch.device | None = None) -> C10dBackend:
     """A process group outside torch.distributed's global state (no ``init_process_group``: pair
     groups come and go while the worker lives), with its own timeout and, for gloo, its sockets
     bound to ``bind_host`` (the node's address: across hosts, never every interface).
@@ -66,7 +70,7 @@ def new_process_group(store: dist.Store, rank: int, world_size: int, backend: st
                 return dist.ProcessGroupNCCL(store, rank, world_size, options)
         if backend != "gloo":
             raise ValueError(f"backend {backend!r}: gloo or nccl")
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private: not in torch's stubs
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host or "")]
         return dist.ProcessGroupGloo(store, rank, world_size, options)

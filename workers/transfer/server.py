@@ -60,7 +60,7 @@ class KVTransferServer:
         self.config = config or TransferConfig()
         self.device = torch.device(device)
         # Hosted for the worker's life; decode workers find it through the KVHandle's address.
-        self._store = dist.TCPStore(
+        self._store: dist.TCPStore | None = dist.TCPStore(
             self.config.host, self.config.port, is_master=True, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=self.config.connect_timeout_s),
         )
