@@ -102,8 +102,7 @@ async def _sample(base: str, run: Run, start: float, stop: asyncio.Event) -> Non
                 pass
 
 
-async def drive(base: str, model: str, phases: list[Phase], label: str, seed: int, vocab: int,
-                timeout_s: float) -> Run:
+async def drive(base: str, model: str, phases: list[Phase], label: str, seed: int, vocab: int, timeout_s: float) -> Run:
     run = Run(label)
     rng = random.Random(seed)
     stop = asyncio.Event()
@@ -115,8 +114,15 @@ async def drive(base: str, model: str, phases: list[Phase], label: str, seed: in
 
         async def one(phase_name: str, prompt_len: int, output_len: int) -> None:
             prompt = [rng.randrange(10, vocab - 10) for _ in range(prompt_len)]
-            body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
-                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": output_len,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             result = await send_request(client, COMPLETIONS, body, timeout_s)
             run.results.append((phase_name, result))
 
@@ -150,29 +156,55 @@ def summarize(run: Run, ttft_s: float, tpot_s: float, phase: str | None = None) 
     ttft = [r.ttft_s for r in ok]
     tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
     return {
-        "requests": len(rows), "ok": len(ok), "failed": len(rows) - len(ok), "good": len(good),
+        "requests": len(rows),
+        "ok": len(ok),
+        "failed": len(rows) - len(ok),
+        "good": len(good),
         "goodput_fraction": len(good) / len(rows) if rows else None,
         "goodput_req_s": len(good) / run.duration_s if phase is None and run.duration_s else None,
-        "ttft_p90_s": percentile(ttft, 90), "tpot_p90_s": percentile(tpot, 90),
+        "ttft_p90_s": percentile(ttft, 90),
+        "tpot_p90_s": percentile(tpot, 90),
     }
 
 
 def app_args(kind: str, model: str, redis_url: str, opts) -> dict:
     pool = {"num_cpus": opts.cpus_per_replica, "resources": {"pd_slot": 1}}
     half = opts.budget // 2
-    args = {"model": model, "redis_url": redis_url, "device": "cpu", "num_kv_blocks": opts.kv_blocks,
-            "max_model_len": 2048 + 512, "prefill": {**pool, "replicas": half},
-            "decode": {**pool, "replicas": opts.budget - half}}
+    args = {
+        "model": model,
+        "redis_url": redis_url,
+        "device": "cpu",
+        "num_kv_blocks": opts.kv_blocks,
+        "max_model_len": 2048 + 512,
+        "prefill": {**pool, "replicas": half},
+        "decode": {**pool, "replicas": opts.budget - half},
+    }
     if kind == "pd":
-        args["autoscaling"] = {"policy": "pd", "max_total_replicas": opts.budget, "ttft_target_s": opts.ttft_s,
-                               "tpot_target_s": opts.tpot_s, "interval_s": 2.0, "upscale_delay_s": 4.0,
-                               "downscale_delay_s": 30.0, "cooldown_s": 10.0}
+        args["autoscaling"] = {
+            "policy": "pd",
+            "max_total_replicas": opts.budget,
+            "ttft_target_s": opts.ttft_s,
+            "tpot_target_s": opts.tpot_s,
+            "interval_s": 2.0,
+            "upscale_delay_s": 4.0,
+            "downscale_delay_s": 30.0,
+            "cooldown_s": 10.0,
+        }
     elif kind == "queue":
         for name, target in (("prefill", opts.queue_target_prefill), ("decode", opts.queue_target_decode)):
-            args[name] = {**pool, "autoscaling_config": {
-                "min_replicas": 1, "max_replicas": opts.budget - 1, "initial_replicas": args[name]["replicas"],
-                "target_ongoing_requests": target, "upscale_delay_s": 4.0, "downscale_delay_s": 30.0,
-                "metrics_interval_s": 1.0, "look_back_period_s": 6.0}}
+            args[name] = {
+                **pool,
+                "autoscaling_config": {
+                    "min_replicas": 1,
+                    "max_replicas": opts.budget - 1,
+                    "initial_replicas": args[name]["replicas"],
+                    "target_ongoing_requests": target,
+                    "upscale_delay_s": 4.0,
+                    "downscale_delay_s": 30.0,
+                    "metrics_interval_s": 1.0,
+                    "look_back_period_s": 6.0,
+                },
+            }
     return args
 
 
@@ -207,8 +239,11 @@ def plot(runs: list[Run], path: Path, budget: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=("shifting", "steady"), default="shifting")
-    ap.add_argument("--configs", default=None, help="comma-separated of pd,static,queue "
-                                                     "(default: all three shifting, pd,static steady)")
+    ap.add_argument(
+        "--configs",
+        default=None,
+        help="comma-separated of pd,static,queue (default: all three shifting, pd,static steady)",
+    )
     ap.add_argument("--phase-s", type=float, default=60.0, help="seconds per phase")
     ap.add_argument("--prompt-rate", type=float, default=1.2, help="prompt-heavy requests/s")
     ap.add_argument("--output-rate", type=float, default=0.8, help="output-heavy requests/s")
@@ -217,8 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tpot-s", type=float, default=0.1, help="TPOT target (goodput and the pd policy)")
     ap.add_argument("--queue-target-prefill", type=float, default=2.0, help="queue-length: target_ongoing_requests")
     ap.add_argument("--queue-target-decode", type=float, default=8.0, help="queue-length: target_ongoing_requests")
-    ap.add_argument("--kv-blocks", type=int, default=448,
-                    help="KV blocks per replica (its memory: 12 output-heavy or 3 prompt-heavy sequences)")
+    ap.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=448,
+        help="KV blocks per replica (its memory: 12 output-heavy or 3 prompt-heavy sequences)",
+    )
     ap.add_argument("--cpus-per-replica", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=300.0)
@@ -244,8 +283,9 @@ def main(argv: list[str] | None = None) -> int:
 
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for kind in configs:
-            base = deploy_and_wait(app_args(kind, model, local.redis_url, opts), APP, "/",
-                                   f"http://127.0.0.1:{port}", timeout_s=300)
+            base = deploy_and_wait(
+                app_args(kind, model, local.redis_url, opts), APP, "/", f"http://127.0.0.1:{port}", timeout_s=300
+            )
             model_id = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
             warm = [Phase("warm-up", 2048, 16, 4.0, 1.0), Phase("warm-up", 64, 32, 4.0, 1.0)]
             asyncio.run(drive(base, model_id, warm, "warm-up", opts.seed + 99, vocab, opts.timeout_s))
@@ -255,25 +295,46 @@ def main(argv: list[str] | None = None) -> int:
             serve.delete(APP)
         serve.shutdown()
 
-    report = {"workload": opts.workload, "phases": [p.__dict__ for p in phases], "budget": opts.budget,
-              "ttft_target_s": opts.ttft_s, "tpot_target_s": opts.tpot_s, "load_average": load, "runs": []}
-    print(f"\n{opts.workload} workload, budget {opts.budget}, TTFT target {opts.ttft_s:g} s, "
-          f"TPOT target {opts.tpot_s * 1000:g} ms; load average (1/5/15 min) before and after each run: "
-          + "; ".join("/".join(f"{x:.1f}" for x in la) for la in load))
+    report = {
+        "workload": opts.workload,
+        "phases": [p.__dict__ for p in phases],
+        "budget": opts.budget,
+        "ttft_target_s": opts.ttft_s,
+        "tpot_target_s": opts.tpot_s,
+        "load_average": load,
+        "runs": [],
+    }
+    print(
+        f"\n{opts.workload} workload, budget {opts.budget}, TTFT target {opts.ttft_s:g} s, "
+        f"TPOT target {opts.tpot_s * 1000:g} ms; load average (1/5/15 min) before and after each run: "
+        + "; ".join("/".join(f"{x:.1f}" for x in la) for la in load)
+    )
     header = f"{'config':<24}{'requests':>9}{'good':>6}{'goodput':>9}{'good/s':>8}{'p90 TTFT':>10}{'p90 TPOT':>10}"
     print(header)
     for run in runs:
         s = summarize(run, opts.ttft_s, opts.tpot_s)
         phases = dict.fromkeys(p for p, _ in run.results)  # in order of first appearance
         per_phase = {name: summarize(run, opts.ttft_s, opts.tpot_s, name) for name in phases}
-        report["runs"].append({"label": run.label, **s, "phases": per_phase, "timeline": run.timeline,
-                               "phase_starts": run.phase_starts, "decisions": run.decisions,
-                               "duration_s": run.duration_s})
-        print(f"{run.label:<24}{s['requests']:>9}{s['good']:>6}{s['goodput_fraction']:>9.1%}{s['goodput_req_s']:>8.2f}"
-              f"{s['ttft_p90_s'] or 0:>9.2f}s{(s['tpot_p90_s'] or 0) * 1000:>8.0f}ms")
+        report["runs"].append(
+            {
+                "label": run.label,
+                **s,
+                "phases": per_phase,
+                "timeline": run.timeline,
+                "phase_starts": run.phase_starts,
+                "decisions": run.decisions,
+                "duration_s": run.duration_s,
+            }
+        )
+        print(
+            f"{run.label:<24}{s['requests']:>9}{s['good']:>6}{s['goodput_fraction']:>9.1%}{s['goodput_req_s']:>8.2f}"
+            f"{s['ttft_p90_s'] or 0:>9.2f}s{(s['tpot_p90_s'] or 0) * 1000:>8.0f}ms"
+        )
         for name, ps in per_phase.items():
-            print(f"  {name:<22}{ps['requests']:>9}{ps['good']:>6}{ps['goodput_fraction'] or 0:>9.1%}{'':>8}"
-                  f"{ps['ttft_p90_s'] or 0:>9.2f}s{(ps['tpot_p90_s'] or 0) * 1000:>8.0f}ms")
+            print(
+                f"  {name:<22}{ps['requests']:>9}{ps['good']:>6}{ps['goodput_fraction'] or 0:>9.1%}{'':>8}"
+                f"{ps['ttft_p90_s'] or 0:>9.2f}s{(ps['tpot_p90_s'] or 0) * 1000:>8.0f}ms"
+            )
         for line in run.decisions:
             print(f"    {line}")
     by_label = {r["label"]: r for r in report["runs"]}

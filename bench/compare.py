@@ -31,8 +31,18 @@ def bench_model(path: Path) -> Path:
     from workers.models.tiny import make_tiny_model
 
     if not (path / "config.json").is_file():
-        make_tiny_model(path, arch="llama", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4,
-                        intermediate_size=768, vocab_size=2048, max_position_embeddings=4096, seed=0)
+        make_tiny_model(
+            path,
+            arch="llama",
+            num_layers=4,
+            hidden_size=256,
+            num_heads=8,
+            num_kv_heads=4,
+            intermediate_size=768,
+            vocab_size=2048,
+            max_position_embeddings=4096,
+            seed=0,
+        )
     return path
 
 
@@ -42,10 +52,14 @@ def run_one(label: str, app_args: dict, config: BenchConfig, port: int) -> dict:
     from deploy.builder import deploy_and_wait
 
     base = deploy_and_wait(app_args, "bench", "/", f"http://127.0.0.1:{port}", timeout_s=300)
-    warm = replace(config, base_url=base, workload=replace(config.workload, seed=config.workload.seed + 1000),
-                   progress=False)
-    asyncio.run(run_benchmark(replace(warm, workload=replace(warm.workload, num_prompts=4, gsp_num_groups=1,
-                                                                gsp_prompts_per_group=2))))
+    warm = replace(
+        config, base_url=base, workload=replace(config.workload, seed=config.workload.seed + 1000), progress=False
+    )
+    asyncio.run(
+        run_benchmark(
+            replace(warm, workload=replace(warm.workload, num_prompts=4, gsp_num_groups=1, gsp_prompts_per_group=2))
+        )
+    )
     result = asyncio.run(run_benchmark(replace(config, base_url=base)))
     status = httpx.get(f"{base}/v1/cluster/status", timeout=10).json()
     serve.delete("bench")
@@ -53,12 +67,19 @@ def run_one(label: str, app_args: dict, config: BenchConfig, port: int) -> dict:
     print(format_result(result))
     s = result.summary
     return {
-        "label": label, "completed": s.completed, "failed": s.failed,
-        "output_throughput": s.output_throughput, "request_throughput": s.request_throughput,
-        "ttft_p50_ms": s.ttft.median_ms, "ttft_p90_ms": s.ttft.percentiles_ms.get("p90"),
-        "ttft_p99_ms": s.ttft.percentiles_ms.get("p99"), "tpot_median_ms": s.tpot.median_ms,
-        "itl_p99_ms": s.itl.percentiles_ms.get("p99"), "cache_hit_rate": s.cache_hit_rate,
-        "ideal_cache_hit_rate": s.ideal_cache_hit_rate, "skipped_prefills": status["routing"]["skipped_prefills"],
+        "label": label,
+        "completed": s.completed,
+        "failed": s.failed,
+        "output_throughput": s.output_throughput,
+        "request_throughput": s.request_throughput,
+        "ttft_p50_ms": s.ttft.median_ms,
+        "ttft_p90_ms": s.ttft.percentiles_ms.get("p90"),
+        "ttft_p99_ms": s.ttft.percentiles_ms.get("p99"),
+        "tpot_median_ms": s.tpot.median_ms,
+        "itl_p99_ms": s.itl.percentiles_ms.get("p99"),
+        "cache_hit_rate": s.cache_hit_rate,
+        "ideal_cache_hit_rate": s.ideal_cache_hit_rate,
+        "skipped_prefills": status["routing"]["skipped_prefills"],
         "per_replica_requests": {p: [r.get("requests") for r in rs] for p, rs in status["pools"].items()},
     }
 
@@ -90,20 +111,36 @@ def main(argv: list[str] | None = None) -> int:
 
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         pool = {"num_cpus": opts.cpus_per_replica}
-        base_args = {"model": model, "redis_url": local.redis_url, "device": "cpu", "num_kv_blocks": opts.kv_blocks,
-                     "prefill": {**pool, "replicas": 1}, "decode": {**pool, "replicas": 1}}
+        base_args = {
+            "model": model,
+            "redis_url": local.redis_url,
+            "device": "cpu",
+            "num_kv_blocks": opts.kv_blocks,
+            "prefill": {**pool, "replicas": 1},
+            "decode": {**pool, "replicas": 1},
+        }
         if opts.what == "routing":
-            workload = WorkloadSpec(dataset="shared-prefix", tokenizer=model, gsp_num_groups=opts.groups,
-                                    gsp_prompts_per_group=opts.prompts_per_group,
-                                    gsp_system_prompt_len=opts.system_len, gsp_question_len=opts.question_len,
-                                    gsp_output_len=opts.output_len)
+            workload = WorkloadSpec(
+                dataset="shared-prefix",
+                tokenizer=model,
+                gsp_num_groups=opts.groups,
+                gsp_prompts_per_group=opts.prompts_per_group,
+                gsp_system_prompt_len=opts.system_len,
+                gsp_question_len=opts.question_len,
+                gsp_output_len=opts.output_len,
+            )
             config = BenchConfig(workload=workload, max_concurrency=opts.concurrency, ignore_eos=True)
             for policy in ("cache_aware", "round_robin"):
                 app_args = {**base_args, "prefill": {**pool, "replicas": 2}, "prefill_routing": policy}
                 results.append(run_one(f"prefill routing {policy} (2 prefill + 1 decode)", app_args, config, port))
         else:
-            workload = WorkloadSpec(dataset="random", tokenizer=model, num_prompts=opts.random_prompts,
-                                    random_input_len=opts.input_len, random_output_len=opts.output_len * 4)
+            workload = WorkloadSpec(
+                dataset="random",
+                tokenizer=model,
+                num_prompts=opts.random_prompts,
+                random_input_len=opts.input_len,
+                random_output_len=opts.output_len * 4,
+            )
             config = BenchConfig(workload=workload, max_concurrency=opts.concurrency, ignore_eos=True)
             results.append(run_one("disaggregated (1 prefill + 1 decode)", base_args, config, port))
             colo = {**base_args, "mode": "colocated", "colocated": {**pool, "replicas": 2}}
@@ -117,8 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"{va / vb:.2f}x" if va and vb else "-"
         print(f"{key:<20} {va!s:>12.12} {vb!s:>12.12}  ratio {ratio}")
     if opts.what == "routing" and a["ideal_cache_hit_rate"]:
-        print(f"cluster hit rate vs ideal: {a['cache_hit_rate'] / a['ideal_cache_hit_rate']:.1%} (cache-aware), "
-              f"{b['cache_hit_rate'] / b['ideal_cache_hit_rate']:.1%} (round-robin)")
+        print(
+            f"cluster hit rate vs ideal: {a['cache_hit_rate'] / a['ideal_cache_hit_rate']:.1%} (cache-aware), "
+            f"{b['cache_hit_rate'] / b['ideal_cache_hit_rate']:.1%} (round-robin)"
+        )
     if opts.json:
         opts.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -54,19 +54,41 @@ def child(args: argparse.Namespace) -> None:
 
     model = Path(args.model_dir)
     if not (model / "config.json").is_file():
-        make_tiny_model(model, arch="llama", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4,
-                        intermediate_size=768, vocab_size=2048, max_position_embeddings=4096, seed=0)
+        make_tiny_model(
+            model,
+            arch="llama",
+            num_layers=4,
+            hidden_size=256,
+            num_heads=8,
+            num_kv_heads=4,
+            intermediate_size=768,
+            vocab_size=2048,
+            max_position_embeddings=4096,
+            seed=0,
+        )
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     port = args.port
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app_args = {"model": str(model), "served_model_name": "m", "device": "cpu", "num_kv_blocks": 512,
-                "prefill": {"replicas": 1, "num_cpus": 1}, "decode": {"replicas": 1, "num_cpus": 1}}
+    app_args = {
+        "model": str(model),
+        "served_model_name": "m",
+        "device": "cpu",
+        "num_kv_blocks": 512,
+        "prefill": {"replicas": 1, "num_cpus": 1},
+        "decode": {"replicas": 1, "num_cpus": 1},
+    }
     base = deploy_and_wait(app_args, "bench", "/", f"http://127.0.0.1:{port}", timeout_s=300)
     rng = random.Random(7)
 
     def one(client: httpx.Client) -> tuple[float, float]:
-        body = {"model": "m", "prompt": [rng.randrange(3, 2000) for _ in range(64)], "max_tokens": 2,
-                "temperature": 0, "ignore_eos": True, "stream": True}
+        body = {
+            "model": "m",
+            "prompt": [rng.randrange(3, 2000) for _ in range(64)],
+            "max_tokens": 2,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         start = time.perf_counter()
         times = []
         with client.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as resp:
@@ -93,11 +115,17 @@ def child(args: argparse.Namespace) -> None:
         status = client.get(f"{base}/v1/cluster/status", timeout=30).json()
     rtts = asyncio.run(control_round_trips(status, args.requests))
     pairs = status.get("pairs") or []
-    print(json.dumps({
-        "ttft_s": firsts, "second_token_s": seconds, "control_rtt_s": rtts,
-        "transfers": sum(p.get("transfers", 0) for p in pairs),
-        "recomputes": sum(p.get("recomputed_prefills", 0) for p in pairs),
-    }))
+    print(
+        json.dumps(
+            {
+                "ttft_s": firsts,
+                "second_token_s": seconds,
+                "control_rtt_s": rtts,
+                "transfers": sum(p.get("transfers", 0) for p in pairs),
+                "recomputes": sum(p.get("recomputed_prefills", 0) for p in pairs),
+            }
+        )
+    )
     serve.shutdown()
     ray.shutdown()
 
@@ -121,6 +149,7 @@ async def control_round_trips(status: dict, n: int) -> list[float]:
 
         async def call() -> None:
             await client.release(address, "bench-no-such-request", 5.0)
+
     for _ in range(20):
         await call()
     rtts = []
@@ -135,15 +164,27 @@ async def control_round_trips(status: dict, n: int) -> list[float]:
 def worktree(commit: str) -> Path:
     path = Path(tempfile.gettempdir()) / f"pdserve-baseline-{commit}"
     if not (path / "pyproject.toml").is_file():
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "--force", str(path), commit],
-                       check=True, capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", "--force", str(path), commit],
+            check=True,
+            capture_output=True,
+        )
     return path
 
 
 def run_tree(tree: Path, args: argparse.Namespace) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, str(ROOT / "bench" / "control_path.py"), "--child", "--requests", str(args.requests),
-           "--model-dir", args.model_dir, "--port", str(args.port)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "control_path.py"),
+        "--child",
+        "--requests",
+        str(args.requests),
+        "--model-dir",
+        args.model_dir,
+        "--port",
+        str(args.port),
+    ]
     out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise SystemExit(f"{tree}: the benchmark child failed:\n{out.stderr[-4000:]}")
@@ -172,24 +213,33 @@ def main() -> None:
             print(f"round {r + 1}/{args.rounds}: {name} ({tree}) ...", file=sys.stderr, flush=True)
             result = run_tree(tree, args)
             rows[name].append(result)
-            print(f"  ttft p50 {statistics.median(result['ttft_s']) * 1e3:.1f} ms, done p50 "
-                  f"{statistics.median(result['second_token_s']) * 1e3:.1f} ms, control rtt p50 "
-                  f"{statistics.median(result['control_rtt_s']) * 1e3:.2f} ms; {result['transfers']} transfers, "
-                  f"{result['recomputes']} recomputes", file=sys.stderr, flush=True)
+            print(
+                f"  ttft p50 {statistics.median(result['ttft_s']) * 1e3:.1f} ms, done p50 "
+                f"{statistics.median(result['second_token_s']) * 1e3:.1f} ms, control rtt p50 "
+                f"{statistics.median(result['control_rtt_s']) * 1e3:.2f} ms; {result['transfers']} transfers, "
+                f"{result['recomputes']} recomputes",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def summary(name: str, key: str, q: float) -> float:
         return statistics.median(percentile(row[key], q) for row in rows[name]) * 1e3
 
     print(f"\n{args.requests} requests per round, {args.rounds} rounds per tree (medians over rounds), ms")
     print(f"{'':28} {'baseline p50':>12} {'p99':>8} {'this p50':>9} {'p99':>8} {'ratio p50':>9} {'p99':>6}")
-    for key, label in (("ttft_s", "ingress -> first token"), ("second_token_s", "ingress -> done (2 tokens)"),
-                       ("control_rtt_s", "control round trip")):
+    for key, label in (
+        ("ttft_s", "ingress -> first token"),
+        ("second_token_s", "ingress -> done (2 tokens)"),
+        ("control_rtt_s", "control round trip"),
+    ):
         b50, b99 = summary("baseline", key, 50), summary("baseline", key, 99)
         t50, t99 = summary("this tree", key, 50), summary("this tree", key, 99)
         print(f"{label:28} {b50:12.2f} {b99:8.2f} {t50:9.2f} {t99:8.2f} {t50 / b50:9.2f} {t99 / b99:6.2f}")
     for name in trees:
-        print(f"{name}: transfers {[r['transfers'] for r in rows[name]]}, recomputes "
-              f"{[r['recomputes'] for r in rows[name]]}")
+        print(
+            f"{name}: transfers {[r['transfers'] for r in rows[name]]}, recomputes "
+            f"{[r['recomputes'] for r in rows[name]]}"
+        )
 
 
 if __name__ == "__main__":

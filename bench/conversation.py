@@ -44,15 +44,33 @@ def bench_model(path: Path) -> Path:
     from workers.models.tiny import make_tiny_model
 
     if not (path / "config.json").is_file():
-        make_tiny_model(path, arch="llama", num_layers=6, hidden_size=512, num_heads=8, num_kv_heads=4,
-                        intermediate_size=1536, vocab_size=2048, max_position_embeddings=8192, seed=0)
+        make_tiny_model(
+            path,
+            arch="llama",
+            num_layers=6,
+            hidden_size=512,
+            num_heads=8,
+            num_kv_heads=4,
+            intermediate_size=1536,
+            vocab_size=2048,
+            max_position_embeddings=8192,
+            seed=0,
+        )
     return path
 
 
 def timed_turn(client: httpx.Client, model: str, messages: list[dict], max_tokens: int, salt: str) -> dict:
     """One streamed chat turn: TTFT (first SSE event), the answer, and usage."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "cache_salt": salt, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "cache_salt": salt,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     ttft, pieces, usage = None, [], None
     with client.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -71,18 +89,20 @@ def timed_turn(client: httpx.Client, model: str, messages: list[dict], max_token
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or []:
                 pieces.append((choice.get("delta") or {}).get("content") or "")
-    return {"ttft_s": ttft, "answer": "".join(pieces), "prompt_tokens": usage["prompt_tokens"],
-            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
+    return {
+        "ttft_s": ttft,
+        "answer": "".join(pieces),
+        "prompt_tokens": usage["prompt_tokens"],
+        "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+    }
 
 
 def make_conversations(maker: PromptMaker, n: int, system_len: int, user_len: int, seed: int):
     rng = np.random.default_rng(seed)
-    return [(maker.make(rng, system_len)[0], [maker.make(rng, user_len)[0] for _ in range(TURNS)])
-            for _ in range(n)]
+    return [(maker.make(rng, system_len)[0], [maker.make(rng, user_len)[0] for _ in range(TURNS)]) for _ in range(n)]
 
 
-def run_conversations(base: str, model: str, conversations, answer_len: int, label: str,
-                      cold: bool) -> list[dict]:
+def run_conversations(base: str, model: str, conversations, answer_len: int, label: str, cold: bool) -> list[dict]:
     """Each conversation's turn-4 figures (and, with ``cold``, turn 4 again under a fresh salt)."""
     rows = []
     with httpx.Client(base_url=base, timeout=600) as client:
@@ -98,9 +118,12 @@ def run_conversations(base: str, model: str, conversations, answer_len: int, lab
             if cold:
                 row["cold"] = timed_turn(client, model, messages[:-1], 1, salt=f"cold-{label}-{i}")
             rows.append(row)
-            print(f"  {label} conversation {i}: turn 4 prompt {turn['prompt_tokens']} tokens, "
-                  f"{turn['cached_tokens']} cached, TTFT {turn['ttft_s'] * 1000:.0f} ms"
-                  + (f"; cold {row['cold']['ttft_s'] * 1000:.0f} ms" if cold else ""), flush=True)
+            print(
+                f"  {label} conversation {i}: turn 4 prompt {turn['prompt_tokens']} tokens, "
+                f"{turn['cached_tokens']} cached, TTFT {turn['ttft_s'] * 1000:.0f} ms"
+                + (f"; cold {row['cold']['ttft_s'] * 1000:.0f} ms" if cold else ""),
+                flush=True,
+            )
     return rows
 
 
@@ -117,8 +140,12 @@ def run_app(app_args: dict, port: int, conversations, answer_len: int, label: st
     skipped = httpx.get(f"{base}/v1/cluster/status", timeout=10).json()["routing"]["skipped_prefills"] - before
     serve.delete("bench")
     median = lambda key, field: statistics.median(r[key][field] for r in rows)  # noqa: E731
-    result = {"ttft_ms": median("turn4", "ttft_s") * 1000, "prompt_tokens": median("turn4", "prompt_tokens"),
-              "cached_tokens": median("turn4", "cached_tokens"), "skipped_prefills": skipped}
+    result = {
+        "ttft_ms": median("turn4", "ttft_s") * 1000,
+        "prompt_tokens": median("turn4", "prompt_tokens"),
+        "cached_tokens": median("turn4", "cached_tokens"),
+        "skipped_prefills": skipped,
+    }
     if cold:
         result["cold_ttft_ms"] = median("cold", "ttft_s") * 1000
         result["cold_cached_tokens"] = median("cold", "cached_tokens")
@@ -142,36 +169,56 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.local import LocalCluster, find_free_port
 
     model = bench_model_dir(opts.model, bench_model, Path(".cache/bench-conversation-llama"))
-    conversations = make_conversations(PromptMaker(model), opts.conversations + 1, opts.system_len,
-                                       opts.user_len, opts.seed)
+    conversations = make_conversations(
+        PromptMaker(model), opts.conversations + 1, opts.system_len, opts.user_len, opts.seed
+    )
     port = find_free_port()
     with LocalCluster(num_cpus=8) as local:
         from ray import serve
 
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         pool = {"num_cpus": opts.cpus_per_replica, "replicas": 1}
-        base_args = {"model": model, "redis_url": local.redis_url, "device": "cpu", "num_kv_blocks": opts.kv_blocks,
-                     "prefill": pool, "decode": pool}
-        on = run_app({**base_args, "conversation_reuse": True}, port, conversations, opts.answer_len, "reuse",
-                     cold=True)
-        off = run_app({**base_args, "conversation_reuse": False}, port, conversations, opts.answer_len, "no-reuse",
-                      cold=False)
+        base_args = {
+            "model": model,
+            "redis_url": local.redis_url,
+            "device": "cpu",
+            "num_kv_blocks": opts.kv_blocks,
+            "prefill": pool,
+            "decode": pool,
+        }
+        on = run_app(
+            {**base_args, "conversation_reuse": True}, port, conversations, opts.answer_len, "reuse", cold=True
+        )
+        off = run_app(
+            {**base_args, "conversation_reuse": False}, port, conversations, opts.answer_len, "no-reuse", cold=False
+        )
         serve.shutdown()
 
-    print(f"\n### Turn 4 of {opts.conversations} conversations (median): system {opts.system_len} tokens, "
-          f"user turns {opts.user_len}, answers {opts.answer_len}")
+    print(
+        f"\n### Turn 4 of {opts.conversations} conversations (median): system {opts.system_len} tokens, "
+        f"user turns {opts.user_len}, answers {opts.answer_len}"
+    )
     print(f"{'':<22}{'TTFT ms':>10}{'prompt':>9}{'cached':>9}{'skipped prefills':>18}")
-    print(f"{'with reuse':<22}{on['ttft_ms']:>10.0f}{on['prompt_tokens']:>9.0f}{on['cached_tokens']:>9.0f}"
-          f"{on['skipped_prefills']:>18}")
-    print(f"{'without reuse':<22}{off['ttft_ms']:>10.0f}{off['prompt_tokens']:>9.0f}{off['cached_tokens']:>9.0f}"
-          f"{off['skipped_prefills']:>18}")
-    print(f"{'cold (nothing cached)':<22}{on['cold_ttft_ms']:>10.0f}{on['cold_prompt_tokens']:>9.0f}"
-          f"{on['cold_cached_tokens']:>9.0f}")
-    print(f"with reuse / cold: {on['ttft_ms'] / on['cold_ttft_ms']:.1%}   "
-          f"with reuse / without reuse: {on['ttft_ms'] / off['ttft_ms']:.1%}")
+    print(
+        f"{'with reuse':<22}{on['ttft_ms']:>10.0f}{on['prompt_tokens']:>9.0f}{on['cached_tokens']:>9.0f}"
+        f"{on['skipped_prefills']:>18}"
+    )
+    print(
+        f"{'without reuse':<22}{off['ttft_ms']:>10.0f}{off['prompt_tokens']:>9.0f}{off['cached_tokens']:>9.0f}"
+        f"{off['skipped_prefills']:>18}"
+    )
+    print(
+        f"{'cold (nothing cached)':<22}{on['cold_ttft_ms']:>10.0f}{on['cold_prompt_tokens']:>9.0f}"
+        f"{on['cold_cached_tokens']:>9.0f}"
+    )
+    print(
+        f"with reuse / cold: {on['ttft_ms'] / on['cold_ttft_ms']:.1%}   "
+        f"with reuse / without reuse: {on['ttft_ms'] / off['ttft_ms']:.1%}"
+    )
     if opts.json:
-        opts.json.write_text(json.dumps({"with_reuse": on, "without_reuse": off, "options": vars(opts)},
-                                        indent=2, default=str))
+        opts.json.write_text(
+            json.dumps({"with_reuse": on, "without_reuse": off, "options": vars(opts)}, indent=2, default=str)
+        )
     return 0
 
 

@@ -37,8 +37,16 @@ def bench_model(path: Path) -> Path:
 
     if not (path / "config.json").is_file():
         make_tiny_model(
-            path, arch="llama", num_layers=12, hidden_size=768, num_heads=12, num_kv_heads=12,
-            intermediate_size=2048, vocab_size=32000, max_position_embeddings=4096, seed=0,
+            path,
+            arch="llama",
+            num_layers=12,
+            hidden_size=768,
+            num_heads=12,
+            num_kv_heads=12,
+            intermediate_size=2048,
+            vocab_size=32000,
+            max_position_embeddings=4096,
+            seed=0,
         )
     return path
 
@@ -90,8 +98,12 @@ def hf_throughput(model, prompts: list[list[int]], new_tokens: int, device: torc
     sync(device)
     start = time.perf_counter()
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-        do_sample=False, pad_token_id=0,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
     )
     sync(device)
     return (out.shape[1] - ids.shape[1]) * ids.shape[0] / (time.perf_counter() - start)
@@ -154,15 +166,20 @@ def profile_steps(engine: LLMEngine, steps: int) -> dict[str, float]:
     return kinds
 
 
-def decode_step_table(engines: dict[str, LLMEngine], batches: list[int], context: int, steps: int,
-                      profile: bool) -> dict:
+def decode_step_table(
+    engines: dict[str, LLMEngine], batches: list[int], context: int, steps: int, profile: bool
+) -> dict:
     """Decode step time per engine, the engines' steps interleaved (one each, in turn), and
     the ratio of each to the first (the eager baseline)."""
     names = list(engines)
     results: dict = {}
     print(f"\n(c) decode step, context {context}, {steps} steps each, interleaved; min and median ms")
-    print(f"{'batch':>6} " + " ".join(f"{n + ' min':>14} {n + ' med':>14}" for n in names)
-          + "".join(f" {names[0] + '/' + n + ' (min)':>22}" for n in names[1:]) + f" {'load':>6}")
+    print(
+        f"{'batch':>6} "
+        + " ".join(f"{n + ' min':>14} {n + ' med':>14}" for n in names)
+        + "".join(f" {names[0] + '/' + n + ' (min)':>22}" for n in names[1:])
+        + f" {'load':>6}"
+    )
     for batch in batches:
         for name, engine in engines.items():
             start_decodes(engine, batch, context, name)
@@ -206,11 +223,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="best of N for each figure")
-    ap.add_argument("--compile", action="store_true",
-                    help="also build a compiled engine (enforce_eager=False) and compare it in (b) and (c)")
-    ap.add_argument("--compile-batches", type=int, nargs="+", default=None,
-                    help="the compiled engine's decode buckets (default: powers of two up to the largest batch); "
-                         "larger batches run eager")
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="also build a compiled engine (enforce_eager=False) and compare it in (b) and (c)",
+    )
+    ap.add_argument(
+        "--compile-batches",
+        type=int,
+        nargs="+",
+        default=None,
+        help="the compiled engine's decode buckets (default: powers of two up to the largest batch); "
+        "larger batches run eager",
+    )
     ap.add_argument("--step-context", type=int, default=256, help="(c): prompt tokens per decoding sequence")
     ap.add_argument("--step-batches", type=int, nargs="+", default=None, help="(c): default --batches")
     ap.add_argument("--steps", type=int, default=12, help="(c): timed decode steps per engine and batch")
@@ -224,9 +249,15 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     model_dir = bench_model_dir(args.model, bench_model, Path(".cache/bench-llama-100m"))
     step_batches = args.step_batches or args.batches
-    engine_kwargs = dict(device=args.device, dtype=args.dtype, num_kv_blocks=None, kv_cache_memory_gib=2.0,
-                         max_num_seqs=max(args.batches + step_batches), enable_prefix_caching=False,
-                         load_progress=False)
+    engine_kwargs = dict(
+        device=args.device,
+        dtype=args.dtype,
+        num_kv_blocks=None,
+        kv_cache_memory_gib=2.0,
+        max_num_seqs=max(args.batches + step_batches),
+        enable_prefix_caching=False,
+        load_progress=False,
+    )
     engine = LLMEngine(str(model_dir), **engine_kwargs)
     engines = {"eager": engine}
     cfg = engine.model_config
@@ -240,13 +271,18 @@ def main(argv: list[str] | None = None) -> None:
     results: dict = {"model": str(model_dir), "device": str(device), "dtype": str(engine.dtype)}
     if args.compile:
         started = time.perf_counter()
-        engines["compiled"] = LLMEngine(str(model_dir), enforce_eager=False,
-                                        compile_batch_sizes=tuple(args.compile_batches or ()) or None,
-                                        **engine_kwargs)
+        engines["compiled"] = LLMEngine(
+            str(model_dir),
+            enforce_eager=False,
+            compile_batch_sizes=tuple(args.compile_batches or ()) or None,
+            **engine_kwargs,
+        )
         buckets = engines["compiled"].runner.compiled.buckets
         results["compile_s"] = time.perf_counter() - started
-        print(f"# compiled engine: decode buckets {','.join(map(str, buckets))}, built and compiled in "
-              f"{results['compile_s']:.0f} s (load average now {os.getloadavg()[0]:.2f})")
+        print(
+            f"# compiled engine: decode buckets {','.join(map(str, buckets))}, built and compiled in "
+            f"{results['compile_s']:.0f} s (load average now {os.getloadavg()[0]:.2f})"
+        )
 
     if "a" not in args.skip:
         section_a(engine, args, results)
@@ -274,18 +310,33 @@ def section_b(engines: dict[str, LLMEngine], model_dir, device, args, results: d
 
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=engines["eager"].dtype).to(device).eval()
     print(f"\n(b) generation throughput (output tok/s), prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy")
-    print(f"{'batch':>6} " + " ".join(f"{'pdserve ' + n:>17}" for n in engines) + f" {'transformers':>13} "
-          + " ".join(f"{n + '/hf':>12}" for n in engines) + f" {'load':>6}")
+    print(
+        f"{'batch':>6} "
+        + " ".join(f"{'pdserve ' + n:>17}" for n in engines)
+        + f" {'transformers':>13} "
+        + " ".join(f"{n + '/hf':>12}" for n in engines)
+        + f" {'load':>6}"
+    )
     rng = random.Random(0)
     for batch in args.batches:
         prompts = [[rng.randrange(100, 30000) for _ in range(args.prompt_len)] for _ in range(batch)]
-        ours = {n: best_of(lambda e=e, prompts=prompts: engine_throughput(e, prompts, args.new_tokens), args.repeats)
-                for n, e in engines.items()}
+        ours = {
+            n: best_of(lambda e=e, prompts=prompts: engine_throughput(e, prompts, args.new_tokens), args.repeats)
+            for n, e in engines.items()
+        }
         theirs = best_of(lambda prompts=prompts: hf_throughput(hf, prompts, args.new_tokens, device), args.repeats)
-        results[f"throughput_b{batch}"] = {**{f"pdserve_{n}": v for n, v in ours.items()}, "transformers": theirs,
-                                           **{f"ratio_{n}": v / theirs for n, v in ours.items()}}
-        print(f"{batch:>6} " + " ".join(f"{v:>17.1f}" for v in ours.values()) + f" {theirs:>13.1f} "
-              + " ".join(f"{v / theirs:>11.2f}x" for v in ours.values()) + f" {os.getloadavg()[0]:>6.2f}")
+        results[f"throughput_b{batch}"] = {
+            **{f"pdserve_{n}": v for n, v in ours.items()},
+            "transformers": theirs,
+            **{f"ratio_{n}": v / theirs for n, v in ours.items()},
+        }
+        print(
+            f"{batch:>6} "
+            + " ".join(f"{v:>17.1f}" for v in ours.values())
+            + f" {theirs:>13.1f} "
+            + " ".join(f"{v / theirs:>11.2f}x" for v in ours.values())
+            + f" {os.getloadavg()[0]:>6.2f}"
+        )
 
 
 if __name__ == "__main__":

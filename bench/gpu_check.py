@@ -41,8 +41,13 @@ def row(check: str, case: str, result: str) -> None:
 
 def check_tests(timeout_s: int) -> None:
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
     row("tests/gpu", f"rc {proc.returncode}, {time.monotonic() - started:.0f} s", last)
 
@@ -62,32 +67,61 @@ def check_agreement(new_tokens: int) -> None:
         for p in prompts:
             ids = torch.tensor([p], device="cuda")
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
-            expected.append(out[0, len(p):].tolist())
+            expected.append(out[0, len(p) :].tolist())
     del hf
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
     for name, eager in (("eager", True), ("compiled", False)):
-        engine = LLMEngine(model_dir, device="cuda", dtype="bfloat16", num_kv_blocks=512, max_num_seqs=8,
-                           load_progress=False, enforce_eager=eager, compile_batch_sizes=None if eager else (8,))
+        engine = LLMEngine(
+            model_dir,
+            device="cuda",
+            dtype="bfloat16",
+            num_kv_blocks=512,
+            max_num_seqs=8,
+            load_progress=False,
+            enforce_eager=eager,
+            compile_batch_sizes=None if eager else (8,),
+        )
         outs = [o.token_ids for o in engine.generate(prompts, params)]
         same = sum(o == e for o, e in zip(outs, expected))
         tokens = sum(sum(a == b for a, b in zip(o, e)) for o, e in zip(outs, expected))
         total = sum(len(e) for e in expected)
-        row("bf16 greedy", f"SmolLM2 {name} vs transformers",
-            f"{same}/{len(prompts)} completions identical, {tokens}/{total} tokens at equal positions")
+        row(
+            "bf16 greedy",
+            f"SmolLM2 {name} vs transformers",
+            f"{same}/{len(prompts)} completions identical, {tokens}/{total} tokens at equal positions",
+        )
         del engine
         torch.cuda.empty_cache()
 
 
-SHAPE_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "vocab_size": 128256}
-SHAPE_SMOKE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-               "num_key_value_heads": 2, "vocab_size": 512}  # --smoke: the code path on CPU, in seconds
+SHAPE_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+}
+SHAPE_SMOKE = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+}  # --smoke: the code path on CPU, in seconds
 
 
 def _model_dir(root: Path, shape: dict) -> Path:
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape, "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **shape,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
     }
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(config))
@@ -131,8 +165,12 @@ def check_roofline(batches: list[int], context: int, steps: int, smoke: bool = F
     for batch in batches:
         seqs = []
         for i in range(batch):
-            seq = Sequence(request_id=f"s{i}", prompt_token_ids=[1] * context, params=SamplingParams(max_tokens=2),
-                           arrival_time=0.0)
+            seq = Sequence(
+                request_id=f"s{i}",
+                prompt_token_ids=[1] * context,
+                params=SamplingParams(max_tokens=2),
+                arrival_time=0.0,
+            )
             seq.block_table = list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq))
             seq.num_computed_tokens = context - 1
             seqs.append(seq)
@@ -147,8 +185,11 @@ def check_roofline(batches: list[int], context: int, steps: int, smoke: bool = F
                 runner.execute(step)
             _sync(device)
             ms = (time.perf_counter() - t) / steps * 1e3
-            row("8B decode", f"batch {batch} ctx {context} {name} ({backend})",
-                f"{ms:.2f} ms/step; roofline {roofline_ms:.2f} ms; {roofline_ms / ms:.0%} of HBM peak")
+            row(
+                "8B decode",
+                f"batch {batch} ctx {context} {name} ({backend})",
+                f"{ms:.2f} ms/step; roofline {roofline_ms:.2f} ms; {roofline_ms / ms:.0%} of HBM peak",
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,9 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu-check: no CUDA device here; nothing to measure", file=sys.stderr)
         return 2
     print(f"# gpu-check on {torch.cuda.get_device_name()} (torch {torch.__version__}, CUDA {torch.version.cuda})")
-    checks = {"tests": lambda: check_tests(args.tests_timeout_s),
-              "agreement": lambda: check_agreement(args.new_tokens),
-              "roofline": lambda: check_roofline(args.batches, args.context, args.steps)}
+    checks = {
+        "tests": lambda: check_tests(args.tests_timeout_s),
+        "agreement": lambda: check_agreement(args.new_tokens),
+        "roofline": lambda: check_roofline(args.batches, args.context, args.steps),
+    }
     for name, check in checks.items():
         if name in args.skip:
             continue

@@ -48,8 +48,7 @@ def build_workload(rng: random.Random):
     held: list[list[list[int]]] = []  # per worker, the token lists of the chains it holds
     for w in range(NUM_WORKERS):
         mine = [prefixes[(2 * w + i) % NUM_PREFIXES] for i in range(PREFIXES_PER_WORKER)]
-        chains = [rng.choice(mine) + tokens(rng, PROMPT_BLOCKS - PREFIX_BLOCKS)
-                  for _ in range(CHAINS_PER_WORKER)]
+        chains = [rng.choice(mine) + tokens(rng, PROMPT_BLOCKS - PREFIX_BLOCKS) for _ in range(CHAINS_PER_WORKER)]
         held.append([hot, *chains])
     return held
 
@@ -73,8 +72,7 @@ async def time_lookups(
         result = await index.longest_prefix(prompt)
         samples.append((time.perf_counter() - t0) * 1000)
         assert result is not None and len(result) == NUM_WORKERS
-    server = [e["duration"] / 1000 for e in await admin.slowlog_get(n + 1000)
-              if e["command"].startswith(b"EVALSHA")]
+    server = [e["duration"] / 1000 for e in await admin.slowlog_get(n + 1000) if e["command"].startswith(b"EVALSHA")]
     return samples, server
 
 
@@ -82,16 +80,25 @@ async def main(num_lookups: int) -> None:
     rng = random.Random(0)
     held = build_workload(rng)
     with RedisServer() as server:
-        config = IndexConfig(redis_url=server.url, model_key=MODEL, max_batch_events=16,
-                             write_timeout_s=10.0, lookup_timeout_s=1.0)
+        config = IndexConfig(
+            redis_url=server.url, model_key=MODEL, max_batch_events=16, write_timeout_s=10.0, lookup_timeout_s=1.0
+        )
         publishers = []
         total_blocks = 0
         t0 = time.perf_counter()
         chains: list[list[bytes]] = []
         for w, token_lists in enumerate(held):
-            publisher = IndexPublisher(config, WorkerSpec(
-                worker_id=f"prefill-{w}", role="prefill", address=f"10.0.0.{w}:9000",
-                total_blocks=20_000, block_size=BLOCK_SIZE, kv_cache_dtype="bfloat16"))
+            publisher = IndexPublisher(
+                config,
+                WorkerSpec(
+                    worker_id=f"prefill-{w}",
+                    role="prefill",
+                    address=f"10.0.0.{w}:9000",
+                    total_blocks=20_000,
+                    block_size=BLOCK_SIZE,
+                    kv_cache_dtype="bfloat16",
+                ),
+            )
             await publisher.start()
             for toks in token_lists:
                 chain = hash_prompt_blocks(toks, BLOCK_SIZE, MODEL)
@@ -110,19 +117,27 @@ async def main(num_lookups: int) -> None:
         hot = [chains[0]]  # all 8 workers hold all 256 blocks: 8 x 256 entries checked
         misses = [hash_prompt_blocks(tokens(rng, PROMPT_BLOCKS), BLOCK_SIZE, MODEL) for _ in range(50)]
         rng.shuffle(hits)
-        print(f"redis-server {server.port}: {NUM_WORKERS} workers, {total_blocks} blocks held in "
-              f"total (loaded in {load_s:.1f}s); {num_lookups} lookups of {PROMPT_BLOCKS}-block "
-              "prompts, one at a time")
-        print("command: EVALSHA <sha1 of kvstore.lua.LONGEST_PREFIX> 1 <registry key> "
-              f"<worker key prefix> <role> <blk key prefix> <{PROMPT_BLOCKS} hashes as one "
-              f"{PROMPT_BLOCKS * 32}-char hex string>  (one round trip)")
-        print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs "
-              "(end to end includes the client; 'in Redis' is the script's own run time)")
+        print(
+            f"redis-server {server.port}: {NUM_WORKERS} workers, {total_blocks} blocks held in "
+            f"total (loaded in {load_s:.1f}s); {num_lookups} lookups of {PROMPT_BLOCKS}-block "
+            "prompts, one at a time"
+        )
+        print(
+            "command: EVALSHA <sha1 of kvstore.lua.LONGEST_PREFIX> 1 <registry key> "
+            f"<worker key prefix> <role> <blk key prefix> <{PROMPT_BLOCKS} hashes as one "
+            f"{PROMPT_BLOCKS * 32}-char hex string>  (one round trip)"
+        )
+        print(
+            f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs "
+            "(end to end includes the client; 'in Redis' is the script's own run time)"
+        )
         for name, prompts in (("typical hit", hits), ("all 8 hold all 256", hot), ("miss", misses)):
             samples, in_redis = await time_lookups(index, admin, prompts, num_lookups)
-            print(f"  {name:<20} end to end p50 {statistics.median(samples):.3f} ms  "
-                  f"p99 {percentile(samples, 0.99):.3f} ms   in Redis p50 "
-                  f"{statistics.median(in_redis):.3f} ms  p99 {percentile(in_redis, 0.99):.3f} ms")
+            print(
+                f"  {name:<20} end to end p50 {statistics.median(samples):.3f} ms  "
+                f"p99 {percentile(samples, 0.99):.3f} ms   in Redis p50 "
+                f"{statistics.median(in_redis):.3f} ms  p99 {percentile(in_redis, 0.99):.3f} ms"
+            )
         await admin.aclose()
         await index.close()
         for publisher in publishers:

@@ -53,8 +53,7 @@ def capacity(engine: LLMEngine, requests: int, context: int) -> dict:
     sync(engine.device)
     elapsed = time.perf_counter() - start
     engine.block_manager.check_idle()
-    return {"peak_running": peak, "preemptions": engine.scheduler.num_preemptions,
-            "budget_tok_s": generated / elapsed}
+    return {"peak_running": peak, "preemptions": engine.scheduler.num_preemptions, "budget_tok_s": generated / elapsed}
 
 
 def decode_throughput(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> float:
@@ -93,41 +92,67 @@ def main(argv: list[str] | None = None) -> None:
     for kind in KINDS:
         # The same byte budget for every dtype, as num_kv_blocks (on CUDA the engine would
         # otherwise size the cache by gpu_memory_utilization of the whole GPU).
-        probe = LLMEngine(model, device=args.device, dtype=args.dtype, kv_cache_dtype=kind, num_kv_blocks=1,
-                          load_progress=False)
+        probe = LLMEngine(
+            model, device=args.device, dtype=args.dtype, kv_cache_dtype=kind, num_kv_blocks=1, load_progress=False
+        )
         per_block = sum(t[:, :1].numel() * t.element_size() for t in probe.kv_caches)
         num_blocks = int(args.budget_gib * 2**30) // per_block
         del probe
-        engine = LLMEngine(model, device=args.device, dtype=args.dtype, kv_cache_dtype=kind,
-                           num_kv_blocks=num_blocks, max_num_seqs=max(args.requests, args.batch),
-                           load_progress=False)
+        engine = LLMEngine(
+            model,
+            device=args.device,
+            dtype=args.dtype,
+            kv_cache_dtype=kind,
+            num_kv_blocks=num_blocks,
+            max_num_seqs=max(args.requests, args.batch),
+            load_progress=False,
+        )
         cap = capacity(engine, args.requests, args.context)
         storage = str(engine.kv.dtype).removeprefix("torch.")
         del engine
         blocks_per_seq = -(-(args.prompt_len + args.steps + 1) // 16)
-        engine = LLMEngine(model, device=args.device, dtype=args.dtype, kv_cache_dtype=kind,
-                           num_kv_blocks=args.batch * blocks_per_seq + 16, max_num_seqs=args.batch,
-                           load_progress=False)
+        engine = LLMEngine(
+            model,
+            device=args.device,
+            dtype=args.dtype,
+            kv_cache_dtype=kind,
+            num_kv_blocks=args.batch * blocks_per_seq + 16,
+            max_num_seqs=args.batch,
+            load_progress=False,
+        )
         tput = max(decode_throughput(engine, args.batch, args.prompt_len, args.steps) for _ in range(2))
-        rows[kind] = {"bytes_per_block": per_block, "blocks": num_blocks, **cap, "decode_tok_s": tput,
-                      "kv_dtype": storage}
+        rows[kind] = {
+            "bytes_per_block": per_block,
+            "blocks": num_blocks,
+            **cap,
+            "decode_tok_s": tput,
+            "kv_dtype": storage,
+        }
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
     base = rows["auto"]
-    print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, device {args.device}, model {model}")
-    print(f"KV budget {args.budget_gib:g} GiB per engine; capacity run: {args.requests} sequences x "
-          f"{args.context} tokens; decode speed: batch {args.batch}, prompt {args.prompt_len}, "
-          f"best of 2 x {args.steps} steps, blocks to spare\n")
-    print(f"{'kv dtype':<10}{'storage':>14}{'bytes/block':>13}{'blocks':>9}{'ratio':>7}{'peak running':>14}"
-          f"{'preemptions':>13}{'tok/s in budget':>17}{'ratio':>7}{'decode tok/s':>14}{'ratio':>7}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, device {args.device}, model {model}"
+    )
+    print(
+        f"KV budget {args.budget_gib:g} GiB per engine; capacity run: {args.requests} sequences x "
+        f"{args.context} tokens; decode speed: batch {args.batch}, prompt {args.prompt_len}, "
+        f"best of 2 x {args.steps} steps, blocks to spare\n"
+    )
+    print(
+        f"{'kv dtype':<10}{'storage':>14}{'bytes/block':>13}{'blocks':>9}{'ratio':>7}{'peak running':>14}"
+        f"{'preemptions':>13}{'tok/s in budget':>17}{'ratio':>7}{'decode tok/s':>14}{'ratio':>7}"
+    )
     for kind, r in rows.items():
-        print(f"{kind:<10}{r['kv_dtype']:>14}{r['bytes_per_block']:>13,}{r['blocks']:>9,}"
-              f"{r['blocks'] / base['blocks']:>7.2f}{r['peak_running']:>14}{r['preemptions']:>13}"
-              f"{r['budget_tok_s']:>17.1f}{r['budget_tok_s'] / base['budget_tok_s']:>7.2f}"
-              f"{r['decode_tok_s']:>14.1f}{r['decode_tok_s'] / base['decode_tok_s']:>7.2f}")
+        print(
+            f"{kind:<10}{r['kv_dtype']:>14}{r['bytes_per_block']:>13,}{r['blocks']:>9,}"
+            f"{r['blocks'] / base['blocks']:>7.2f}{r['peak_running']:>14}{r['preemptions']:>13}"
+            f"{r['budget_tok_s']:>17.1f}{r['budget_tok_s'] / base['budget_tok_s']:>7.2f}"
+            f"{r['decode_tok_s']:>14.1f}{r['decode_tok_s'] / base['decode_tok_s']:>7.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ def enter_netns(name: str) -> None:
 
 # ---------------------------------------------------------------- the two hosts' processes
 
+
 def sender_main(netns: str, ip: str, cfg: dict, parent, peer) -> None:
     """The prefill host: bench/transfer.py's sender, at the host's own address."""
     enter_netns(netns)
@@ -84,8 +85,15 @@ def receiver_main(netns: str, ip: str, cfg: dict, hello: dict, parent, peer) -> 
         nbytes = size * MIB
         n = nbytes // layout.bytes_per_block
         src, dst = rng.sample(range(num_blocks), n), rng.sample(range(num_blocks), n)
-        handle = KVHandle(f"link-{size}-{time.monotonic_ns()}", "link-prefill", address, tuple(src),
-                          n * layout.block_size, layout, time.time() + 3600)
+        handle = KVHandle(
+            f"link-{size}-{time.monotonic_ns()}",
+            "link-prefill",
+            address,
+            tuple(src),
+            n * layout.block_size,
+            layout,
+            time.time() + 3600,
+        )
 
         # The closures bind this iteration's values (they run within it, but a late call would not).
         def raw(nbytes: int = nbytes) -> None:
@@ -104,11 +112,13 @@ def receiver_main(netns: str, ip: str, cfg: dict, hello: dict, parent, peer) -> 
                 start = time.perf_counter()
                 fn()
                 times[key].append(time.perf_counter() - start)
-        parent.send({"size_mib": size, "blocks": n, **{k: statistics.median(v) for k, v in times.items()},
-                     "samples": times})
+        parent.send(
+            {"size_mib": size, "blocks": n, **{k: statistics.median(v) for k, v in times.items()}, "samples": times}
+        )
 
 
 # ---------------------------------------------------------------- transfer throughput
+
 
 def measure_link(tb, rates: list[str], sizes: list[int], reps: int, layout_args: dict, say) -> list[dict]:
     from dataclasses import asdict
@@ -120,8 +130,14 @@ def measure_link(tb, rates: list[str], sizes: list[int], reps: int, layout_args:
         if size * MIB % layout.bytes_per_block:
             raise SystemExit(f"{size} MiB is not a whole number of {layout.bytes_per_block}-byte blocks")
     max_blocks = max(sizes) * MIB // layout.bytes_per_block
-    cfg = {"layout": asdict(layout), "num_blocks": max_blocks + max(max_blocks // 10, 4),
-           "max_bytes": max(sizes) * MIB, "transport": "gloo", "sender_device": "cpu", "raw_backend": "gloo"}
+    cfg = {
+        "layout": asdict(layout),
+        "num_blocks": max_blocks + max(max_blocks // 10, 4),
+        "max_bytes": max(sizes) * MIB,
+        "transport": "gloo",
+        "sender_device": "cpu",
+        "raw_backend": "gloo",
+    }
     prefill, decode = tb.role("prefill")[0], tb.role("decode")[0]
     ctx = mp.get_context("spawn")
     to_sender, sender_end = ctx.Pipe()
@@ -130,8 +146,9 @@ def measure_link(tb, rates: list[str], sizes: list[int], reps: int, layout_args:
     sender = ctx.Process(target=sender_main, args=(prefill.netns, prefill.ip, cfg, sender_end, peer_s), daemon=True)
     sender.start()
     hello = to_sender.recv()
-    receiver = ctx.Process(target=receiver_main, args=(decode.netns, decode.ip, cfg, hello, receiver_end, peer_r),
-                           daemon=True)
+    receiver = ctx.Process(
+        target=receiver_main, args=(decode.netns, decode.ip, cfg, hello, receiver_end, peer_r), daemon=True
+    )
     receiver.start()
     assert to_receiver.recv() == "ready"
     rows = []
@@ -157,20 +174,26 @@ def print_link(rows: list[dict], layout_args: dict, reps: int) -> None:
     from workers.protocol import KVLayout
 
     layout = KVLayout(**layout_args)
-    print(f"layout {layout} ({layout.bytes_per_block // 1024} KiB/block); median of {reps} after 1 warm-up; "
-          "a link = tbf on both ends of one veth pair (MTU 1500)\n")
-    print(f"{'link':>8} {'MiB':>5} {'raw gloo Gbit/s':>16} {'pdserve Gbit/s':>15} {'pdserve/link':>13} "
-          f"{'raw/link':>9} {'pdserve/raw':>12}")
+    print(
+        f"layout {layout} ({layout.bytes_per_block // 1024} KiB/block); median of {reps} after 1 warm-up; "
+        "a link = tbf on both ends of one veth pair (MTU 1500)\n"
+    )
+    print(
+        f"{'link':>8} {'MiB':>5} {'raw gloo Gbit/s':>16} {'pdserve Gbit/s':>15} {'pdserve/link':>13} "
+        f"{'raw/link':>9} {'pdserve/raw':>12}"
+    )
     for row in rows:
         link = _rate_bits(row["rate"]) / 1e9
         raw, kv = (row["size_mib"] * MIB * 8 / row[k] / 1e9 for k in ("raw_s", "kv_s"))
-        row.update(raw_gbitps=raw, kv_gbitps=kv, kv_over_link=kv / link, raw_over_link=raw / link,
-                   kv_over_raw=kv / raw)
-        print(f"{row['rate']:>8} {row['size_mib']:>5} {raw:>16.3f} {kv:>15.3f} {kv / link:>13.1%} "
-              f"{raw / link:>9.1%} {kv / raw:>12.2f}")
+        row.update(raw_gbitps=raw, kv_gbitps=kv, kv_over_link=kv / link, raw_over_link=raw / link, kv_over_raw=kv / raw)
+        print(
+            f"{row['rate']:>8} {row['size_mib']:>5} {raw:>16.3f} {kv:>15.3f} {kv / link:>13.1%} "
+            f"{raw / link:>9.1%} {kv / raw:>12.2f}"
+        )
 
 
 # ---------------------------------------------------------------- TTFT through the app
+
 
 def ttft_run(tb, model: str, placement: str, prompts: list[list[int]], say) -> dict:
     """Deploy the app with decode on its own host (`cross`) or beside prefill (`same`), then
@@ -179,22 +202,35 @@ def ttft_run(tb, model: str, placement: str, prompts: list[list[int]], say) -> d
     import httpx
 
     if placement == "cross":
-        pools = {"prefill": {"replicas": 1, "num_cpus": 0.5, "resources": {"prefill": 1}},
-                 "decode": {"replicas": 1, "num_cpus": 0.5, "resources": {"decode": 1}}}
+        pools = {
+            "prefill": {"replicas": 1, "num_cpus": 0.5, "resources": {"prefill": 1}},
+            "decode": {"replicas": 1, "num_cpus": 0.5, "resources": {"decode": 1}},
+        }
     else:  # both pools on the prefill host, which has 1 CPU: the same share each as above
-        pools = {"prefill": {"replicas": 1, "num_cpus": 0.5, "resources": {"prefill": 0.5}},
-                 "decode": {"replicas": 1, "num_cpus": 0.5, "resources": {"prefill": 0.5}}}
-    config = tb.serve_config(model, served_model_name="bench", num_kv_blocks=1024, transfer_timeout_s=30.0,
-                             max_model_len=4096, **pools)
+        pools = {
+            "prefill": {"replicas": 1, "num_cpus": 0.5, "resources": {"prefill": 0.5}},
+            "decode": {"replicas": 1, "num_cpus": 0.5, "resources": {"prefill": 0.5}},
+        }
+    config = tb.serve_config(
+        model, served_model_name="bench", num_kv_blocks=1024, transfer_timeout_s=30.0, max_model_len=4096, **pools
+    )
     say(f"  deploying ({placement}: decode on {'its own host' if placement == 'cross' else 'the prefill host'}) ...")
     tb.deploy(config)
     base = tb.http_url
     rows = []
     for i, prompt in enumerate(prompts):
         # logprobs: every token's chunk goes out, even one whose text is still an incomplete character
-        body = {"model": "bench", "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True,
-                "ignore_eos": True, "return_timing": True, "stream_options": {"include_usage": True},
-                "logprobs": 0}
+        body = {
+            "model": "bench",
+            "prompt": prompt,
+            "max_tokens": 4,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            "return_timing": True,
+            "stream_options": {"include_usage": True},
+            "logprobs": 0,
+        }
         times, timing = [], {}
         start = time.perf_counter()
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=300) as resp:
@@ -209,10 +245,19 @@ def ttft_run(tb, model: str, placement: str, prompts: list[list[int]], say) -> d
                     timing = chunk["usage"].get("timing") or {}
         if i == 0:
             continue  # warm-up: the pair group's first rendezvous
-        rows.append({"ttft_s": times[0], "decode_start_s": times[1] - times[0],
-                     "transfer_s": timing.get("transfer_s"), "transfer_bytes": timing.get("transfer_bytes")})
-    med = {k: statistics.median(r[k] for r in rows if r[k] is not None) for k in rows[0] if
-           any(r[k] is not None for r in rows)}
+        rows.append(
+            {
+                "ttft_s": times[0],
+                "decode_start_s": times[1] - times[0],
+                "transfer_s": timing.get("transfer_s"),
+                "transfer_bytes": timing.get("transfer_bytes"),
+            }
+        )
+    med = {
+        k: statistics.median(r[k] for r in rows if r[k] is not None)
+        for k in rows[0]
+        if any(r[k] is not None for r in rows)
+    }
     return {"placement": placement, "runs": rows, **{f"median_{k}": v for k, v in med.items()}}
 
 
@@ -231,8 +276,11 @@ def main() -> None:
     parser.add_argument("--ttft-rate", default="1gbit")
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--requests", type=int, default=5, help="per placement, after one warm-up")
-    parser.add_argument("--model", help="model directory for --ttft (default: a tiny random llama with wide KV, "
-                                        "4 layers x 8 KV heads x 32 dims fp32: 8 KiB a token)")
+    parser.add_argument(
+        "--model",
+        help="model directory for --ttft (default: a tiny random llama with wide KV, "
+        "4 layers x 8 KV heads x 32 dims fp32: 8 KiB a token)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
@@ -242,8 +290,13 @@ def main() -> None:
     if problem:
         raise SystemExit(f"bench/link.py needs a testbed: {problem}")
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    layout_args = {"num_layers": args.layers, "block_size": args.block_size, "num_kv_heads": args.kv_heads,
-                   "head_dim": args.head_dim, "dtype": args.dtype}
+    layout_args = {
+        "num_layers": args.layers,
+        "block_size": args.block_size,
+        "num_kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "dtype": args.dtype,
+    }
     result: dict = {"command": sys.argv}
     load_before = os.getloadavg()
     try:
@@ -252,14 +305,34 @@ def main() -> None:
             result["link"] = measure_link(tb, args.rates, args.sizes_mib, args.reps, layout_args, say)
             down(PREFIX, STATE_DIR, say=say)
         if args.ttft:
-            tb = up(PREFIX, SUBNET, 1, 1, rate=args.ttft_rate, state_dir=STATE_DIR, start_ray=True, sshd=False,
-                    timeout_s=300, say=say)
+            tb = up(
+                PREFIX,
+                SUBNET,
+                1,
+                1,
+                rate=args.ttft_rate,
+                state_dir=STATE_DIR,
+                start_ray=True,
+                sshd=False,
+                timeout_s=300,
+                say=say,
+            )
             model = args.model
             if model is None:
                 from workers.models.tiny import make_tiny_model
 
-                model = str(make_tiny_model(Path(STATE_DIR) / "llama-wide", arch="llama", num_layers=4, hidden_size=256,
-                                            num_heads=8, num_kv_heads=8, seed=0, max_position_embeddings=4096))
+                model = str(
+                    make_tiny_model(
+                        Path(STATE_DIR) / "llama-wide",
+                        arch="llama",
+                        num_layers=4,
+                        hidden_size=256,
+                        num_heads=8,
+                        num_kv_heads=8,
+                        seed=0,
+                        max_position_embeddings=4096,
+                    )
+                )
             rng = random.Random(1)
             prompts = [[rng.randrange(10, 1000) for _ in range(args.prompt_tokens)] for _ in range(args.requests + 1)]
             result["ttft"] = [ttft_run(tb, model, placement, prompts, say) for placement in ("cross", "same")]
@@ -267,22 +340,29 @@ def main() -> None:
         down(PREFIX, STATE_DIR, say=say)
 
     print(f"\ncommand: python {' '.join(sys.argv)}")
-    print(f"host: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs; load average before "
-          f"{load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
+    print(
+        f"host: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs; load average before "
+        f"{load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}"
+    )
     if "link" in result:
         print_link(result["link"], layout_args, args.reps)
     if "ttft" in result:
-        print(f"\n{args.prompt_tokens}-token prompts, links {args.ttft_rate}, "
-              f"median of {args.requests} after 1 warm-up:")
+        print(
+            f"\n{args.prompt_tokens}-token prompts, links {args.ttft_rate}, median of {args.requests} after 1 warm-up:"
+        )
         print(f"{'placement':>10} {'TTFT s':>8} {'decode start s':>15} {'transfer s':>11} {'KV MiB':>7}")
         for run in result["ttft"]:
             mib = (run.get("median_transfer_bytes") or 0) / MIB
             transfer = run.get("median_transfer_s")
-            print(f"{run['placement']:>10} {run['median_ttft_s']:>8.3f} {run['median_decode_start_s']:>15.3f} "
-                  f"{transfer if transfer is not None else float('nan'):>11.3f} {mib:>7.1f}")
+            print(
+                f"{run['placement']:>10} {run['median_ttft_s']:>8.3f} {run['median_decode_start_s']:>15.3f} "
+                f"{transfer if transfer is not None else float('nan'):>11.3f} {mib:>7.1f}"
+            )
         cross, same = result["ttft"]
-        print(f"cross/same: TTFT {cross['median_ttft_s'] / same['median_ttft_s']:.2f}x, decode start "
-              f"{cross['median_decode_start_s'] / same['median_decode_start_s']:.2f}x")
+        print(
+            f"cross/same: TTFT {cross['median_ttft_s'] / same['median_ttft_s']:.2f}x, decode start "
+            f"{cross['median_decode_start_s'] / same['median_decode_start_s']:.2f}x"
+        )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

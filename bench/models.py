@@ -8,8 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 TINY = "tiny"
-MODEL_HELP = ("model dir, .gguf file or 'smollm2' (default: SmolLM2-135M-Instruct); "
-              "'tiny': this benchmark's generated random model")
+MODEL_HELP = (
+    "model dir, .gguf file or 'smollm2' (default: SmolLM2-135M-Instruct); "
+    "'tiny': this benchmark's generated random model"
+)
 
 
 def bench_model_dir(spec: str | Path | None, make_tiny: Callable[[Path], Path], tiny_path: Path) -> str:

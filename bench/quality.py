@@ -43,10 +43,15 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
     lines = [line.strip() for line in (DATA / "chat_prompts.txt").read_text().splitlines() if line.strip()]
     if n > len(lines):
         raise SystemExit(f"--prompts {n}: {DATA / 'chat_prompts.txt'} has {len(lines)}")
-    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": line}],
-                                                           add_generation_prompt=True, tokenize=False),
-                             add_special_tokens=False)
-            for line in lines[:n]]
+    return [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": line}], add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )
+        for line in lines[:n]
+    ]
 
 
 def heldout_windows(tokenizer, window: int, path: Path = DATA / "heldout.txt") -> list[list[int]]:
@@ -112,8 +117,16 @@ def main(argv: list[str] | None = None) -> None:
     config = ModelConfig.from_dir(model_dir)
 
     def engine(kind: str, **kwargs) -> LLMEngine:
-        return LLMEngine(model_dir, device=args.device, dtype=args.dtype, kv_cache_dtype=kind,
-                         block_size=args.block_size, num_kv_blocks=4096, load_progress=False, **kwargs)
+        return LLMEngine(
+            model_dir,
+            device=args.device,
+            dtype=args.dtype,
+            kv_cache_dtype=kind,
+            block_size=args.block_size,
+            num_kv_blocks=4096,
+            load_progress=False,
+            **kwargs,
+        )
 
     rows: dict[str, dict] = {}
     ref_tokens = None
@@ -129,34 +142,52 @@ def main(argv: list[str] | None = None) -> None:
         del eng
         nll, count = engine_nll(engine(kind, max_num_batched_tokens=args.chunk), windows)
         per_block = bytes_per_block(config, args.block_size, kind, compute_dtype)
-        rows[kind] = {"same": same, "before": before, "ppl": math.exp(nll / count), "count": count,
-                      "per_token": per_block / args.block_size, "compute_dtype": compute_dtype}
+        rows[kind] = {
+            "same": same,
+            "before": before,
+            "ppl": math.exp(nll / count),
+            "count": count,
+            "per_token": per_block / args.block_size,
+            "compute_dtype": compute_dtype,
+        }
     auto_dtype = rows["auto"]["compute_dtype"]
     hf_nll, hf_count = transformers_nll(model_dir, windows, args.device, auto_dtype)
     elapsed = time.perf_counter() - start
 
     bf16 = bytes_per_block(config, args.block_size, "auto", torch.bfloat16) / args.block_size
-    print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, device {args.device}, model dtype "
-          f"{str(auto_dtype).removeprefix('torch.')}; {elapsed:.0f} s")
-    print(f"model: {model_dir} ({config.num_layers} layers x {config.num_kv_heads} KV heads x head_dim "
-          f"{config.head_dim}); block size {args.block_size}")
-    print(f"(a) {args.prompts} chat prompts x {args.max_tokens} greedy tokens, EOS ignored, vs auto; "
-          f"(b) {len(windows)} windows x {args.window} tokens of bench/data/heldout.txt "
-          f"({hf_count} scored), prefill chunks of {args.chunk}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, device {args.device}, model dtype "
+        f"{str(auto_dtype).removeprefix('torch.')}; {elapsed:.0f} s"
+    )
+    print(
+        f"model: {model_dir} ({config.num_layers} layers x {config.num_kv_heads} KV heads x head_dim "
+        f"{config.head_dim}); block size {args.block_size}"
+    )
+    print(
+        f"(a) {args.prompts} chat prompts x {args.max_tokens} greedy tokens, EOS ignored, vs auto; "
+        f"(b) {len(windows)} windows x {args.window} tokens of bench/data/heldout.txt "
+        f"({hf_count} scored), prefill chunks of {args.chunk}"
+    )
     print(f"int8/fp8 scales: {scale_granularity(args.block_size, config.head_dim)}\n")
-    header = (f"{'kv cache':<14}{'bytes/token':>12}{'vs bf16':>9}{'vs old int8':>12}{'prompts identical':>19}"
-              f"{'tokens before 1st diff':>24}{'perplexity':>12}{'vs auto':>10}{'vs transformers':>17}")
+    header = (
+        f"{'kv cache':<14}{'bytes/token':>12}{'vs bf16':>9}{'vs old int8':>12}{'prompts identical':>19}"
+        f"{'tokens before 1st diff':>24}{'perplexity':>12}{'vs auto':>10}{'vs transformers':>17}"
+    )
     print(header)
     hf_ppl = math.exp(hf_nll / hf_count)
     for kind, r in rows.items():
         name = kind if kind != "auto" else f"auto ({str(auto_dtype).removeprefix('torch.')})"
         old = f"{1.0:>12.2f}" if kind != "auto" else f"{'-':>12}"  # the scale row is the same size as before
-        agree = (f"{r['same']:>18.1%} {r['before']:>23.1%}" if kind != "auto" else f"{'(reference)':>19}{'':>24}")
-        print(f"{name:<14}{r['per_token']:>12,.0f}{r['per_token'] / bf16:>9.3f}{old}{agree}"
-              f"{r['ppl']:>12.4f}{r['ppl'] / rows['auto']['ppl'] - 1:>+10.3%}{r['ppl'] / hf_ppl - 1:>+17.4%}")
-    print(f"{'transformers':<14}{'':>12}{'':>9}{'':>12}{'':>19}{'':>24}{hf_ppl:>12.4f}"
-          f"{hf_ppl / rows['auto']['ppl'] - 1:>+10.3%}{'(reference)':>17}")
+        agree = f"{r['same']:>18.1%} {r['before']:>23.1%}" if kind != "auto" else f"{'(reference)':>19}{'':>24}"
+        print(
+            f"{name:<14}{r['per_token']:>12,.0f}{r['per_token'] / bf16:>9.3f}{old}{agree}"
+            f"{r['ppl']:>12.4f}{r['ppl'] / rows['auto']['ppl'] - 1:>+10.3%}{r['ppl'] / hf_ppl - 1:>+17.4%}"
+        )
+    print(
+        f"{'transformers':<14}{'':>12}{'':>9}{'':>12}{'':>19}{'':>24}{hf_ppl:>12.4f}"
+        f"{hf_ppl / rows['auto']['ppl'] - 1:>+10.3%}{'(reference)':>17}"
+    )
 
 
 if __name__ == "__main__":

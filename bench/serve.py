@@ -143,8 +143,13 @@ class LatencyStats:
         ms = np.asarray(values_s, dtype=float) * 1000.0
         if ms.size == 0:
             return cls(0.0, 0.0, 0.0, 0.0, {_pkey(p): 0.0 for p in percentiles})
-        return cls(float(ms.mean()), float(np.median(ms)), float(ms.std()), float(ms.max()),
-                   {_pkey(p): float(np.percentile(ms, p)) for p in percentiles})
+        return cls(
+            float(ms.mean()),
+            float(np.median(ms)),
+            float(ms.std()),
+            float(ms.max()),
+            {_pkey(p): float(np.percentile(ms, p)) for p in percentiles},
+        )
 
 
 def _pkey(p: float) -> str:
@@ -196,17 +201,25 @@ class BenchmarkResult:
         config["api_key"] = "<redacted>" if self.config.api_key else None
         reqs = self.requests
         return {
-            "config": config, "model": self.model, "endpoint": self.config.resolved_endpoint,
+            "config": config,
+            "model": self.model,
+            "endpoint": self.config.resolved_endpoint,
             "summary": asdict(self.summary),
             "requests": {
-                "success": [r.success for r in reqs], "refused": [r.refused for r in reqs],
-                "status": [r.status for r in reqs], "errors": [r.error for r in reqs],
-                "start_times": [r.start_s for r in reqs], "ttfts": [r.ttft_s for r in reqs],
-                "tpots": [r.tpot_s for r in reqs], "itls": [r.itl_s for r in reqs],
-                "e2els": [r.e2el_s for r in reqs], "input_lens": [r.input_tokens for r in reqs],
+                "success": [r.success for r in reqs],
+                "refused": [r.refused for r in reqs],
+                "status": [r.status for r in reqs],
+                "errors": [r.error for r in reqs],
+                "start_times": [r.start_s for r in reqs],
+                "ttfts": [r.ttft_s for r in reqs],
+                "tpots": [r.tpot_s for r in reqs],
+                "itls": [r.itl_s for r in reqs],
+                "e2els": [r.e2el_s for r in reqs],
+                "input_lens": [r.input_tokens for r in reqs],
                 "output_lens": [r.output_tokens for r in reqs],
                 "cached_tokens": [r.cached_tokens for r in reqs],
-                "conversation": [r.conversation for r in reqs], "turn": [r.turn for r in reqs],
+                "conversation": [r.conversation for r in reqs],
+                "turn": [r.turn for r in reqs],
                 "generated_texts": [r.generated_text for r in reqs],
             },
         }
@@ -219,8 +232,9 @@ def _finite_or_str(x: float) -> float | str:
 # --- one request -------------------------------------------------------------------------------
 
 
-async def send_request(client: httpx.AsyncClient, endpoint: str, payload: dict[str, Any],
-                       timeout_s: float) -> RequestResult:
+async def send_request(
+    client: httpx.AsyncClient, endpoint: str, payload: dict[str, Any], timeout_s: float
+) -> RequestResult:
     """POST a streaming request and time its chunks. Never raises except on cancellation."""
     result = RequestResult()
     start = time.perf_counter()
@@ -234,8 +248,9 @@ async def send_request(client: httpx.AsyncClient, endpoint: str, payload: dict[s
     return result
 
 
-async def _stream(client: httpx.AsyncClient, endpoint: str, payload: dict[str, Any],
-                  result: RequestResult, start: float) -> None:
+async def _stream(
+    client: httpx.AsyncClient, endpoint: str, payload: dict[str, Any], result: RequestResult, start: float
+) -> None:
     chat = endpoint == CHAT
     async with client.stream("POST", endpoint, json=payload) as response:
         result.status = response.status_code
@@ -250,7 +265,7 @@ async def _stream(client: httpx.AsyncClient, endpoint: str, payload: dict[str, A
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue  # blank separators, ": keep-alive" comments, event: lines
-            data = line[len("data:"):].strip()
+            data = line[len("data:") :].strip()
             if data == "[DONE]":
                 break
             chunk = json.loads(data)
@@ -308,8 +323,9 @@ async def fetch_model(client: httpx.AsyncClient) -> str:
         response.raise_for_status()
         return response.json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
-        raise BenchmarkError(f"could not read a model id from {client.base_url}/v1/models "
-                             f"({type(exc).__name__}: {exc}): pass --model") from exc
+        raise BenchmarkError(
+            f"could not read a model id from {client.base_url}/v1/models ({type(exc).__name__}: {exc}): pass --model"
+        ) from exc
 
 
 class _Runner:
@@ -322,11 +338,15 @@ class _Runner:
         self.skipped = 0
         self.progress = _progress_bar(total) if config.progress else None
 
-    def payload(self, output_len: int, prompt: str | None = None,
-                messages: list[dict[str, str]] | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "stream": True,
-                                "stream_options": {"include_usage": True},
-                                "temperature": self.config.temperature}
+    def payload(
+        self, output_len: int, prompt: str | None = None, messages: list[dict[str, str]] | None = None
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": self.config.temperature,
+        }
         if messages is not None:
             body.update(messages=messages, max_completion_tokens=output_len)
         else:
@@ -382,8 +402,9 @@ def _progress_bar(total: int):
     return tqdm(total=total, unit="req")
 
 
-async def run_benchmark(config: BenchConfig, workload: Workload | None = None,
-                        transport: httpx.AsyncBaseTransport | None = None) -> BenchmarkResult:
+async def run_benchmark(
+    config: BenchConfig, workload: Workload | None = None, transport: httpx.AsyncBaseTransport | None = None
+) -> BenchmarkResult:
     """Send the workload (built from ``config.workload`` unless given) and summarize it."""
     workload = workload if workload is not None else build_workload(config.workload)
     units = workload.prompts or workload.conversations
@@ -391,7 +412,10 @@ async def run_benchmark(config: BenchConfig, workload: Workload | None = None,
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     # trust_env=False: a proxy from the environment would sit inside every measured latency.
     async with httpx.AsyncClient(
-        base_url=config.server_root, headers=headers, transport=transport, trust_env=False,
+        base_url=config.server_root,
+        headers=headers,
+        transport=transport,
+        trust_env=False,
         timeout=httpx.Timeout(config.timeout_s, connect=min(config.timeout_s, 30.0)),
         limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool),
     ) as client:
@@ -423,8 +447,9 @@ async def run_benchmark(config: BenchConfig, workload: Workload | None = None,
 # --- summary and report ------------------------------------------------------------------------
 
 
-def summarize(requests: tuple[RequestResult, ...], duration_s: float, config: BenchConfig,
-              workload: Workload, skipped: int = 0) -> BenchmarkSummary:
+def summarize(
+    requests: tuple[RequestResult, ...], duration_s: float, config: BenchConfig, workload: Workload, skipped: int = 0
+) -> BenchmarkSummary:
     ok = [r for r in requests if r.success]
     percentiles = tuple(sorted(set(config.percentiles) | {95.0, 99.0}))
     input_tokens = sum(r.input_tokens for r in ok)
@@ -437,16 +462,24 @@ def summarize(requests: tuple[RequestResult, ...], duration_s: float, config: Be
         good = sum(1 for r in ok if _meets_slos(r, config.goodput_slos_ms))
         goodput = good / duration_s
     return BenchmarkSummary(
-        completed=len(ok), failed=len(requests) - len(ok), refused=sum(r.refused for r in requests),
-        skipped=skipped, duration_s=duration_s, total_input_tokens=input_tokens,
-        total_output_tokens=output_tokens, request_throughput=len(ok) / duration_s,
+        completed=len(ok),
+        failed=len(requests) - len(ok),
+        refused=sum(r.refused for r in requests),
+        skipped=skipped,
+        duration_s=duration_s,
+        total_input_tokens=input_tokens,
+        total_output_tokens=output_tokens,
+        request_throughput=len(ok) / duration_s,
         output_throughput=output_tokens / duration_s,
-        total_token_throughput=(input_tokens + output_tokens) / duration_s, request_goodput=goodput,
+        total_token_throughput=(input_tokens + output_tokens) / duration_s,
+        request_goodput=goodput,
         ttft=LatencyStats.of([r.ttft_s for r in ok], percentiles),
         tpot=LatencyStats.of([r.tpot_s for r in ok if r.tpot_s is not None], percentiles),
         itl=LatencyStats.of([gap for r in ok for gap in r.itl_s], percentiles),
         e2el=LatencyStats.of([r.e2el_s for r in ok], percentiles),
-        cached_tokens=cached, cache_hit_rate=hit_rate, ideal_cache_hit_rate=workload.ideal_cache_hit_rate,
+        cached_tokens=cached,
+        cache_hit_rate=hit_rate,
+        ideal_cache_hit_rate=workload.ideal_cache_hit_rate,
         per_turn=_per_turn(ok),
     )
 
@@ -462,9 +495,15 @@ def _per_turn(ok: list[RequestResult]) -> tuple[TurnStats, ...]:
     for turn in turns:
         rs = [r for r in ok if r.turn == turn]
         cached = [r.cached_tokens for r in rs if r.cached_tokens is not None]
-        stats.append(TurnStats(turn, len(rs), float(np.mean([r.ttft_s for r in rs])) * 1000,
-                               float(np.mean([r.input_tokens for r in rs])),
-                               float(np.mean(cached)) if cached else None))
+        stats.append(
+            TurnStats(
+                turn,
+                len(rs),
+                float(np.mean([r.ttft_s for r in rs])) * 1000,
+                float(np.mean([r.input_tokens for r in rs])),
+                float(np.mean(cached)) if cached else None,
+            )
+        )
     return tuple(stats)
 
 
@@ -493,10 +532,12 @@ def format_result(result: BenchmarkResult) -> str:
     if s.request_goodput is not None:
         row("Request goodput (req/s):", s.request_goodput)
     shown = [p for p in sorted(set(config.percentiles) | {99.0}) if p != 50]
-    sections = (("ttft", "TTFT", "Time to First Token", s.ttft),
-                ("tpot", "TPOT", "Time per Output Token (excl. 1st token)", s.tpot),
-                ("itl", "ITL", "Inter-token Latency", s.itl),
-                ("e2el", "E2EL", "End-to-end Latency", s.e2el))
+    sections = (
+        ("ttft", "TTFT", "Time to First Token", s.ttft),
+        ("tpot", "TPOT", "Time per Output Token (excl. 1st token)", s.tpot),
+        ("itl", "ITL", "Inter-token Latency", s.itl),
+        ("e2el", "E2EL", "End-to-end Latency", s.e2el),
+    )
     for key, short, title, stats in sections:
         lines.append(f"{title:-^50}")
         row(f"Mean {short} (ms):", stats.mean_ms)
@@ -528,11 +569,18 @@ def format_result(result: BenchmarkResult) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     d = WorkloadSpec()
-    p = argparse.ArgumentParser(prog="pdserve bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pdserve bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--endpoint", choices=(COMPLETIONS, CHAT), default=None,
-                   help=f"unset: {CHAT} for multi-turn, else {COMPLETIONS}")
+    p.add_argument(
+        "--endpoint",
+        choices=(COMPLETIONS, CHAT),
+        default=None,
+        help=f"unset: {CHAT} for multi-turn, else {COMPLETIONS}",
+    )
     p.add_argument("--model", default=None, help="unset: the first id of GET /v1/models")
     p.add_argument("--api-key", default=None, help="sent as a Bearer token")
     p.add_argument("--dataset", choices=DATASETS, default=d.dataset)
@@ -543,8 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=None, help="overrides every dataset's output length")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--goodput", nargs="+", default=None, metavar="SLO:MS",
-                   help="e.g. ttft:500 tpot:50 e2el:5000")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="SLO:MS", help="e.g. ttft:500 tpot:50 e2el:5000")
     p.add_argument("--percentiles", default="50,90,95,99")
     p.add_argument("--result-json", default=None, metavar="PATH")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="HF tokenizer: exact prompt lengths")
@@ -552,9 +599,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--extra-body", default=None, metavar="JSON", help='e.g. \'{"cache_salt": "x"}\'')
-    for name in ("random_input_len", "random_output_len", "random_range_ratio",
-                 "gsp_num_groups", "gsp_prompts_per_group", "gsp_system_prompt_len", "gsp_question_len",
-                 "gsp_output_len", "mt_num_conversations", "mt_turns", "mt_user_len", "mt_output_len"):
+    for name in (
+        "random_input_len",
+        "random_output_len",
+        "random_range_ratio",
+        "gsp_num_groups",
+        "gsp_prompts_per_group",
+        "gsp_system_prompt_len",
+        "gsp_question_len",
+        "gsp_output_len",
+        "mt_num_conversations",
+        "mt_turns",
+        "mt_user_len",
+        "mt_output_len",
+    ):
         default = getattr(d, name)
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     return p
@@ -581,16 +639,34 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             raise ValueError(f"--extra-body is not JSON: {exc}") from None
         if not isinstance(extra, dict):
             raise ValueError('--extra-body must be a JSON object, e.g. {"cache_salt": "x"}')
-    spec_fields = {name: getattr(args, name) for name in WorkloadSpec.__dataclass_fields__
-                   if name not in ("dataset", "seed", "num_prompts", "output_len", "tokenizer", "block_size")}
-    workload = WorkloadSpec(dataset=args.dataset, seed=args.seed, num_prompts=args.num_prompts,
-                            output_len=args.output_len, tokenizer=args.tokenizer,
-                            block_size=args.block_size, **spec_fields)
+    spec_fields = {
+        name: getattr(args, name)
+        for name in WorkloadSpec.__dataclass_fields__
+        if name not in ("dataset", "seed", "num_prompts", "output_len", "tokenizer", "block_size")
+    }
+    workload = WorkloadSpec(
+        dataset=args.dataset,
+        seed=args.seed,
+        num_prompts=args.num_prompts,
+        output_len=args.output_len,
+        tokenizer=args.tokenizer,
+        block_size=args.block_size,
+        **spec_fields,
+    )
     return BenchConfig(
-        workload=workload, base_url=args.base_url, endpoint=args.endpoint, model=args.model,
-        api_key=args.api_key, request_rate=args.request_rate, max_concurrency=args.max_concurrency,
-        ignore_eos=args.ignore_eos, temperature=args.temperature, goodput_slos_ms=slos,
-        percentiles=percentiles, extra_body=extra, timeout_s=args.timeout,
+        workload=workload,
+        base_url=args.base_url,
+        endpoint=args.endpoint,
+        model=args.model,
+        api_key=args.api_key,
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        goodput_slos_ms=slos,
+        percentiles=percentiles,
+        extra_body=extra,
+        timeout_s=args.timeout,
         progress=not args.disable_tqdm,
     )
 

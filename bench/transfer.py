@@ -47,8 +47,7 @@ MIB = 1 << 20
 
 def make_caches(layout: KVLayout, num_blocks: int, device: str) -> list[torch.Tensor]:
     shape = (2, num_blocks) + layout.block_shape[1:]
-    return [torch.randn(shape, device=device).to(getattr(torch, layout.dtype))
-            for _ in range(layout.num_layers)]
+    return [torch.randn(shape, device=device).to(getattr(torch, layout.dtype)) for _ in range(layout.num_layers)]
 
 
 def sync(device: str) -> None:
@@ -59,10 +58,16 @@ def sync(device: str) -> None:
 def raw_group(host: str, port: int, rank: int, backend: str, device: str, bind_host: str | None = None):
     """A plain 2-rank group for the baseline (its store hosted by the sender at `host`; gloo binds
     to `bind_host`, default `host`): no gather, no scatter."""
-    store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
-    pg = new_process_group(dist.PrefixStore("raw", store), rank, 2, backend, datetime.timedelta(seconds=60),
-                           bind_host=bind_host or host, device=torch.device(device))
+    store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+    pg = new_process_group(
+        dist.PrefixStore("raw", store),
+        rank,
+        2,
+        backend,
+        datetime.timedelta(seconds=60),
+        bind_host=bind_host or host,
+        device=torch.device(device),
+    )
     return pg, store
 
 
@@ -74,14 +79,16 @@ def raw_tensor(nbytes: int, backend: str, device: str) -> torch.Tensor:
 
 # ---------------------------------------------------------------- sender process (prefill)
 
+
 def sender_main(conn, cfg: dict, host: str = "127.0.0.1", node_id: str = "", commands=None) -> None:
     """The prefill side: a KVTransferServer and the raw baseline's rank 0, both at `host`.
     Says hello on `conn`, then takes commands on `commands` (default: `conn`)."""
     layout = KVLayout(**cfg["layout"])
     device = cfg["sender_device"]
     caches = make_caches(layout, cfg["num_blocks"], device)
-    server = KVTransferServer("bench-prefill", TransferConfig(transport=cfg["transport"], host=host, node_id=node_id),
-                              device=device)
+    server = KVTransferServer(
+        "bench-prefill", TransferConfig(transport=cfg["transport"], host=host, node_id=node_id), device=device
+    )
     raw_store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
     conn.send({"address": encode(server.address), "raw_port": raw_store.port})
     commands = commands or conn
@@ -107,8 +114,9 @@ class ObjectStorePrefill:
     def __init__(self, cfg: dict) -> None:
         self.layout = KVLayout(**cfg["layout"])
         self.caches = make_caches(self.layout, cfg["num_blocks"], cfg["sender_device"])
-        self.server = KVTransferServer("bench-prefill-ray", TransferConfig(transport="object_store"),
-                                       device=cfg["sender_device"])
+        self.server = KVTransferServer(
+            "bench-prefill-ray", TransferConfig(transport="object_store"), device=cfg["sender_device"]
+        )
 
     def address(self) -> dict:
         return encode(self.server.address)
@@ -118,6 +126,7 @@ class ObjectStorePrefill:
 
 
 # ---------------------------------------------------------------- receiver (this process)
+
 
 def timed(fn, reps: int, device: str) -> float:
     fn()  # warm-up: pair groups, buffers, page faults
@@ -145,8 +154,12 @@ def main() -> None:
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--transport", choices=["auto", "gloo_staged"], default="auto",
-                        help="on CUDA: auto = NCCL across two GPUs, gloo_staged on one")
+    parser.add_argument(
+        "--transport",
+        choices=["auto", "gloo_staged"],
+        default="auto",
+        help="on CUDA: auto = NCCL across two GPUs, gloo_staged on one",
+    )
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -164,8 +177,13 @@ def main() -> None:
     num_blocks = max_blocks + max(max_blocks // 10, 4)
     transport, sender_device, raw_backend = pick_transport(args)
     receiver_device = "cuda:0" if args.device == "cuda" else "cpu"
-    cfg = {"layout": asdict(layout), "num_blocks": num_blocks, "transport": transport,
-           "sender_device": sender_device, "raw_backend": raw_backend}
+    cfg = {
+        "layout": asdict(layout),
+        "num_blocks": num_blocks,
+        "transport": transport,
+        "sender_device": sender_device,
+        "raw_backend": raw_backend,
+    }
 
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
@@ -187,8 +205,9 @@ def main() -> None:
         n = nbytes // layout.bytes_per_block
         src = rng.sample(range(num_blocks), n)
         dst = rng.sample(range(num_blocks), n)
-        handle = KVHandle(f"bench-{size}", "bench-prefill", address, tuple(src), n * layout.block_size,
-                          layout, time.time() + 3600)
+        handle = KVHandle(
+            f"bench-{size}", "bench-prefill", address, tuple(src), n * layout.block_size, layout, time.time() + 3600
+        )
         memcpy_src = torch.empty(nbytes, dtype=torch.uint8, device=receiver_device).random_(0, 255)
         memcpy_dst = torch.empty_like(memcpy_src)
 
@@ -200,10 +219,13 @@ def main() -> None:
         def kv(handle: KVHandle = handle, dst: list[int] = dst) -> None:
             client.pull(handle, caches, dst, lambda req: conn.send(("kv", encode(req))), timeout_s=120)
 
-        row = {"size_mib": size, "blocks": n,
-               "memcpy_s": timed(lambda d=memcpy_dst, s=memcpy_src: d.copy_(s), args.reps, receiver_device),
-               "raw_s": timed(raw, args.reps, receiver_device),
-               "kv_s": timed(kv, args.reps, receiver_device)}
+        row = {
+            "size_mib": size,
+            "blocks": n,
+            "memcpy_s": timed(lambda d=memcpy_dst, s=memcpy_src: d.copy_(s), args.reps, receiver_device),
+            "raw_s": timed(raw, args.reps, receiver_device),
+            "kv_s": timed(kv, args.reps, receiver_device),
+        }
         rows.append(row)
         print(f"  measured {size} MiB", file=sys.stderr, flush=True)
     conn.send(("stop", None))
@@ -212,37 +234,60 @@ def main() -> None:
     if not args.no_object_store:
         import ray
 
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+        )
         actor = ray.remote(ObjectStorePrefill).remote(cfg)
         obj_address = decode(TransferAddress, ray.get(actor.address.remote()))
-        obj_client = KVTransferClient("bench-decode-ray", TransferConfig(transport=Transport.OBJECT_STORE),
-                                      device=receiver_device)
+        obj_client = KVTransferClient(
+            "bench-decode-ray", TransferConfig(transport=Transport.OBJECT_STORE), device=receiver_device
+        )
         for row in rows:
             n = row["blocks"]
             src, dst = rng.sample(range(num_blocks), n), rng.sample(range(num_blocks), n)
-            handle = KVHandle(f"bench-obj-{n}", "bench-prefill-ray", obj_address, tuple(src),
-                              n * layout.block_size, layout, time.time() + 3600)
+            handle = KVHandle(
+                f"bench-obj-{n}",
+                "bench-prefill-ray",
+                obj_address,
+                tuple(src),
+                n * layout.block_size,
+                layout,
+                time.time() + 3600,
+            )
             row["object_store_s"] = timed(
                 lambda handle=handle, dst=dst: obj_client.pull(
-                    handle, caches, dst, lambda req: actor.send.remote(req), timeout_s=120),
-                args.reps, receiver_device)
+                    handle, caches, dst, lambda req: actor.send.remote(req), timeout_s=120
+                ),
+                args.reps,
+                receiver_device,
+            )
         ray.shutdown()
 
     print(f"\ncommand: python {' '.join(sys.argv)}")
-    print(f"host: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; "
-          f"device {args.device}, transport {transport}, raw baseline {raw_backend}; layout {layout} "
-          f"({layout.bytes_per_block // 1024} KiB/block); median of {args.reps} after 1 warm-up\n")
-    header = (f"{'MiB':>5} {'blocks':>6} {'memcpy GB/s':>12} {'raw GB/s':>9} {'kv GB/s':>8} {'kv/raw':>7} "
-              f"{'kv/memcpy':>9}")
+    print(
+        f"host: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; "
+        f"device {args.device}, transport {transport}, raw baseline {raw_backend}; layout {layout} "
+        f"({layout.bytes_per_block // 1024} KiB/block); median of {args.reps} after 1 warm-up\n"
+    )
+    header = (
+        f"{'MiB':>5} {'blocks':>6} {'memcpy GB/s':>12} {'raw GB/s':>9} {'kv GB/s':>8} {'kv/raw':>7} {'kv/memcpy':>9}"
+    )
     if not args.no_object_store:
         header += f" {'objstore GB/s':>14} {'obj/raw':>8}"
     print(header)
     for row in rows:
-        gbps = {k: row["size_mib"] * MIB / row[f"{k}_s"] / 1e9 for k in ("memcpy", "raw", "kv", "object_store")
-                if f"{k}_s" in row}
-        line = (f"{row['size_mib']:>5} {row['blocks']:>6} {gbps['memcpy']:>12.2f} {gbps['raw']:>9.2f} "
-                f"{gbps['kv']:>8.2f} {gbps['kv'] / gbps['raw']:>7.2f} {gbps['kv'] / gbps['memcpy']:>9.2f}")
+        gbps = {
+            k: row["size_mib"] * MIB / row[f"{k}_s"] / 1e9
+            for k in ("memcpy", "raw", "kv", "object_store")
+            if f"{k}_s" in row
+        }
+        line = (
+            f"{row['size_mib']:>5} {row['blocks']:>6} {gbps['memcpy']:>12.2f} {gbps['raw']:>9.2f} "
+            f"{gbps['kv']:>8.2f} {gbps['kv'] / gbps['raw']:>7.2f} {gbps['kv'] / gbps['memcpy']:>9.2f}"
+        )
         if "object_store" in gbps:
             line += f" {gbps['object_store']:>14.2f} {gbps['object_store'] / gbps['raw']:>8.2f}"
         print(line)

@@ -18,7 +18,9 @@ DatasetName = Literal["random", "shared-prefix", "multi-turn"]
 DATASETS: tuple[str, ...] = ("random", "shared-prefix", "multi-turn")
 
 # Short common words: one token each, with a leading space, in the usual BPE vocabularies.
-_FALLBACK_WORDS = tuple(dict.fromkeys("""
+_FALLBACK_WORDS = tuple(
+    dict.fromkeys(
+        """
 the of and to in is was for on that with as by at from his her it an are be this which or
 have had not but one all were they she when there can more been its who would will also no
 time two may into than some could other only new first these any then what has out about up
@@ -26,7 +28,9 @@ over such so after most years year made people world day back water long way muc
 part work city home area life day name place house war end form line head hand light story
 point music game book food river power team field road field small great high old large right
 long good little own best great young early late open full sure real true free clear close
-""".split()))
+""".split()
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -57,15 +61,24 @@ class WorkloadSpec:
         if self.dataset not in DATASETS:
             raise ValueError(f"dataset {self.dataset!r} is unknown: use one of {', '.join(DATASETS)}")
         if not 0.0 <= self.random_range_ratio < 1.0:
-            raise ValueError(f"random_range_ratio {self.random_range_ratio} must be in [0, 1): "
-                             "lengths are drawn from [len*(1-r), len*(1+r)]")
+            raise ValueError(
+                f"random_range_ratio {self.random_range_ratio} must be in [0, 1): "
+                "lengths are drawn from [len*(1-r), len*(1+r)]"
+            )
         positive = {
-            "num_prompts": self.num_prompts, "block_size": self.block_size,
-            "random_input_len": self.random_input_len, "random_output_len": self.random_output_len,
-            "gsp_num_groups": self.gsp_num_groups, "gsp_prompts_per_group": self.gsp_prompts_per_group,
-            "gsp_system_prompt_len": self.gsp_system_prompt_len, "gsp_question_len": self.gsp_question_len,
-            "gsp_output_len": self.gsp_output_len, "mt_num_conversations": self.mt_num_conversations,
-            "mt_turns": self.mt_turns, "mt_user_len": self.mt_user_len, "mt_output_len": self.mt_output_len,
+            "num_prompts": self.num_prompts,
+            "block_size": self.block_size,
+            "random_input_len": self.random_input_len,
+            "random_output_len": self.random_output_len,
+            "gsp_num_groups": self.gsp_num_groups,
+            "gsp_prompts_per_group": self.gsp_prompts_per_group,
+            "gsp_system_prompt_len": self.gsp_system_prompt_len,
+            "gsp_question_len": self.gsp_question_len,
+            "gsp_output_len": self.gsp_output_len,
+            "mt_num_conversations": self.mt_num_conversations,
+            "mt_turns": self.mt_turns,
+            "mt_user_len": self.mt_user_len,
+            "mt_output_len": self.mt_output_len,
         }
         if self.output_len is not None:
             positive["output_len"] = self.output_len
@@ -152,19 +165,24 @@ def _single_token_words(tokenizer: Any) -> tuple[str, ...]:
         word = tokenizer.decode([token_id]).strip()
         if len(word) < 2 or not word.isascii() or not word.isalpha() or word in words:
             continue
-        if (len(tokenizer.encode(word, add_special_tokens=False)) == 1
-                and len(tokenizer.encode(" " + word, add_special_tokens=False)) == 1):
+        if (
+            len(tokenizer.encode(word, add_special_tokens=False)) == 1
+            and len(tokenizer.encode(" " + word, add_special_tokens=False)) == 1
+        ):
             words.add(word)
         if len(words) >= 4096:
             break
     if len(words) < 16:
-        raise ValueError(f"tokenizer has only {len(words)} single-token words: prompts of exact "
-                         "lengths need a larger vocabulary; drop --tokenizer to use approximate lengths")
+        raise ValueError(
+            f"tokenizer has only {len(words)} single-token words: prompts of exact "
+            "lengths need a larger vocabulary; drop --tokenizer to use approximate lengths"
+        )
     return tuple(sorted(words))
 
 
-def ideal_prefix_hit_rate(num_groups: int, prompts_per_group: int, system_len: int,
-                          question_len: int, block_size: int) -> float:
+def ideal_prefix_hit_rate(
+    num_groups: int, prompts_per_group: int, system_len: int, question_len: int, block_size: int
+) -> float:
     """Fraction of prompt tokens a perfect block-granular prefix cache serves: every prompt but
     the first of its group reuses the system prompt's full blocks."""
     cached = num_groups * (prompts_per_group - 1) * (system_len // block_size) * block_size
@@ -207,8 +225,13 @@ def _shared_prefix(spec: WorkloadSpec, maker: PromptMaker, rng: np.random.Genera
             question, question_len = maker.make(rng, spec.gsp_question_len)
             prompts.append(Prompt(question, system_len + question_len, output_len, system, group))
     order = rng.permutation(len(prompts))  # interleave the groups
-    ideal = ideal_prefix_hit_rate(spec.gsp_num_groups, spec.gsp_prompts_per_group,
-                                  spec.gsp_system_prompt_len, spec.gsp_question_len, spec.block_size)
+    ideal = ideal_prefix_hit_rate(
+        spec.gsp_num_groups,
+        spec.gsp_prompts_per_group,
+        spec.gsp_system_prompt_len,
+        spec.gsp_question_len,
+        spec.block_size,
+    )
     return Workload("shared-prefix", prompts=tuple(prompts[i] for i in order), ideal_cache_hit_rate=ideal)
 
 
@@ -216,6 +239,7 @@ def _multi_turn(spec: WorkloadSpec, maker: PromptMaker, rng: np.random.Generator
     conversations = []
     for _ in range(spec.mt_num_conversations):
         turns = [maker.make(rng, spec.mt_user_len) for _ in range(spec.mt_turns)]
-        conversations.append(Conversation(tuple(t for t, _ in turns), tuple(n for _, n in turns),
-                                          spec.output_len or spec.mt_output_len))
+        conversations.append(
+            Conversation(tuple(t for t, _ in turns), tuple(n for _, n in turns), spec.output_len or spec.mt_output_len)
+        )
     return Workload("multi-turn", conversations=tuple(conversations))

@@ -192,8 +192,11 @@ class LocalCluster:
                 import ray
 
                 ray.shutdown()  # ends a Ray we started; only disconnects from one we joined
-                self._phase(f"Ray stopped (gcs {self.gcs_address})" if self.started_ray
-                            else f"Ray disconnected (gcs {self.gcs_address})")
+                self._phase(
+                    f"Ray stopped (gcs {self.gcs_address})"
+                    if self.started_ray
+                    else f"Ray disconnected (gcs {self.gcs_address})"
+                )
                 self._ray_initialized_here = False
                 self.started_ray = False
         finally:
@@ -250,7 +253,8 @@ class LocalCluster:
                 raise ValueError(
                     f"Ray at {self._ray_address} has {nodes} nodes, and a managed redis-server would listen "
                     "on 127.0.0.1 only, out of the other nodes' reach: pass --redis-url with an address every "
-                    "node can reach, e.g. redis://<head IP>:6380/0 (the head's Redis in cluster/*.yaml)")
+                    "node can reach, e.g. redis://<head IP>:6380/0 (the head's Redis in cluster/*.yaml)"
+                )
             return
         # A fresh head: ray.init() binds its GCS to a free port unless RAY_GCS_SERVER_PORT is set.
         context = ray.init(num_cpus=self._num_cpus, **self._ray_init_kwargs)
@@ -259,8 +263,11 @@ class LocalCluster:
         self.gcs_address = ray.get_runtime_context().gcs_address
         dashboard = getattr(context, "dashboard_url", None)
         cpus = ray.cluster_resources().get("CPU", 0)
-        self._phase(f"Ray started: local instance (gcs {self.gcs_address}, {cpus:g} CPUs"
-                    + (f", Ray dashboard http://{dashboard}" if dashboard else "") + ")")
+        self._phase(
+            f"Ray started: local instance (gcs {self.gcs_address}, {cpus:g} CPUs"
+            + (f", Ray dashboard http://{dashboard}" if dashboard else "")
+            + ")"
+        )
 
     def _excluded_ports(self) -> set[int]:
         excluded = {RAY_DEFAULT_GCS_PORT}
@@ -299,22 +306,41 @@ class LocalCluster:
         assert self._redis_dir is not None
         log_file = self._redis_dir / "redis.log"
         args = [
-            binary, "--port", str(port), "--bind", "127.0.0.1", "--protected-mode", "yes",
-            "--save", "", "--appendonly", "no", "--dir", str(self._redis_dir),
-            "--logfile", str(log_file), "--loglevel", "warning",
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--protected-mode",
+            "yes",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self._redis_dir),
+            "--logfile",
+            str(log_file),
+            "--loglevel",
+            "warning",
         ]
         # A session of its own: the terminal's Ctrl-C (sent to our process group) must not stop
         # the index before the replicas leave it. stop()/kill() stop it; so does our death.
-        proc = subprocess.Popen(args, cwd=self._redis_dir, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=_parent_death_signal())
+        proc = subprocess.Popen(
+            args,
+            cwd=self._redis_dir,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_parent_death_signal(),
+        )
         url = f"redis://127.0.0.1:{port}/0"
         deadline = time.monotonic() + self._redis_start_timeout_s
         while not _answers_ping(url, timeout_s=0.2):
             if proc.poll() is not None:
                 reason = log_file.read_text(errors="replace").strip() if log_file.exists() else ""
-                raise OSError(f"redis-server exited with {proc.returncode} at start on port {port}: "
-                              f"{reason}")
+                raise OSError(f"redis-server exited with {proc.returncode} at start on port {port}: {reason}")
             if time.monotonic() >= deadline:
                 _terminate(proc)
                 raise TimeoutError(

@@ -79,10 +79,12 @@ def plan_hosts(prefix: str, subnet: str, num_prefill: int, num_decode: int) -> l
         if not 0 <= count <= MAX_PER_ROLE:
             raise TestbedError(f"{count} {role} hosts: 0 to {MAX_PER_ROLE}")
     hosts = [Host(f"{prefix}-head", "head", f"{subnet}.{HEAD_OCTET}", f"{prefix}-head")]
-    hosts += [Host(f"{prefix}-p{i}", "prefill", f"{subnet}.{PREFILL_OCTET + i}", f"{prefix}-p{i}")
-              for i in range(num_prefill)]
-    hosts += [Host(f"{prefix}-d{i}", "decode", f"{subnet}.{DECODE_OCTET + i}", f"{prefix}-d{i}")
-              for i in range(num_decode)]
+    hosts += [
+        Host(f"{prefix}-p{i}", "prefill", f"{subnet}.{PREFILL_OCTET + i}", f"{prefix}-p{i}") for i in range(num_prefill)
+    ]
+    hosts += [
+        Host(f"{prefix}-d{i}", "decode", f"{subnet}.{DECODE_OCTET + i}", f"{prefix}-d{i}") for i in range(num_decode)
+    ]
     return hosts
 
 
@@ -163,16 +165,22 @@ class Testbed:
 
     def env(self) -> dict[str, str]:
         """The environment of every command run on a host (the same as an ssh session's)."""
-        return {"HOME": str(self.home), "PATH": f"{self.bin_dir}:{self.venv}/bin:{_SYS_PATH}",
-                "PDTB_DIR": self.state_dir, "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
-                "RAY_HEAD_IP": self.head.ip, "RAY_ADDRESS": self.gcs_address, "TOKENIZERS_PARALLELISM": "false"}
+        return {
+            "HOME": str(self.home),
+            "PATH": f"{self.bin_dir}:{self.venv}/bin:{_SYS_PATH}",
+            "PDTB_DIR": self.state_dir,
+            "LANG": "C.UTF-8",
+            "OMP_NUM_THREADS": "1",
+            "RAY_HEAD_IP": self.head.ip,
+            "RAY_ADDRESS": self.gcs_address,
+            "TOKENIZERS_PARALLELISM": "false",
+        }
 
     # -- commands on hosts
     def exec_argv(self, host: Host, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", host.netns, *argv]
 
-    def run(self, host: Host, command: str, timeout_s: float = 120.0,
-            log: Path | None = None) -> tuple[int, str]:
+    def run(self, host: Host, command: str, timeout_s: float = 120.0, log: Path | None = None) -> tuple[int, str]:
         """Run a shell command on `host` with the testbed's environment; (exit code, output).
         Output goes to a log file, not a pipe: daemons the command starts keep no pipe open."""
         log = log or self.host_dir(host) / "commands.log"
@@ -181,9 +189,15 @@ class Testbed:
             f.write(f"$ {command}\n".encode())
             f.flush()
             start = f.tell()
-            proc = subprocess.run(self.exec_argv(host, ["bash", "-c", command]), env=self.env(), stdout=f,
-                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=timeout_s,
-                                  cwd=str(self.home))
+            proc = subprocess.run(
+                self.exec_argv(host, ["bash", "-c", command]),
+                env=self.env(),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                timeout=timeout_s,
+                cwd=str(self.home),
+            )
         with open(log, "rb") as f:
             f.seek(start)
             output = f.read().decode(errors="replace")
@@ -194,8 +208,16 @@ class Testbed:
     # -- link counters and faults
     def link_bytes(self, host: Host) -> dict[str, int]:
         """rx/tx bytes counted on the host's own end of its link (inside its namespace)."""
-        out = _run(self.exec_argv(host, ["cat", f"/sys/class/net/{_NS_IFACE}/statistics/rx_bytes",
-                                         f"/sys/class/net/{_NS_IFACE}/statistics/tx_bytes"])).stdout.split()
+        out = _run(
+            self.exec_argv(
+                host,
+                [
+                    "cat",
+                    f"/sys/class/net/{_NS_IFACE}/statistics/rx_bytes",
+                    f"/sys/class/net/{_NS_IFACE}/statistics/tx_bytes",
+                ],
+            )
+        ).stdout.split()
         return {"rx": int(out[0]), "tx": int(out[1])}
 
     def set_link(self, host: Host, up: bool) -> None:
@@ -247,15 +269,19 @@ class Testbed:
         """The Ray nodes alive, from the head's dashboard (state API over HTTP: no driver here)."""
         from ray.util.state import list_nodes
 
-        nodes = list_nodes(address=self.dashboard_url, filters=[("state", "=", "ALIVE")],
-                           raise_on_missing_output=False, timeout=10)
+        nodes = list_nodes(
+            address=self.dashboard_url, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False, timeout=10
+        )
         return [n if isinstance(n, dict) else asdict(n) for n in nodes]
 
     def serve_config(self, model: str, **args: Any) -> dict:
         """A Serve config for this testbed: the head's Redis, each pool pinned to its hosts (one
         replica per host), the HTTP proxy on the head's address. `args` override PDServeArgs."""
         app_args = {
-            "model": model, "device": "cpu", "redis_url": self.redis_url, "transfer_timeout_s": 5.0,
+            "model": model,
+            "device": "cpu",
+            "redis_url": self.redis_url,
+            "transfer_timeout_s": 5.0,
             "prefill": {"replicas": max(1, len(self.role("prefill"))), "num_cpus": 0.5, "resources": {"prefill": 1}},
             "decode": {"replicas": max(1, len(self.role("decode"))), "num_cpus": 0.5, "resources": {"decode": 1}},
             **args,
@@ -263,11 +289,15 @@ class Testbed:
         return {
             "proxy_location": "HeadOnly",
             "http_options": {"host": self.head.ip, "port": HTTP_PORT},
-            "applications": [{
-                "name": "pdserve", "route_prefix": "/", "import_path": "deploy.builder:build_app",
-                "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
-                "args": app_args,
-            }],
+            "applications": [
+                {
+                    "name": "pdserve",
+                    "route_prefix": "/",
+                    "import_path": "deploy.builder:build_app",
+                    "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
+                    "args": app_args,
+                }
+            ],
         }
 
     def app_status(self, app: str = "pdserve") -> dict:
@@ -278,8 +308,9 @@ class Testbed:
         resp.raise_for_status()
         return (resp.json().get("applications") or {}).get(app) or {}
 
-    def deploy(self, config: dict, app: str = "pdserve", want: tuple[str, ...] = ("RUNNING",),
-               timeout_s: float = 300.0) -> dict:
+    def deploy(
+        self, config: dict, app: str = "pdserve", want: tuple[str, ...] = ("RUNNING",), timeout_s: float = 300.0
+    ) -> dict:
         """`serve deploy` of `config` through the head's dashboard (the REST API the CLI uses: no
         driver in this process); waits until `app` is in a `want` state, and, for RUNNING, until
         the ingress's /health answers 200. Returns the app's status."""
@@ -303,8 +334,14 @@ class Testbed:
                 raise TestbedError(f"{app} not {'/'.join(want)} after {timeout_s:g}s: {status}")
             time.sleep(2.0)
         if status.get("status") == "RUNNING":
-            route = next((a.get("route_prefix") or "/" for a in config.get("applications", [])
-                          if a.get("name", "default") == app), "/")
+            route = next(
+                (
+                    a.get("route_prefix") or "/"
+                    for a in config.get("applications", [])
+                    if a.get("name", "default") == app
+                ),
+                "/",
+            )
             while True:
                 try:
                     if httpx.get(f"{self.http_url}{route.rstrip('/')}/health", timeout=5).status_code == 200:
@@ -336,8 +373,7 @@ class Testbed:
 # -- shell helpers ---------------------------------------------------------------------------
 
 
-def _run(argv: list[str], check: bool = True, timeout_s: float = 60.0,
-         **kwargs: Any) -> subprocess.CompletedProcess:
+def _run(argv: list[str], check: bool = True, timeout_s: float = 60.0, **kwargs: Any) -> subprocess.CompletedProcess:
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, **kwargs)
     if check and proc.returncode != 0:
         output = proc.stderr.strip() or proc.stdout.strip()
@@ -471,10 +507,19 @@ def check_environment() -> str | None:
 # -- up / down -------------------------------------------------------------------------------
 
 
-def up(prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET, num_prefill: int = 1, num_decode: int = 1,
-       rate: str = DEFAULT_RATE, state_dir: str = DEFAULT_STATE_DIR, start_ray: bool = True,
-       sshd: bool | None = None, venv: str | None = None, timeout_s: float = 180.0,
-       say=print) -> Testbed:
+def up(
+    prefix: str = DEFAULT_PREFIX,
+    subnet: str = DEFAULT_SUBNET,
+    num_prefill: int = 1,
+    num_decode: int = 1,
+    rate: str = DEFAULT_RATE,
+    state_dir: str = DEFAULT_STATE_DIR,
+    start_ray: bool = True,
+    sshd: bool | None = None,
+    venv: str | None = None,
+    timeout_s: float = 180.0,
+    say=print,
+) -> Testbed:
     """Make the hosts and start what runs on them; on any failure everything made is removed."""
     problem = check_environment()
     if problem:
@@ -489,8 +534,17 @@ def up(prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET, num_prefill: 
         sshd = not start_ray and Path(SSHD).exists()
     if sshd and not Path(SSHD).exists():
         raise TestbedError(f"{SSHD} is missing: apt-get install -y openssh-server (or pass --no-sshd)")
-    tb = Testbed(prefix=prefix, subnet=subnet, state_dir=str(Path(state_dir).resolve()), rate=rate,
-                 venv=venv or sys.prefix, hosts=hosts, bridge=f"{prefix}-br", sshd=sshd, ray=start_ray)
+    tb = Testbed(
+        prefix=prefix,
+        subnet=subnet,
+        state_dir=str(Path(state_dir).resolve()),
+        rate=rate,
+        venv=venv or sys.prefix,
+        hosts=hosts,
+        bridge=f"{prefix}-br",
+        sshd=sshd,
+        ray=start_ray,
+    )
     try:
         _write_files(tb)
         tb.save()
@@ -502,8 +556,10 @@ def up(prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET, num_prefill: 
         tb.phase = "up"
         tb.save()
     except BaseException:
-        say(f"testbed {prefix!r} failed to come up; removing what was made "
-            f"(logs were in {tb.state_dir}/hosts/*/start.log)")
+        say(
+            f"testbed {prefix!r} failed to come up; removing what was made "
+            f"(logs were in {tb.state_dir}/hosts/*/start.log)"
+        )
         _print_start_logs(tb, say)
         down(prefix, tb.state_dir, say=say)
         raise
@@ -513,11 +569,13 @@ def up(prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET, num_prefill: 
 def _write_files(tb: Testbed) -> None:
     for d in (tb.home, tb.bin_dir, tb.ssh_dir, *(tb.host_dir(h) for h in tb.hosts)):
         d.mkdir(parents=True, exist_ok=True)
-    bashrc = (f'export PDTB_DIR={shlex.quote(tb.state_dir)}\n'
-              f'export PATH={shlex.quote(str(tb.bin_dir))}:{shlex.quote(tb.venv)}/bin:$PATH\n'
-              'export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false LANG=C.UTF-8\n'
-              # `ray status`, `serve status`, drivers: this cluster, not another Ray on the machine
-              f'export RAY_ADDRESS={tb.gcs_address}\n')
+    bashrc = (
+        f"export PDTB_DIR={shlex.quote(tb.state_dir)}\n"
+        f"export PATH={shlex.quote(str(tb.bin_dir))}:{shlex.quote(tb.venv)}/bin:$PATH\n"
+        "export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false LANG=C.UTF-8\n"
+        # `ray status`, `serve status`, drivers: this cluster, not another Ray on the machine
+        f"export RAY_ADDRESS={tb.gcs_address}\n"
+    )
     (tb.home / ".bashrc").write_text(bashrc)
     (tb.home / ".bash_profile").write_text(". ~/.bashrc\n")
     (tb.home / ".profile").write_text(". ~/.bashrc\n")
@@ -530,8 +588,9 @@ def _write_files(tb: Testbed) -> None:
         "# `ray` on a testbed host. The real `ray stop` stops every Ray process of the machine (all\n"
         "# testbed hosts and any other Ray here): on a testbed host it stops this host's Ray only.\n"
         f'if [ "$1" = stop ]; then exec {shlex.quote(str(python))} -m cluster.testbed stop-host '
-        f'--state-dir {shlex.quote(tb.state_dir)}; fi\n'
-        f'exec {shlex.quote(tb.venv)}/bin/ray "$@"\n')
+        f"--state-dir {shlex.quote(tb.state_dir)}; fi\n"
+        f'exec {shlex.quote(tb.venv)}/bin/ray "$@"\n'
+    )
     wrapper.chmod(0o755)
     ssh = tb.bin_dir / "ssh"
     ssh.write_text(
@@ -541,7 +600,8 @@ def _write_files(tb: Testbed) -> None:
         "# files in $HOME, the testbed's home: point such arguments there.\n"
         "args=()\n"
         'for a in "$@"; do [[ $a == "~/"* ]] && a="$HOME/${a#\\~/}"; args+=("$a"); done\n'
-        'exec /usr/bin/ssh "${args[@]}"\n')
+        'exec /usr/bin/ssh "${args[@]}"\n'
+    )
     ssh.chmod(0o755)
     session = tb.bin_dir / "session"
     session.write_text(
@@ -550,7 +610,8 @@ def _write_files(tb: Testbed) -> None:
         f"export HOME={shlex.quote(str(tb.home))}\n"
         'cd "$HOME"\n'
         'if [ -z "$SSH_ORIGINAL_COMMAND" ]; then exec bash --login; fi\n'
-        'exec bash -c "$SSH_ORIGINAL_COMMAND"\n')
+        'exec bash -c "$SSH_ORIGINAL_COMMAND"\n'
+    )
     session.chmod(0o755)
 
 
@@ -577,16 +638,22 @@ def _make_network(tb: Testbed, say) -> None:
         def ns(*argv: str, host: Host = host) -> None:  # this iteration's host, bound
             _run(tb.exec_argv(host, list(argv)))
 
-        ns("sh", "-c", "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6; "
-                       "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6")
+        ns(
+            "sh",
+            "-c",
+            "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6; echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6",
+        )
         ns("ip", "link", "set", "lo", "up")
         ns("ip", "link", "set", peer, "name", _NS_IFACE)
         ns("ip", "addr", "add", f"{host.ip}/24", "dev", _NS_IFACE)
         ns("ip", "link", "set", _NS_IFACE, "up")
         _run(_tbf_argv("add", host.veth, tb.rate))  # towards the host
         ns(*_tbf_argv("add", _NS_IFACE, tb.rate))  # from the host
-    say("hosts: " + ", ".join(f"{h.name} {h.ip} ({h.role})" for h in tb.hosts)
-        + f"; bridge {tb.bridge} {tb.bridge_ip}/24; links {tb.rate}")
+    say(
+        "hosts: "
+        + ", ".join(f"{h.name} {h.ip} ({h.role})" for h in tb.hosts)
+        + f"; bridge {tb.bridge} {tb.bridge_ip}/24; links {tb.rate}"
+    )
 
 
 def _no_ipv6(dev: str) -> None:
@@ -598,8 +665,9 @@ def _no_ipv6(dev: str) -> None:
 
 def _start_sshd(tb: Testbed, say) -> None:
     if not tb.ssh_key.exists():
-        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"pdserve-testbed-{tb.prefix}",
-              "-f", str(tb.ssh_key)])
+        _run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"pdserve-testbed-{tb.prefix}", "-f", str(tb.ssh_key)]
+        )
     host_key = tb.ssh_dir / "host_ed25519"
     if not host_key.exists():
         _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(host_key)])
@@ -608,12 +676,29 @@ def _start_sshd(tb: Testbed, say) -> None:
     for host in tb.hosts:
         d = tb.host_dir(host)
         config = d / "sshd_config"
-        config.write_text("\n".join([
-            f"ListenAddress {host.ip}", "Port 22", f"HostKey {host_key}", f"PidFile {d / 'sshd.pid'}",
-            f"AuthorizedKeysFile {tb.ssh_dir / 'authorized_keys'}", "PermitRootLogin prohibit-password",
-            "PasswordAuthentication no", "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no",
-            "PrintMotd no", "AcceptEnv none", f"ForceCommand {tb.bin_dir / 'session'}",
-            "MaxStartups 64:30:128", "MaxSessions 64", "LogLevel ERROR", ""]))
+        config.write_text(
+            "\n".join(
+                [
+                    f"ListenAddress {host.ip}",
+                    "Port 22",
+                    f"HostKey {host_key}",
+                    f"PidFile {d / 'sshd.pid'}",
+                    f"AuthorizedKeysFile {tb.ssh_dir / 'authorized_keys'}",
+                    "PermitRootLogin prohibit-password",
+                    "PasswordAuthentication no",
+                    "KbdInteractiveAuthentication no",
+                    "UsePAM no",
+                    "StrictModes no",
+                    "PrintMotd no",
+                    "AcceptEnv none",
+                    f"ForceCommand {tb.bin_dir / 'session'}",
+                    "MaxStartups 64:30:128",
+                    "MaxSessions 64",
+                    "LogLevel ERROR",
+                    "",
+                ]
+            )
+        )
         _run(tb.exec_argv(host, [SSHD, "-f", str(config), "-E", str(d / "sshd.log")]))
         pid = _wait_pidfile(d / "sshd.pid")
         tb.pids.setdefault(host.name, []).append(pid)
@@ -640,8 +725,7 @@ def yaml_commands(kind: str) -> list[str]:
         return list(yaml.safe_load(f)[f"{kind}_start_ray_commands"])
 
 
-def start_commands(tb: Testbed, host: Host, commands: list[str], deadline: float, say=print,
-                   attempts: int = 3) -> None:
+def start_commands(tb: Testbed, host: Host, commands: list[str], deadline: float, say=print, attempts: int = 3) -> None:
     """Run a host's start commands (testbed.yaml's) inside its namespace, before `deadline`.
 
     `ray start` gives a node 30 s (hard-coded) to register with the GCS; on a loaded machine
@@ -672,8 +756,10 @@ def start_cluster(tb: Testbed, say=print, timeout_s: float = 180.0) -> None:
         start_commands(tb, host, commands, deadline, say)
 
     run_all(tb.head, yaml_commands("head"))
-    say(f"head {tb.head.ip}: Ray (GCS :{GCS_PORT}, dashboard {tb.dashboard_url}), Redis {tb.redis_url}, "
-        f"Serve HTTP {tb.http_url}")
+    say(
+        f"head {tb.head.ip}: Ray (GCS :{GCS_PORT}, dashboard {tb.dashboard_url}), Redis {tb.redis_url}, "
+        f"Serve HTTP {tb.http_url}"
+    )
     errors: list[BaseException] = []
 
     def worker(host: Host) -> None:
@@ -702,8 +788,7 @@ def start_cluster(tb: Testbed, say=print, timeout_s: float = 180.0) -> None:
             raise TestbedError(f"{len(alive)} of {want} Ray nodes alive after {timeout_s:g}s")
         time.sleep(1.0)
     _record_pids(tb)
-    say(f"Ray cluster up: {want} nodes alive (" + ", ".join(
-        f"{h.ip} {h.role}" for h in tb.hosts) + ")")
+    say(f"Ray cluster up: {want} nodes alive (" + ", ".join(f"{h.ip} {h.role}" for h in tb.hosts) + ")")
 
 
 def _record_pids(tb: Testbed) -> None:
@@ -723,8 +808,10 @@ def down(prefix: str = DEFAULT_PREFIX, state_dir: str = DEFAULT_STATE_DIR, say=p
     # Our namespaces: those of the state file and those carrying our prefix, as they exist now
     # (an inode is only trusted while its name still exists: freed inodes are reused).
     existing = _netns_names()
-    names = sorted({n for n in existing if n.startswith(f"{prefix}-")}
-                   | ({h.netns for h in tb.hosts if h.netns in existing} if tb is not None else set()))
+    names = sorted(
+        {n for n in existing if n.startswith(f"{prefix}-")}
+        | ({h.netns for h in tb.hosts if h.netns in existing} if tb is not None else set())
+    )
     inodes = {_netns_inode(n) for n in names}
     # Processes: everything inside those namespaces (Ray, Redis, sshd, replicas); all of them are
     # the testbed's, since only the testbed starts anything in them.
@@ -783,18 +870,34 @@ def _remove_ray_up_caches() -> list[str]:
 def status(prefix: str = DEFAULT_PREFIX, state_dir: str = DEFAULT_STATE_DIR) -> dict:
     tb = Testbed.load(state_dir)
     names = _netns_names()
-    result: dict[str, Any] = {"prefix": prefix, "state_file": str(Path(state_dir) / "state.json"),
-                              "recorded": tb is not None,
-                              "netns": [n for n in names if n.startswith(f"{prefix}-")],
-                              "links": [n for n in _link_names() if n.startswith(f"{prefix}-")]}
+    result: dict[str, Any] = {
+        "prefix": prefix,
+        "state_file": str(Path(state_dir) / "state.json"),
+        "recorded": tb is not None,
+        "netns": [n for n in names if n.startswith(f"{prefix}-")],
+        "links": [n for n in _link_names() if n.startswith(f"{prefix}-")],
+    }
     if tb is None:
         return result
-    result.update(phase=tb.phase, rate=tb.rate, redis_url=tb.redis_url, http_url=tb.http_url,
-                  dashboard_url=tb.dashboard_url, gcs_address=tb.gcs_address, hosts=[])
+    result.update(
+        phase=tb.phase,
+        rate=tb.rate,
+        redis_url=tb.redis_url,
+        http_url=tb.http_url,
+        dashboard_url=tb.dashboard_url,
+        gcs_address=tb.gcs_address,
+        hosts=[],
+    )
     for h in tb.hosts:
         pids = _pids_in_netns({h.netns_inode}) if h.netns in names else []
-        entry = {"name": h.name, "role": h.role, "ip": h.ip, "veth": h.veth, "processes": len(pids),
-                 "link_up": h.netns in names and _link_is_up(h.veth)}
+        entry = {
+            "name": h.name,
+            "role": h.role,
+            "ip": h.ip,
+            "veth": h.veth,
+            "processes": len(pids),
+            "link_up": h.netns in names and _link_is_up(h.veth),
+        }
         result["hosts"].append(entry)
     if tb.head.netns in names and _port_open(tb.head, DASHBOARD_PORT):
         try:
@@ -844,9 +947,11 @@ def stop_host(state_dir: str | None = None, grace_s: float = 10.0) -> int:
     hosts = {_netns_inode(h.netns): h for h in tb.hosts} if tb is not None else {}
     hosts.pop(0, None)
     if own == 0 or own not in hosts:
-        print(f"stop-host: this process is not on a host of the testbed recorded in {state_dir}; "
-              "nothing stopped (the real `ray stop` would stop every Ray process on the machine)",
-              file=sys.stderr)
+        print(
+            f"stop-host: this process is not on a host of the testbed recorded in {state_dir}; "
+            "nothing stopped (the real `ray stop` would stop every Ray process on the machine)",
+            file=sys.stderr,
+        )
         return 1
     from ray.autoscaler._private.constants import RAY_PROCESSES
 
@@ -882,11 +987,12 @@ def stop_host(state_dir: str | None = None, grace_s: float = 10.0) -> int:
 
 def add_testbed_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "testbed", help="a cluster on this machine: hosts as network namespaces (root, Linux)",
+        "testbed",
+        help="a cluster on this machine: hosts as network namespaces (root, Linux)",
         description="Hosts as network namespaces on a bridge, each running what a real node runs "
-                    "(cluster/testbed.yaml). See cluster/README.md, 'A cluster on one machine'.")
-    commands = parser.add_subparsers(dest="testbed_command", required=True,
-                                     metavar="{up,down,status,serve-config}")
+        "(cluster/testbed.yaml). See cluster/README.md, 'A cluster on one machine'.",
+    )
+    commands = parser.add_subparsers(dest="testbed_command", required=True, metavar="{up,down,status,serve-config}")
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--prefix", default=DEFAULT_PREFIX, help="names of namespaces and links")
@@ -898,8 +1004,9 @@ def add_testbed_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode hosts")
     p.add_argument("--rate", default=DEFAULT_RATE, help="each host's link rate (tc tbf), e.g. 1gbit, 200mbit")
     p.add_argument("--subnet", default=DEFAULT_SUBNET, help="the /24's first three octets")
-    p.add_argument("--no-ray", action="store_true",
-                   help="hosts (and sshd) only: start Ray with `ray up cluster/testbed.yaml`")
+    p.add_argument(
+        "--no-ray", action="store_true", help="hosts (and sshd) only: start Ray with `ray up cluster/testbed.yaml`"
+    )
     p.add_argument("--sshd", dest="sshd", action="store_true", default=None, help="an sshd on every host")
     p.add_argument("--no-sshd", dest="sshd", action="store_false")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds for the cluster to come up")
@@ -931,8 +1038,17 @@ def _run_testbed(args: argparse.Namespace) -> int:
         return stop_host(args.state_dir)
     try:
         if command == "up":
-            tb = up(args.prefix, args.subnet, args.prefill, args.decode, args.rate, args.state_dir,
-                    start_ray=not args.no_ray, sshd=args.sshd, timeout_s=args.timeout)
+            tb = up(
+                args.prefix,
+                args.subnet,
+                args.prefill,
+                args.decode,
+                args.rate,
+                args.state_dir,
+                start_ray=not args.no_ray,
+                sshd=args.sshd,
+                timeout_s=args.timeout,
+            )
             print(f"testbed {tb.prefix!r} is up; state in {tb.state_file}")
             if tb.ray:
                 print(f"  Redis: {tb.redis_url}\n  Serve HTTP: {tb.http_url}\n  dashboard: {tb.dashboard_url}")
@@ -971,14 +1087,21 @@ def _run_testbed(args: argparse.Namespace) -> int:
 
 def _print_status(result: dict) -> None:
     if not result["recorded"]:
-        print(f"testbed {result['prefix']!r}: none recorded in {result['state_file']}"
-              + (f"; leftovers: {result['netns'] + result['links']} (pdserve testbed down removes them)"
-                 if result["netns"] or result["links"] else ""))
+        print(
+            f"testbed {result['prefix']!r}: none recorded in {result['state_file']}"
+            + (
+                f"; leftovers: {result['netns'] + result['links']} (pdserve testbed down removes them)"
+                if result["netns"] or result["links"]
+                else ""
+            )
+        )
         return
     print(f"testbed {result['prefix']!r} ({result['phase']}), links {result['rate']}")
     for h in result["hosts"]:
-        print(f"  {h['name']:<12} {h['role']:<8} {h['ip']:<14} link {h['veth']} "
-              f"{'up' if h['link_up'] else 'DOWN'}, {h['processes']} processes")
+        print(
+            f"  {h['name']:<12} {h['role']:<8} {h['ip']:<14} link {h['veth']} "
+            f"{'up' if h['link_up'] else 'DOWN'}, {h['processes']} processes"
+        )
     for key in ("gcs_address", "redis_url", "http_url", "dashboard_url", "ray_nodes_alive"):
         if key in result:
             print(f"  {key}: {result[key]}")

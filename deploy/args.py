@@ -27,20 +27,27 @@ class PoolArgs(BaseModel):
     replicas: int = Field(default=1, ge=1, description="replicas of this pool")
     num_cpus: float = Field(default=1.0, ge=0, description="CPUs per replica")
     num_threads: int | None = Field(
-        default=None, ge=1, description="torch threads of each replica's engine; None: what num_cpus grants, "
-                                        "max(1, floor(num_cpus))")
+        default=None,
+        ge=1,
+        description="torch threads of each replica's engine; None: what num_cpus grants, max(1, floor(num_cpus))",
+    )
     num_gpus: float = Field(default=0.0, ge=0, description="GPUs per replica (1 on GPU clusters)")
     resources: dict[str, float] = Field(
         default_factory=dict, description="custom resources per replica, e.g. {'prefill': 1} to pin a node type"
     )
     max_ongoing_requests: int = Field(default=64, ge=1, description="requests running per replica")
     max_queued_requests: int = Field(
-        default=256, ge=-1, description="requests waiting for a replica of this pool; beyond it clients get 503 "
-                                        "with Retry-After (-1: unbounded)")
+        default=256,
+        ge=-1,
+        description="requests waiting for a replica of this pool; beyond it clients get 503 "
+        "with Retry-After (-1: unbounded)",
+    )
     autoscaling_config: dict[str, Any] | None = Field(
-        default=None, description="Ray Serve's autoscaling_config for this pool (min_replicas, max_replicas, "
-                                  "target_ongoing_requests, upscale_delay_s, downscale_delay_s, ...); when set, "
-                                  "`replicas` is not used: the pool starts at initial_replicas (else min_replicas)")
+        default=None,
+        description="Ray Serve's autoscaling_config for this pool (min_replicas, max_replicas, "
+        "target_ongoing_requests, upscale_delay_s, downscale_delay_s, ...); when set, "
+        "`replicas` is not used: the pool starts at initial_replicas (else min_replicas)",
+    )
 
     @field_validator("autoscaling_config")
     @classmethod
@@ -51,12 +58,16 @@ class PoolArgs(BaseModel):
 
         unknown = sorted(set(v) - set(AutoscalingConfig.model_fields))
         if unknown:  # Serve's model ignores them silently: a typo would autoscale on defaults
-            raise ValueError(f"autoscaling_config: unknown field(s) {', '.join(unknown)}; Serve's fields are "
-                             f"{', '.join(AutoscalingConfig.model_fields)}")
+            raise ValueError(
+                f"autoscaling_config: unknown field(s) {', '.join(unknown)}; Serve's fields are "
+                f"{', '.join(AutoscalingConfig.model_fields)}"
+            )
         AutoscalingConfig(**v)
         if v.get("min_replicas", 1) < 1:
-            raise ValueError("autoscaling_config.min_replicas must be >= 1: a pool scaled to zero cannot "
-                             "take the other pool's hand-offs")
+            raise ValueError(
+                "autoscaling_config.min_replicas must be >= 1: a pool scaled to zero cannot "
+                "take the other pool's hand-offs"
+            )
         return dict(v)
 
 
@@ -66,8 +77,9 @@ class PoolBoundsArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     min_replicas: int = Field(default=1, ge=1, description="never fewer (a pool at zero takes no hand-offs)")
-    max_replicas: int | None = Field(default=None, ge=1, description="never more (default: the budget "
-                                                                     "less the other pool's minimum)")
+    max_replicas: int | None = Field(
+        default=None, ge=1, description="never more (default: the budget less the other pool's minimum)"
+    )
 
 
 class AutoscalingArgs(BaseModel):
@@ -77,18 +89,23 @@ class AutoscalingArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    policy: str = Field(default="pd", description="pd (the only policy; per-pool Serve autoscaling is "
-                                                  "prefill/decode.autoscaling_config instead)")
+    policy: str = Field(
+        default="pd",
+        description="pd (the only policy; per-pool Serve autoscaling is prefill/decode.autoscaling_config instead)",
+    )
     max_total_replicas: int | None = Field(
-        default=None, ge=2, description="prefill + decode replicas at most, e.g. one per GPU "
-                                        "(default: prefill.replicas + decode.replicas)")
+        default=None,
+        ge=2,
+        description="prefill + decode replicas at most, e.g. one per GPU (default: prefill.replicas + decode.replicas)",
+    )
     prefill: PoolBoundsArgs = Field(default_factory=PoolBoundsArgs)
     decode: PoolBoundsArgs = Field(default_factory=PoolBoundsArgs)
     ttft_target_s: float = Field(default=2.0, gt=0, description="the prefill queue should drain well within it")
     tpot_target_s: float = Field(default=0.1, gt=0, description="time per output token a decode replica should keep")
     kv_usage_target: float = Field(default=0.8, gt=0, le=1, description="decode KV usage to stay under")
     prefill_tokens_per_s: float = Field(
-        default=2000.0, gt=0, description="a prefill replica's prompt tokens/s until it is measured under load")
+        default=2000.0, gt=0, description="a prefill replica's prompt tokens/s until it is measured under load"
+    )
     interval_s: float = Field(default=2.0, gt=0, description="how often the replicas are read and a decision made")
     upscale_delay_s: float = Field(default=4.0, ge=0, description="a change that grows a pool must hold this long")
     downscale_delay_s: float = Field(default=30.0, ge=0, description="a change that only shrinks must hold this long")
@@ -98,8 +115,10 @@ class AutoscalingArgs(BaseModel):
     @classmethod
     def _policy(cls, v: str) -> str:
         if v != "pd":
-            raise ValueError(f"autoscaling.policy {v!r}: the only policy is 'pd' (per-pool queue-length "
-                             "autoscaling is prefill.autoscaling_config / decode.autoscaling_config)")
+            raise ValueError(
+                f"autoscaling.policy {v!r}: the only policy is 'pd' (per-pool queue-length "
+                "autoscaling is prefill.autoscaling_config / decode.autoscaling_config)"
+            )
         return v
 
 
@@ -116,8 +135,10 @@ _CHOICES = {
 class PDServeArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(description="Hugging Face model directory (the same path on every node), a .gguf file "
-                                   "(converted once where the app is built) or 'smollm2'")
+    model: str = Field(
+        description="Hugging Face model directory (the same path on every node), a .gguf file "
+        "(converted once where the app is built) or 'smollm2'"
+    )
     served_model_name: str | None = Field(default=None, description="id in /v1/models (default: dir name)")
     mode: Mode = Field(default=Mode.DISAGGREGATED)
     prefill: PoolArgs = Field(default_factory=PoolArgs)
@@ -128,8 +149,9 @@ class PDServeArgs(BaseModel):
     dtype: str | None = Field(default=None, description="auto, float32, bfloat16, float16")
     block_size: int = Field(default=16, description="tokens per KV block; must match across pools")
     kv_cache_dtype: str = Field(
-        default="auto", description="auto (the model dtype), int8 or fp8 (per-block-per-head scales); "
-                                    "must match across pools")
+        default="auto",
+        description="auto (the model dtype), int8 or fp8 (per-block-per-head scales); must match across pools",
+    )
     num_kv_blocks: int | None = Field(default=None, ge=1, description="KV blocks per replica (default: from memory)")
     kv_cache_memory_gib: float = Field(default=1.0, gt=0, description="CPU replicas: KV cache size")
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
@@ -138,27 +160,38 @@ class PDServeArgs(BaseModel):
     max_model_len: int | None = Field(default=None, ge=2)
     enable_prefix_caching: bool = True
     enforce_eager: bool = Field(
-        default=True, description="False: decode steps run compiled (torch.compile, a graph per batch bucket "
-                                  "up to max_num_seqs, compiled when a replica starts)")
+        default=True,
+        description="False: decode steps run compiled (torch.compile, a graph per batch bucket "
+        "up to max_num_seqs, compiled when a replica starts)",
+    )
     conversation_reuse: bool = Field(
-        default=True, description="a chat turn that extends an earlier one reuses its exact token ids "
-                                  "(answer included), so the earlier turns' KV blocks are hits")
+        default=True,
+        description="a chat turn that extends an earlier one reuses its exact token ids "
+        "(answer included), so the earlier turns' KV blocks are hits",
+    )
     redis_url: str | None = Field(default=None, description="Redis for the prefix index; None: route by load")
     transport: str = Field(default="auto", description="auto, gloo, nccl, gloo_staged")
     transfer_timeout_s: float = Field(default=30.0, gt=0)
     max_migrations: int = Field(
-        default=2, ge=0, description="times one request's decode stream may resume on another decode replica "
-                                     "after its replica died (0: end the stream with an error event instead)")
+        default=2,
+        ge=0,
+        description="times one request's decode stream may resume on another decode replica "
+        "after its replica died (0: end the stream with an error event instead)",
+    )
     autoscaling: AutoscalingArgs | None = Field(
-        default=None, description="'pd' or {policy: pd, max_total_replicas, ttft_target_s, tpot_target_s, "
-                                  "prefill: {min_replicas, max_replicas}, decode: {...}, ...}: size both pools "
-                                  "together (disaggregated mode; the app needs external_scaler_enabled)")
+        default=None,
+        description="'pd' or {policy: pd, max_total_replicas, ttft_target_s, tpot_target_s, "
+        "prefill: {min_replicas, max_replicas}, decode: {...}, ...}: size both pools "
+        "together (disaggregated mode; the app needs external_scaler_enabled)",
+    )
     lease_ttl_s: float = Field(default=30.0, gt=0, description="prefill blocks wait this long for decode")
     prefill_routing: str = Field(
-        default="cache_aware", description="cache_aware (prefix index + load), power_of_two, round_robin")
+        default="cache_aware", description="cache_aware (prefix index + load), power_of_two, round_robin"
+    )
     min_prefix_match_blocks: int = Field(default=2, ge=1, description="shorter matches route by load")
     prefix_imbalance_threshold: int = Field(
-        default=8, ge=0, description="queue-length gap that overrides a prefix match")
+        default=8, ge=0, description="queue-length gap that overrides a prefix match"
+    )
     api_keys: tuple[str, ...] = Field(default=(), description="accepted Bearer keys; empty: no auth")
     max_request_bytes: int = Field(default=1 << 20, ge=1024, description="larger bodies get 413")
     request_timeout_s: float = Field(default=600.0, gt=0)
@@ -166,7 +199,8 @@ class PDServeArgs(BaseModel):
     fault_injection: dict[str, float] = Field(
         default_factory=dict,
         description="testing only: prefill_delay_s (sleep before each prefill), send_stall_s (stall before "
-                    "each KV send) to exercise replica deaths and transfer deadlines")
+        "each KV send) to exercise replica deaths and transfer deadlines",
+    )
 
     @field_validator("block_size")
     @classmethod
@@ -200,8 +234,10 @@ class PDServeArgs(BaseModel):
     def _cross_field(self) -> PDServeArgs:
         if self.mode is Mode.DISAGGREGATED and self.transport == "nccl" and self.decode.num_gpus == 0:
             raise ValueError("transport nccl needs GPU replicas: set decode.num_gpus and prefill.num_gpus")
-        if self.device == "cuda" and self.mode is Mode.DISAGGREGATED and (
-            self.prefill.num_gpus == 0 or self.decode.num_gpus == 0
+        if (
+            self.device == "cuda"
+            and self.mode is Mode.DISAGGREGATED
+            and (self.prefill.num_gpus == 0 or self.decode.num_gpus == 0)
         ):
             raise ValueError("device cuda needs num_gpus > 0 on both the prefill and decode pools")
         if self.max_model_len and self.num_kv_blocks and self.max_model_len > self.num_kv_blocks * self.block_size:
@@ -219,8 +255,10 @@ class PDServeArgs(BaseModel):
             raise ValueError("autoscaling: pd sizes the prefill and decode pools: use mode disaggregated")
         for name in ("prefill", "decode"):
             if getattr(self, name).autoscaling_config is not None:
-                raise ValueError(f"autoscaling: pd sets each pool's replicas itself: remove "
-                                 f"{name}.autoscaling_config (Serve refuses both on one application)")
+                raise ValueError(
+                    f"autoscaling: pd sets each pool's replicas itself: remove "
+                    f"{name}.autoscaling_config (Serve refuses both on one application)"
+                )
         budget = self.autoscaling_budget
         for name in ("prefill", "decode"):
             lo, hi = self.autoscaling_bounds(name)
@@ -228,11 +266,15 @@ class PDServeArgs(BaseModel):
             if lo > hi:
                 raise ValueError(f"autoscaling.{name}: min_replicas {lo} > max_replicas {hi} (budget {budget})")
             if not lo <= start <= hi:
-                raise ValueError(f"{name}.replicas {start} is outside autoscaling.{name} bounds [{lo}, {hi}]: "
-                                 "the pool starts at its replicas")
+                raise ValueError(
+                    f"{name}.replicas {start} is outside autoscaling.{name} bounds [{lo}, {hi}]: "
+                    "the pool starts at its replicas"
+                )
         if self.prefill.replicas + self.decode.replicas > budget:
-            raise ValueError(f"prefill.replicas + decode.replicas = {self.prefill.replicas + self.decode.replicas} "
-                             f"exceeds autoscaling.max_total_replicas {budget}")
+            raise ValueError(
+                f"prefill.replicas + decode.replicas = {self.prefill.replicas + self.decode.replicas} "
+                f"exceeds autoscaling.max_total_replicas {budget}"
+            )
         if self.autoscaling.prefill.min_replicas + self.autoscaling.decode.min_replicas > budget:
             raise ValueError(f"autoscaling: the pools' min_replicas add up to more than max_total_replicas {budget}")
 
@@ -257,11 +299,17 @@ class PDServeArgs(BaseModel):
     def engine_kwargs(self, device: str) -> dict[str, Any]:
         """Keyword arguments for ``LLMEngine`` on a replica whose device is resolved."""
         return dict(
-            block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, device=device, dtype=self.dtype,
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            device=device,
+            dtype=self.dtype,
             kv_cache_dtype=self.kv_cache_dtype,
-            kv_cache_memory_gib=self.kv_cache_memory_gib, gpu_memory_utilization=self.gpu_memory_utilization,
-            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-            max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_memory_gib=self.kv_cache_memory_gib,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
             enforce_eager=self.enforce_eager,
         )
 

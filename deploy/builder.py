@@ -53,10 +53,12 @@ def serve_logging(log_level: str = "INFO", access_log: bool | None = None) -> Lo
     return LoggingConfig(log_level=level, enable_access_log=access)
 
 
-def _pool_options(pool: PoolArgs, router: str, router_kwargs: dict[str, Any],
-                  logging_config: LoggingConfig) -> dict[str, Any]:
+def _pool_options(
+    pool: PoolArgs, router: str, router_kwargs: dict[str, Any], logging_config: LoggingConfig
+) -> dict[str, Any]:
     sizing: dict[str, Any] = (
-        {"autoscaling_config": pool.autoscaling_config} if pool.autoscaling_config else {"num_replicas": pool.replicas})
+        {"autoscaling_config": pool.autoscaling_config} if pool.autoscaling_config else {"num_replicas": pool.replicas}
+    )
     return dict(
         **sizing,
         max_ongoing_requests=pool.max_ongoing_requests,
@@ -64,8 +66,10 @@ def _pool_options(pool: PoolArgs, router: str, router_kwargs: dict[str, Any],
         ray_actor_options={"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus, "resources": dict(pool.resources)},
         # Ray annotates RequestRouterConfig(**kwargs) as dict[str, Any] values; they are its fields.
         request_router_config=RequestRouterConfig(
-            request_router_class=router, request_router_kwargs=router_kwargs,  # type: ignore[arg-type]
-            request_routing_stats_period_s=1.0, request_routing_stats_timeout_s=5.0,  # type: ignore[arg-type]
+            request_router_class=router,  # type: ignore[arg-type]
+            request_router_kwargs=router_kwargs,
+            request_routing_stats_period_s=1.0,  # type: ignore[arg-type]
+            request_routing_stats_timeout_s=5.0,  # type: ignore[arg-type]
         ),
         health_check_period_s=5.0,
         logging_config=logging_config,
@@ -101,24 +105,43 @@ def make_app(args: dict[str, Any] | PDServeArgs, access_log: bool | None = None)
         "imbalance_threshold": parsed.prefix_imbalance_threshold,
         "block_size": parsed.block_size,
     }
-    ingress = _deployment(OpenAIIngress).options(num_replicas=parsed.ingress_replicas, logging_config=logs,
-                                    graceful_shutdown_timeout_s=INGRESS_DRAIN_S,
-                                    graceful_shutdown_wait_loop_s=DRAIN_CHECK_S)
+    ingress = _deployment(OpenAIIngress).options(
+        num_replicas=parsed.ingress_replicas,
+        logging_config=logs,
+        graceful_shutdown_timeout_s=INGRESS_DRAIN_S,
+        graceful_shutdown_wait_loop_s=DRAIN_CHECK_S,
+    )
     if parsed.mode is Mode.COLOCATED:
-        colocated = _deployment(ColocatedServer).options(
-            **_pool_options(parsed.colocated, PREFIX_ROUTER,
-                            {**router_kwargs, "role": "colocated", "policy": parsed.prefill_routing}, logs)).bind(raw)
+        colocated = (
+            _deployment(ColocatedServer)
+            .options(
+                **_pool_options(
+                    parsed.colocated,
+                    PREFIX_ROUTER,
+                    {**router_kwargs, "role": "colocated", "policy": parsed.prefill_routing},
+                    logs,
+                )
+            )
+            .bind(raw)
+        )
         return ingress.bind(raw, colocated=colocated)
     prefill_kwargs = {**router_kwargs, "role": "prefill", "policy": parsed.prefill_routing}
-    prefill = _deployment(PrefillServer).options(
-        **_pool_options(parsed.prefill, PREFIX_ROUTER, prefill_kwargs, logs)).bind(raw)
-    decode = _deployment(DecodeServer).options(
-        **_pool_options(parsed.decode, DECODE_ROUTER, {**router_kwargs, "role": "decode"}, logs)).bind(raw)
+    prefill = (
+        _deployment(PrefillServer)
+        .options(**_pool_options(parsed.prefill, PREFIX_ROUTER, prefill_kwargs, logs))
+        .bind(raw)
+    )
+    decode = (
+        _deployment(DecodeServer)
+        .options(**_pool_options(parsed.decode, DECODE_ROUTER, {**router_kwargs, "role": "decode"}, logs))
+        .bind(raw)
+    )
     if parsed.autoscaling is None:
         return ingress.bind(raw, prefill=prefill, decode=decode)
     # INFO: its decision lines go through Serve's replica logger (access log as for the rest)
-    autoscaler_logs = LoggingConfig(log_level="DEBUG" if logs.log_level == "DEBUG" else "INFO",
-                                    enable_access_log=logs.enable_access_log)
+    autoscaler_logs = LoggingConfig(
+        log_level="DEBUG" if logs.log_level == "DEBUG" else "INFO", enable_access_log=logs.enable_access_log
+    )
     autoscaler = _deployment(PDAutoscaler).options(logging_config=autoscaler_logs).bind(raw)
     return ingress.bind(raw, prefill=prefill, decode=decode, autoscaler=autoscaler)
 
@@ -130,8 +153,9 @@ def needs_external_scaler(args: dict[str, Any] | PDServeArgs) -> bool:
     return parsed.autoscaling is not None
 
 
-def deploy_and_wait(args: dict[str, Any] | PDServeArgs, name: str, route_prefix: str, base_url: str,
-                    timeout_s: float = 240.0) -> str:
+def deploy_and_wait(
+    args: dict[str, Any] | PDServeArgs, name: str, route_prefix: str, base_url: str, timeout_s: float = 240.0
+) -> str:
     """Deploy ``build_app(args)`` without blocking and return ``base_url`` once its ``/health``
     answers 200, i.e. every pool has a replica the ingress reaches (it is 503 "starting" until
     then): the tests' and benchmarks' way to bring up an application."""
@@ -139,8 +163,13 @@ def deploy_and_wait(args: dict[str, Any] | PDServeArgs, name: str, route_prefix:
     import urllib.error
     import urllib.request
 
-    serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False,
-              external_scaler_enabled=needs_external_scaler(args))
+    serve.run(
+        build_app(args),
+        name=name,
+        route_prefix=route_prefix,
+        blocking=False,
+        external_scaler_enabled=needs_external_scaler(args),
+    )
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         try:

@@ -34,10 +34,12 @@ def check_ray_version(version: str | None = None) -> None:
     if _release(version) in TESTED_RAY:
         return
     tested = ", ".join(f"{a}.{b}" for a, b in TESTED_RAY)
-    message = (f"pdserve was tested with Ray {tested} and this is Ray {version}: its Serve APIs (request "
-               f"routers, the external scaler, placement options) change between releases. Install "
-               f"ray[serve]=={TESTED_RAY[-1][0]}.{TESTED_RAY[-1][1]}.* (pip install -e . does), or set "
-               f"{ALLOW_ENV}=1 to try this Ray anyway")
+    message = (
+        f"pdserve was tested with Ray {tested} and this is Ray {version}: its Serve APIs (request "
+        f"routers, the external scaler, placement options) change between releases. Install "
+        f"ray[serve]=={TESTED_RAY[-1][0]}.{TESTED_RAY[-1][1]}.* (pip install -e . does), or set "
+        f"{ALLOW_ENV}=1 to try this Ray anyway"
+    )
     if os.environ.get(ALLOW_ENV) == "1":
         logger.warning("%s (%s=1: trying)", message, ALLOW_ENV)
         return

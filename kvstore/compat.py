@@ -26,9 +26,7 @@ class IncompatibleWorkerError(RuntimeError):
         self.field = field
         self.worker_value = worker_value
         self.pool_value = pool_value
-        super().__init__(
-            f"{field} {worker_value} on this worker but {pool_value} in the pool: {_REMEDY[field]}"
-        )
+        super().__init__(f"{field} {worker_value} on this worker but {pool_value} in the pool: {_REMEDY[field]}")
 
 
 @dataclass(frozen=True)

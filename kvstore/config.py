@@ -42,9 +42,18 @@ class IndexConfig:
                 f"model_key {self.model_key!r} must be non-empty and contain no braces "
                 "(they delimit the Redis Cluster hash tag)"
             )
-        positive = ("heartbeat_interval_s", "ttl_s", "lookup_timeout_s", "write_timeout_s",
-                    "flush_interval_s", "purge_interval_s", "reconnect_backoff_s",
-                    "reconnect_backoff_max_s", "max_buffered_events", "max_batch_events")
+        positive = (
+            "heartbeat_interval_s",
+            "ttl_s",
+            "lookup_timeout_s",
+            "write_timeout_s",
+            "flush_interval_s",
+            "purge_interval_s",
+            "reconnect_backoff_s",
+            "reconnect_backoff_max_s",
+            "max_buffered_events",
+            "max_batch_events",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -86,6 +95,4 @@ class WorkerSpec:
         if self.role not in WORKER_ROLES:
             raise ValueError(f"role {self.role!r} is not one of {', '.join(WORKER_ROLES)}")
         if self.total_blocks <= 0 or self.block_size <= 0:
-            raise ValueError(
-                f"total_blocks ({self.total_blocks}) and block_size ({self.block_size}) must be positive"
-            )
+            raise ValueError(f"total_blocks ({self.total_blocks}) and block_size ({self.block_size}) must be positive")

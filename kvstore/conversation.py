@@ -47,8 +47,14 @@ class ConversationConfig:
     put_timeout_s: float = 0.5
 
     def __post_init__(self) -> None:
-        for name in ("ttl_s", "max_entry_tokens", "local_max_entries", "local_max_tokens",
-                     "get_timeout_s", "put_timeout_s"):
+        for name in (
+            "ttl_s",
+            "max_entry_tokens",
+            "local_max_entries",
+            "local_max_tokens",
+            "get_timeout_s",
+            "put_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ConversationConfig.{name} must be positive, got {getattr(self, name)}")
 
@@ -90,15 +96,15 @@ class ConversationStore(Protocol):
         """Record a turn; False when it was not kept (too long, or the store is away)."""
         ...
 
-    async def close(self) -> None:
-        ...
+    async def close(self) -> None: ...
 
 
 class LocalConversationStore:
     """A bounded in-process LRU with the same TTL as the Redis store. One event loop only."""
 
-    def __init__(self, config: ConversationConfig = ConversationConfig(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, config: ConversationConfig = ConversationConfig(), clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config
         self._clock = clock
         self._entries: OrderedDict[bytes, tuple[float, bytes]] = OrderedDict()  # key -> (expiry, ids)
@@ -149,8 +155,7 @@ class RedisConversationStore:
     """Recorded turns in the prefix index's Redis, under the model's hash tag; values are the
     token ids as base64 little-endian int32, each with the config's TTL."""
 
-    def __init__(self, index_config: IndexConfig, config: ConversationConfig = ConversationConfig(),
-                 link=None) -> None:
+    def __init__(self, index_config: IndexConfig, config: ConversationConfig = ConversationConfig(), link=None) -> None:
         from kvstore.link import RedisLink  # imports redis-py
 
         self.config = config
@@ -181,8 +186,9 @@ class RedisConversationStore:
         value = base64.b64encode(pack_token_ids(token_ids)).decode("ascii")
         ttl_ms = max(1, round(self.config.ttl_s * 1000))
         try:
-            await self.link.call(lambda: self.link.client.set(self.redis_key(key), value, px=ttl_ms),
-                                 self.config.put_timeout_s)
+            await self.link.call(
+                lambda: self.link.client.set(self.redis_key(key), value, px=ttl_ms), self.config.put_timeout_s
+            )
         except IndexUnavailableError:
             return False
         return True

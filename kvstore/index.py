@@ -53,9 +53,7 @@ class PrefixIndex:
         if self._owns_link:
             await self.link.aclose()
 
-    async def longest_prefix(
-        self, block_hashes: Sequence[BlockHash], role: str | None = None
-    ) -> dict[str, int] | None:
+    async def longest_prefix(self, block_hashes: Sequence[BlockHash], role: str | None = None) -> dict[str, int] | None:
         """For every live worker (of ``role`` if given): how many leading blocks of the chain
         ``block_hashes`` it holds, 0 included. One round trip. None: no information (Redis away).
         """
@@ -63,8 +61,7 @@ class PrefixIndex:
         if len(chain) != HASH_NUM_BYTES * len(block_hashes):  # the script reads fixed-width hashes
             raise ValueError(f"block hashes must be {HASH_NUM_BYTES} bytes each (kvstore.hashing)")
         keys = (self.keys.registry,)
-        args = (self.keys.worker_prefix, role or "", self.keys.blk_prefix, chain.hex(),
-                self.keys.wblocks_prefix)
+        args = (self.keys.worker_prefix, role or "", self.keys.blk_prefix, chain.hex(), self.keys.wblocks_prefix)
         try:
             flat = await self.link.call(
                 lambda: self._longest_prefix(keys=keys, args=args), self.config.lookup_timeout_s
@@ -103,9 +100,7 @@ class PrefixIndex:
         while more:
             try:
                 reply = await self.link.call(
-                    lambda: self._purge(
-                        keys=[self.keys.registry], args=[self.keys.prefix, PURGE_BLOCKS_PER_CALL]
-                    ),
+                    lambda: self._purge(keys=[self.keys.registry], args=[self.keys.prefix, PURGE_BLOCKS_PER_CALL]),
                     self.config.write_timeout_s,
                 )
             except IndexUnavailableError:
@@ -117,8 +112,10 @@ class PrefixIndex:
                 if done == 1:
                     purged.append(worker_id)
                     log.info(
-                        "worker %s (generation %s) purged from the prefix index of %s: "
-                        "%d block entries removed",
-                        worker_id, generation, self.config.model_key, removed[worker_id],
+                        "worker %s (generation %s) purged from the prefix index of %s: %d block entries removed",
+                        worker_id,
+                        generation,
+                        self.config.model_key,
+                        removed[worker_id],
                     )
         return purged

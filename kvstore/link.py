@@ -28,10 +28,12 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 if sys.version_info >= (3, 11):
+
     async def _with_deadline(awaitable: Awaitable[T], timeout_s: float) -> T:
         async with asyncio.timeout(timeout_s):  # no extra task per call, unlike wait_for on 3.11
             return await awaitable
 else:  # pragma: no cover
+
     async def _with_deadline(awaitable: Awaitable[T], timeout_s: float) -> T:
         return await asyncio.wait_for(awaitable, timeout_s)
 
@@ -112,7 +114,10 @@ class RedisLink:
             self._backoff_s = self.config.reconnect_backoff_s
             log.warning(
                 "%s: Redis index at %s lost (%s: %s); retrying with backoff up to %.1fs",
-                self.name, self.config.redis_url_redacted, type(exc).__name__, exc or "timeout",
+                self.name,
+                self.config.redis_url_redacted,
+                type(exc).__name__,
+                exc or "timeout",
                 self.config.reconnect_backoff_max_s,
             )
         else:
@@ -123,7 +128,9 @@ class RedisLink:
         if self._down_since is not None:
             log.info(
                 "%s: Redis index at %s regained after %.1fs",
-                self.name, self.config.redis_url_redacted, time.monotonic() - self._down_since,
+                self.name,
+                self.config.redis_url_redacted,
+                time.monotonic() - self._down_since,
             )
             self._down_since = None
             self.reconnects += 1

@@ -145,8 +145,7 @@ class IndexPublisher:
             await self.link.aclose()
             raise
         except IndexUnavailableError:
-            log.warning("worker %s will register in the prefix index when Redis is back",
-                        self.worker.worker_id)
+            log.warning("worker %s will register in the prefix index when Redis is back", self.worker.worker_id)
         self._next_purge = time.monotonic() + self._purge_delay()
         self._loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._run(), name=f"index-publisher-{self.worker.worker_id}")
@@ -156,8 +155,7 @@ class IndexPublisher:
         async with self._io_lock:
             with contextlib.suppress(IndexUnavailableError):
                 await self._sync()
-        return (self._registered and not self._disabled and not self._queue
-                and not self._needs_resync)
+        return self._registered and not self._disabled and not self._queue and not self._needs_resync
 
     async def stop(self, deregister: bool = True) -> None:
         """Stop publishing. ``deregister`` removes this worker's entries now; without it the
@@ -173,8 +171,11 @@ class IndexPublisher:
                 async with self._io_lock:
                     await self._deregister()
             except IndexUnavailableError:
-                log.warning("worker %s could not leave the prefix index; its record expires in %.1fs",
-                            self.worker.worker_id, self.config.ttl_s)
+                log.warning(
+                    "worker %s could not leave the prefix index; its record expires in %.1fs",
+                    self.worker.worker_id,
+                    self.config.ttl_s,
+                )
         await self.link.aclose()
 
     # ---- background task ------------------------------------------------------------------
@@ -193,8 +194,7 @@ class IndexPublisher:
             except IndexUnavailableError:
                 pass  # the link logged the state change; wait out its backoff
             except IncompatibleWorkerError as exc:
-                log.error("worker %s stops publishing to the prefix index: %s",
-                          self.worker.worker_id, exc)
+                log.error("worker %s stops publishing to the prefix index: %s", self.worker.worker_id, exc)
                 self._disabled = True
             except Exception:  # a bug must not kill publishing silently
                 log.exception("worker %s: prefix index publisher step failed", self.worker.worker_id)
@@ -242,11 +242,9 @@ class IndexPublisher:
     async def _register(self) -> None:
         """Check compatibility, write a fresh record and republish every held block."""
         spec = self.worker
-        compat = PoolCompat(self.config.model_key, spec.block_size, spec.kv_cache_dtype,
-                            HASH_ALGORITHM_VERSION)
+        compat = PoolCompat(self.config.model_key, spec.block_size, spec.kv_cache_dtype, HASH_ALGORITHM_VERSION)
         pool = await self.link.call(
-            lambda: self.link.client.set(self.keys.compat, compat.to_json(), nx=True, get=True,
-                                         px=self.config.ttl_ms),
+            lambda: self.link.client.set(self.keys.compat, compat.to_json(), nx=True, get=True, px=self.config.ttl_ms),
             self.config.write_timeout_s,
         )
         if isinstance(pool, (str, bytes)):  # SET NX GET answers the pool's record, or None for a new pool
@@ -259,21 +257,25 @@ class IndexPublisher:
             self._needs_resync = False
             load = self._load
         record = WorkerRecord(
-            worker_id=spec.worker_id, role=spec.role, address=spec.address,
-            generation=self.generation, total_blocks=spec.total_blocks,
-            free_blocks=load.free_blocks, num_running=load.num_running,
-            num_waiting=load.num_waiting, block_size=spec.block_size,
-            kv_cache_dtype=spec.kv_cache_dtype, hash_algorithm_version=HASH_ALGORITHM_VERSION,
+            worker_id=spec.worker_id,
+            role=spec.role,
+            address=spec.address,
+            generation=self.generation,
+            total_blocks=spec.total_blocks,
+            free_blocks=load.free_blocks,
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            block_size=spec.block_size,
+            kv_cache_dtype=spec.kv_cache_dtype,
+            hash_algorithm_version=HASH_ALGORITHM_VERSION,
             started_at=self.started_at,
         )
         fields = [x for pair in record.to_fields().items() for x in pair]
         self._registered = False
         await self.link.call(
             lambda: self._register_script(
-                keys=[self.keys.registry, self.keys.worker(spec.worker_id),
-                      self.keys.wblocks(spec.worker_id)],
-                args=[self.keys.blk_prefix, spec.worker_id, self.generation, self.config.ttl_ms,
-                      *fields],
+                keys=[self.keys.registry, self.keys.worker(spec.worker_id), self.keys.wblocks(spec.worker_id)],
+                args=[self.keys.blk_prefix, spec.worker_id, self.generation, self.config.ttl_ms, *fields],
             ),
             self.config.write_timeout_s,
         )
@@ -290,19 +292,31 @@ class IndexPublisher:
         self._seen_reconnects = self.link.reconnects
         self._next_heartbeat = time.monotonic() + self.config.heartbeat_interval_s
         if first:
-            log.info("worker %s (%s) joined the prefix index of %s, generation %s",
-                     spec.worker_id, spec.role, self.config.model_key, self.generation)
+            log.info(
+                "worker %s (%s) joined the prefix index of %s, generation %s",
+                spec.worker_id,
+                spec.role,
+                self.config.model_key,
+                self.generation,
+            )
         else:
-            log.info("worker %s re-registered in the prefix index, %d blocks republished",
-                     spec.worker_id, len(held))
+            log.info("worker %s re-registered in the prefix index, %d blocks republished", spec.worker_id, len(held))
 
     async def _heartbeat(self) -> None:
         load = self._load
         state = await self.link.call(
             lambda: self._heartbeat_script(
                 keys=[self.keys.worker(self.worker.worker_id), self.keys.compat],
-                args=[self.generation, self.config.ttl_ms, "free_blocks", load.free_blocks,
-                      "num_running", load.num_running, "num_waiting", load.num_waiting],
+                args=[
+                    self.generation,
+                    self.config.ttl_ms,
+                    "free_blocks",
+                    load.free_blocks,
+                    "num_running",
+                    load.num_running,
+                    "num_waiting",
+                    load.num_waiting,
+                ],
             ),
             self.config.write_timeout_s,
         )
@@ -314,8 +328,7 @@ class IndexPublisher:
             with self._lock:
                 if self._needs_resync:
                     return
-                batch = [self._queue.popleft()
-                         for _ in range(min(len(self._queue), self.config.max_batch_events))]
+                batch = [self._queue.popleft() for _ in range(min(len(self._queue), self.config.max_batch_events))]
             if not batch:
                 return
             try:
@@ -341,8 +354,7 @@ class IndexPublisher:
             return
         worker_id = self.worker.worker_id
         state = await self.link.call(
-            lambda: self._apply_script(
-                keys=[self.keys.worker(worker_id), self.keys.wblocks(worker_id)], args=args),
+            lambda: self._apply_script(keys=[self.keys.worker(worker_id), self.keys.wblocks(worker_id)], args=args),
             self.config.write_timeout_s,
         )
         self._on_record_state(state)
@@ -350,12 +362,17 @@ class IndexPublisher:
     def _on_record_state(self, state: int) -> None:
         """React to what a fenced script found: 1 ok, 0 record gone, 2 superseded."""
         if state == 0 and self._registered:
-            log.warning("worker %s: record gone from the prefix index (expired or Redis "
-                        "restarted); re-registering", self.worker.worker_id)
+            log.warning(
+                "worker %s: record gone from the prefix index (expired or Redis restarted); re-registering",
+                self.worker.worker_id,
+            )
             self._registered = False
         elif state == 2 and not self._disabled:
-            log.error("worker %s: a newer start of this worker id took over the prefix index "
-                      "record; this process stops publishing", self.worker.worker_id)
+            log.error(
+                "worker %s: a newer start of this worker id took over the prefix index "
+                "record; this process stops publishing",
+                self.worker.worker_id,
+            )
             self._disabled = True
             self._registered = False
 
@@ -379,9 +396,12 @@ class IndexPublisher:
         for _ in range(count):
             self._queue.popleft()
         if not self._needs_resync:
-            log.warning("worker %s: prefix index buffer full (%d events); dropping the oldest "
-                        "and republishing all held blocks once Redis answers",
-                        self.worker.worker_id, self.config.max_buffered_events)
+            log.warning(
+                "worker %s: prefix index buffer full (%d events); dropping the oldest "
+                "and republishing all held blocks once Redis answers",
+                self.worker.worker_id,
+                self.config.max_buffered_events,
+            )
         self._dropped_events += count
         self._needs_resync = True
 

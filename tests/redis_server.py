@@ -56,15 +56,25 @@ class RedisServer:
 
     def start(self, timeout_s: float = 10.0) -> None:
         args = [
-            self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--dir", self.workdir, "--protected-mode", "no",
-            "--loglevel", "warning",
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.workdir,
+            "--protected-mode",
+            "no",
+            "--loglevel",
+            "warning",
         ]
         if self.password:
             args += ["--requirepass", self.password]
-        self._proc = subprocess.Popen(
-            args, cwd=self.workdir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
+        self._proc = subprocess.Popen(args, cwd=self.workdir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:

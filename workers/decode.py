@@ -38,14 +38,18 @@ def worker_params(request: GenerateRequest) -> SamplingParams:
 def to_chunk(output: RequestOutput, extra_timing: dict[str, float] | None = None) -> TokenChunk:
     logprobs = None
     if output.logprobs is not None:
-        new = output.logprobs[len(output.logprobs) - len(output.new_token_ids):]
+        new = output.logprobs[len(output.logprobs) - len(output.new_token_ids) :]
         logprobs = tuple(TokenLogprobs(lp.token_id, lp.logprob, tuple(lp.top)) for lp in new)
     timing = None
     if output.timing is not None:
         timing = {f"decode_{k}": v for k, v in output.timing.items()} | (extra_timing or {})
     return TokenChunk(
-        request_id=output.request_id, token_ids=tuple(output.new_token_ids), logprobs=logprobs,
-        finish_reason=output.finish_reason, num_cached_tokens=output.num_cached_tokens, timing=timing,
+        request_id=output.request_id,
+        token_ids=tuple(output.new_token_ids),
+        logprobs=logprobs,
+        finish_reason=output.finish_reason,
+        num_cached_tokens=output.num_cached_tokens,
+        timing=timing,
     )
 
 
@@ -88,8 +92,10 @@ class DecodeWorker(ColocatedWorker):
         super().__init__(engine, worker_id, role="decode", on_step=on_step)
         self.transfer_config = transfer_config or TransferConfig()
         if self.transfer_config.transport is Transport.OBJECT_STORE:
-            raise ValueError("transport 'object_store' needs a Ray call between the workers to pass the "
-                             "buffer's ref; pdserve's KV control path is direct: use 'auto' or 'gloo'")
+            raise ValueError(
+                "transport 'object_store' needs a Ray call between the workers to pass the "
+                "buffer's ref; pdserve's KV control path is direct: use 'auto' or 'gloo'"
+            )
         self.client = KVTransferClient(worker_id, self.transfer_config, device=engine.device)
         self.control = control or ControlClient(worker_id)
         self._background: set[asyncio.Task] = set()
@@ -118,8 +124,11 @@ class DecodeWorker(ColocatedWorker):
                 self._release_remote(handle)
                 self.stats.recomputed_prefills += 1
                 self.stats.peer(handle.prefill_worker_id).recomputed_prefills += 1  # per-pair figures
-                await self.loop.call(lambda e: e.add_request(
-                    rid, prompt, params, request.cache_salt, first_token_id=prefill.first_token_id))
+                await self.loop.call(
+                    lambda e: e.add_request(
+                        rid, prompt, params, request.cache_salt, first_token_id=prefill.first_token_id
+                    )
+                )
             else:
                 self.stats.cached_prompt_tokens += reservation.num_cached_tokens
                 recompute = False
@@ -131,8 +140,9 @@ class DecodeWorker(ColocatedWorker):
                         stats = await asyncio.shield(pull)
                         extra = {"transfer_s": stats.seconds, "transfer_bytes": float(stats.num_bytes)}
                     except (KVTransferError, ValueError) as exc:
-                        logger.warning("KV pull of %s from %s failed, recomputing here: %s",
-                                       rid, handle.prefill_worker_id, exc)
+                        logger.warning(
+                            "KV pull of %s from %s failed, recomputing here: %s", rid, handle.prefill_worker_id, exc
+                        )
                         self.stats.transfer_failures += 1
                         self.stats.recomputed_prefills += 1
                         self.stats.peer(handle.prefill_worker_id).failed(recomputed=True)
@@ -153,6 +163,7 @@ class DecodeWorker(ColocatedWorker):
             self.loop.detach(rid)
             if not finished:  # client gone (or a failure): abort, which frees the blocks
                 if pull is not None and not pull.done():
+
                     def abort_after_pull(done: asyncio.Future) -> None:
                         if not done.cancelled():
                             done.exception()  # retrieved: its failure no longer matters
@@ -176,8 +187,14 @@ class DecodeWorker(ColocatedWorker):
 
         stats = await loop.run_in_executor(
             self._receivers,
-            lambda: self.client.pull(handle, self.engine.kv_caches, reservation.missing_block_ids,
-                                     request_send, src_block_ids=src, timeout_s=timeout_s),
+            lambda: self.client.pull(
+                handle,
+                self.engine.kv_caches,
+                reservation.missing_block_ids,
+                request_send,
+                src_block_ids=src,
+                timeout_s=timeout_s,
+            ),
         )
         self.stats.transfers += 1
         self.stats.transfer_bytes += stats.num_bytes
@@ -189,7 +206,8 @@ class DecodeWorker(ColocatedWorker):
         """Tell the prefill worker it can free the request's blocks now (advisory: its lease
         frees them anyway)."""
         task = asyncio.get_running_loop().create_task(
-            self.control.release(handle.address, handle.request_id, RELEASE_TIMEOUT_S))
+            self.control.release(handle.address, handle.request_id, RELEASE_TIMEOUT_S)
+        )
         self._background.add(task)
 
         def forget(t: asyncio.Task) -> None:

@@ -54,8 +54,11 @@ class PrefillWorker:
         self._senders = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-send")
         self._sending: set[asyncio.Task] = set()
         self._before_send = before_send  # fault injection (a stalled sender), tests only
-        self.control = ControlServer(worker_id, self.transfer_config.host, ControlHandlers(
-            send=self._on_send_call, release=self._on_release_call, extend=self._on_extend_call))
+        self.control = ControlServer(
+            worker_id,
+            self.transfer_config.host,
+            ControlHandlers(send=self._on_send_call, release=self._on_release_call, extend=self._on_extend_call),
+        )
         self.address = self.server.address  # with the control port once started
 
     async def start(self) -> None:
@@ -72,8 +75,9 @@ class PrefillWorker:
         final = None
         async for output in self.loop.generate(
             rid,
-            lambda e: e.add_request(rid, list(request.prompt_token_ids), first_only, request.cache_salt,
-                                    hold_kv=needs_decode),
+            lambda e: e.add_request(
+                rid, list(request.prompt_token_ids), first_only, request.cache_salt, hold_kv=needs_decode
+            ),
         ):
             final = output
         if final is None or final.timing is None:  # the engine's final output carries the timing
@@ -87,8 +91,12 @@ class PrefillWorker:
         self.stats.prompt_tokens += len(request.prompt_token_ids)
         self.stats.cached_prompt_tokens += final.num_cached_tokens
         result = PrefillResult(
-            request_id=rid, first_token_id=first, prompt_token_ids=tuple(request.prompt_token_ids),
-            kv_handle=None, num_cached_tokens=final.num_cached_tokens, finish_reason=finish,
+            request_id=rid,
+            first_token_id=first,
+            prompt_token_ids=tuple(request.prompt_token_ids),
+            kv_handle=None,
+            num_cached_tokens=final.num_cached_tokens,
+            finish_reason=finish,
             first_token_logprob=lp.logprob if lp else None,
             first_token_top_logprobs=tuple(lp.top) if lp else (),
             timing={"prefill_queue_s": final.timing["queue_s"], "prefill_s": final.timing["prefill_s"]},
@@ -110,8 +118,11 @@ class PrefillWorker:
             raise RuntimeError(f"prefill of {rid}: the engine no longer holds its KV for decode")
         self.leases.grant(rid, self.lease_ttl_s, self._on_lease_end)
         handle = KVHandle(
-            request_id=rid, prefill_worker_id=self.worker_id, address=self.address,
-            block_ids=tuple(block_ids), num_tokens=len(request.prompt_token_ids),
+            request_id=rid,
+            prefill_worker_id=self.worker_id,
+            address=self.address,
+            block_ids=tuple(block_ids),
+            num_tokens=len(request.prompt_token_ids),
             layout=self.layout,
             lease_expires_at=time.time() + self.lease_ttl_s,
         )
@@ -120,8 +131,11 @@ class PrefillWorker:
     def _claim(self, request: TransferRequest) -> None:
         rid = request.request_id
         if not self.leases.claim(rid):
-            raise KVTransferError(f"no live lease for {rid} on {self.worker_id} (expired or already sent)",
-                                  peer_id=request.decode_worker_id, request_id=rid)
+            raise KVTransferError(
+                f"no live lease for {rid} on {self.worker_id} (expired or already sent)",
+                peer_id=request.decode_worker_id,
+                request_id=rid,
+            )
 
     async def send_kv(self, request: TransferRequest) -> SendResult:
         """Send the requested blocks to the decode worker that asked, then free them (claims
@@ -134,7 +148,10 @@ class PrefillWorker:
         loop = asyncio.get_running_loop()
         try:
             result = await loop.run_in_executor(
-                self._senders, self.server.send, request, self.engine.kv_caches,
+                self._senders,
+                self.server.send,
+                request,
+                self.engine.kv_caches,
                 self.transfer_config.transfer_timeout_s,
             )
             self.stats.transfers += 1

@@ -26,7 +26,6 @@ QUANTIZED_DTYPES = frozenset({"int8", "float8_e4m3fn", "float8_e5m2"})
 SCALE_ROWS = 1
 
 
-
 class Transport(str, enum.Enum):
     """How blocks move between a prefill and a decode worker (the one list of transports).
 
@@ -113,11 +112,10 @@ class KVLayout:
         ]
         if diffs:
             raise ValueError(
-                "KV layouts differ: " + "; ".join(diffs)
+                "KV layouts differ: "
+                + "; ".join(diffs)
                 + ": start both pools with the same model, --block-size and --kv-cache-dtype"
             )
-
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +140,6 @@ class TransferAddress:
     generation: int = 0
 
 
-
-
 @dataclass(frozen=True, slots=True)
 class KVHandle:
     """A prefill worker's promise: these blocks hold the request's KV until ``lease_expires_at``.
@@ -159,8 +155,6 @@ class KVHandle:
     num_tokens: int
     layout: KVLayout
     lease_expires_at: float
-
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,8 +179,6 @@ class TransferRequest:
             raise ValueError(f"transport {self.transport!r} is not one of {TRANSPORTS}")
 
 
-
-
 @dataclass(frozen=True, slots=True)
 class PrefillResult:
     """Prefill -> ingress/decode: the first token and where the prompt's KV can be pulled from.
@@ -205,8 +197,6 @@ class PrefillResult:
     timing: dict[str, float] | None = None  # prefill_queue_s, prefill_s
 
 
-
-
 @dataclass(frozen=True, slots=True)
 class TransferStats:
     """What one transfer moved and how long it took, for metrics and per-request usage."""
@@ -219,8 +209,6 @@ class TransferStats:
     num_bytes: int
     seconds: float
     created_pair: bool
-
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +226,6 @@ class GenerateRequest:
     cache_salt: str | None = None
     block_hashes: tuple[str, ...] = ()
     arrival_time: float = 0.0  # wall clock at the ingress, for queue-time metrics
-
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,11 +50,15 @@ class PairStats:
     def snapshot(self) -> dict:
         p = percentiles(tuple(self.recent_seconds))  # tuple(): one C-level copy, safe across threads
         return {
-            "transfers": self.transfers, "transfer_bytes": self.transfer_bytes,
-            "transfer_seconds": self.transfer_seconds, "transfer_failures": self.transfer_failures,
-            "recomputed_prefills": self.recomputed_prefills, "pair_groups": self.pair_groups,
+            "transfers": self.transfers,
+            "transfer_bytes": self.transfer_bytes,
+            "transfer_seconds": self.transfer_seconds,
+            "transfer_failures": self.transfer_failures,
+            "recomputed_prefills": self.recomputed_prefills,
+            "pair_groups": self.pair_groups,
             "pair_groups_since_failure": self.pair_groups_since_failure,
-            "transfer_p50_s": p["p50"], "transfer_p99_s": p["p99"],
+            "transfer_p50_s": p["p50"],
+            "transfer_p99_s": p["p99"],
             "transfer_samples": len(self.recent_seconds),
         }
 

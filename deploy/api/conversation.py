@@ -50,8 +50,9 @@ class StitchedPrompt:
     num_reused_tokens: int  # leading ids taken from a recorded turn
 
 
-def history_candidates(render: Callable[[list[dict]], str], messages: list[dict[str, Any]], text: str,
-                       max_candidates: int = MAX_CANDIDATES) -> list[HistoryCandidate]:
+def history_candidates(
+    render: Callable[[list[dict]], str], messages: list[dict[str, Any]], text: str, max_candidates: int = MAX_CANDIDATES
+) -> list[HistoryCandidate]:
     """Earlier turns ``text`` may extend, latest first (``render`` adds the generation prompt)."""
     found: list[HistoryCandidate] = []
     tried = 0
@@ -81,8 +82,7 @@ def answer_token_ids(assembler, special_ids: frozenset[int]) -> list[int] | None
     if assembler.finish_reason not in ("stop", "length") or assembler.stopped_by_string:
         return None
     ids = list(assembler.token_ids)
-    if (assembler.finish_reason == "stop" and ids and ids[-1] in special_ids
-            and assembler.skip_special_tokens):
+    if assembler.finish_reason == "stop" and ids and ids[-1] in special_ids and assembler.skip_special_tokens:
         ids.pop()  # EOS / end of turn: not in the text; the template writes its own
     return ids
 
@@ -90,8 +90,9 @@ def answer_token_ids(assembler, special_ids: frozenset[int]) -> list[int] | None
 class ConversationCache:
     """Lookups and records of conversation turns for one model, over a ``ConversationStore``."""
 
-    def __init__(self, tokenizer, model_key: str, store: ConversationStore,
-                 max_candidates: int = MAX_CANDIDATES) -> None:
+    def __init__(
+        self, tokenizer, model_key: str, store: ConversationStore, max_candidates: int = MAX_CANDIDATES
+    ) -> None:
         self.tokenizer = tokenizer
         self.model_key = model_key
         self.store = store
@@ -102,8 +103,9 @@ class ConversationCache:
     def _render(self, messages: list[dict]) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-    async def prompt_ids(self, messages: list[dict[str, Any]], text: str,
-                         cache_salt: str | None) -> StitchedPrompt | None:
+    async def prompt_ids(
+        self, messages: list[dict[str, Any]], text: str, cache_salt: str | None
+    ) -> StitchedPrompt | None:
         """The request's prompt ids continuing a recorded turn, or None (tokenize ``text``)."""
         candidates = history_candidates(self._render, messages, text, self.max_candidates)
         if not candidates:
@@ -112,7 +114,7 @@ class ConversationCache:
         keys = [conversation_key(self.model_key, cache_salt, c.recorded_text) for c in candidates]
         for candidate, recorded in zip(candidates, await self.store.get_many(keys)):
             if recorded:
-                rest = self.tokenizer.encode(text[candidate.rest_start:], add_special_tokens=False)
+                rest = self.tokenizer.encode(text[candidate.rest_start :], add_special_tokens=False)
                 self.hits += 1
                 self.reused_tokens += len(recorded)
                 return StitchedPrompt(recorded + rest, len(recorded))
@@ -129,5 +131,9 @@ class ConversationCache:
         return kept
 
     def stats(self) -> dict[str, int]:
-        return {"lookups": self.lookups, "hits": self.hits, "reused_tokens": self.reused_tokens,
-                "recorded": self.recorded}
+        return {
+            "lookups": self.lookups,
+            "hits": self.hits,
+            "reused_tokens": self.reused_tokens,
+            "recorded": self.recorded,
+        }

@@ -103,8 +103,9 @@ async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
     message = str(exc.detail)
     if exc.status_code == 400 and "parsing the body" in message:
         message = f"Request body is not valid JSON in UTF-8: {message}"
-    return JSONResponse(error_body(message, kind, None, None), status_code=exc.status_code,
-                        headers=getattr(exc, "headers", None))
+    return JSONResponse(
+        error_body(message, kind, None, None), status_code=exc.status_code, headers=getattr(exc, "headers", None)
+    )
 
 
 class BodyTooLarge(Exception):
@@ -112,13 +113,22 @@ class BodyTooLarge(Exception):
 
 
 def _too_large(limit: int, size: str) -> JSONResponse:
-    return JSONResponse(error_body(f"Request body of {size} bytes exceeds the limit of {limit} bytes",
-                                   "invalid_request_error", None, "request_too_large"), status_code=413)
+    return JSONResponse(
+        error_body(
+            f"Request body of {size} bytes exceeds the limit of {limit} bytes",
+            "invalid_request_error",
+            None,
+            "request_too_large",
+        ),
+        status_code=413,
+    )
 
 
 def _client_closed() -> JSONResponse:
-    return JSONResponse(error_body("client closed the request", "invalid_request_error", None,
-                                   "client_closed_request"), status_code=CLIENT_CLOSED_REQUEST)
+    return JSONResponse(
+        error_body("client closed the request", "invalid_request_error", None, "client_closed_request"),
+        status_code=CLIENT_CLOSED_REQUEST,
+    )
 
 
 async def server_error(request: Request, exc: Exception) -> JSONResponse:
@@ -126,12 +136,14 @@ async def server_error(request: Request, exc: Exception) -> JSONResponse:
         logger.debug("client of %s left (%s)", request.url.path, type(exc).__name__)
         return _client_closed()
     logger.exception("unhandled error on %s", request.url.path)
-    return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error", None, None),
-                        status_code=500)
+    return JSONResponse(
+        error_body(f"internal error: {type(exc).__name__}", "server_error", None, None), status_code=500
+    )
 
 
 def _disconnect_on_cancel(receive):
     """``receive``, with Ray's cancellation of Serve's proxy fetch read as a disconnect."""
+
     async def wrapped():
         try:
             return await receive()
@@ -139,6 +151,7 @@ def _disconnect_on_cancel(receive):
             if is_cancellation(exc):
                 return {"type": "http.disconnect"}
             raise
+
     return wrapped
 
 
@@ -152,6 +165,7 @@ def _replay(body: bytes, receive):
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
         return await receive()
+
     return wrapped
 
 
@@ -175,8 +189,13 @@ class AuthAndSize:
             token = header[7:] if header.lower().startswith("bearer ") else ""
             if token not in SETTINGS.api_keys:
                 await JSONResponse(
-                    error_body("Missing or invalid API key: send 'Authorization: Bearer <key>'",
-                               "authentication_error", None, "invalid_api_key"), status_code=401,
+                    error_body(
+                        "Missing or invalid API key: send 'Authorization: Bearer <key>'",
+                        "authentication_error",
+                        None,
+                        "invalid_api_key",
+                    ),
+                    status_code=401,
                 )(scope, receive, send)
                 return
         limit = SETTINGS.max_request_bytes

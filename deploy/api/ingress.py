@@ -6,7 +6,6 @@ disaggregated (prefill pool -> first token, streamed at once; decode pool -> the
 colocated (one pool). Text, stop strings and logprobs are assembled here (``deploy.api.output``).
 """
 
-
 import asyncio
 import logging
 import time
@@ -39,6 +38,7 @@ from workers.protocol import GenerateRequest
 from workers.transfer.control import ControlClient
 
 logger = logging.getLogger("pdserve")
+
 
 async def _prepend(first: str, rest):
     """Module-level and above the class: Serve pickles the ingress class when it is decorated."""
@@ -78,10 +78,17 @@ class OpenAIIngress:
         app_name = serve.get_replica_context().app_name
         self.control = ControlClient("ingress")
         self.pool_reader = PoolReader(app_name, worker_directory.get_or_create(app_name), self.control)
-        self.workers = WorkerCalls(self.args.mode, prefill=prefill, decode=decode, colocated=colocated,
-                                   index=self.index, rehash=self._block_hashes,
-                                   max_migrations=self.args.max_migrations, on_migration=self.metrics.migrated,
-                                   control=self.control)
+        self.workers = WorkerCalls(
+            self.args.mode,
+            prefill=prefill,
+            decode=decode,
+            colocated=colocated,
+            index=self.index,
+            rehash=self._block_hashes,
+            max_migrations=self.args.max_migrations,
+            on_migration=self.metrics.migrated,
+            control=self.control,
+        )
         self.stats = RequestStats()
         self.readiness = PoolReadiness(self.pools)  # /health: 503 "starting" until the pools answer
         self._requests: set[asyncio.Task] = set()  # completion requests in flight (drain() waits for them)
@@ -144,18 +151,27 @@ class OpenAIIngress:
     async def cluster_status(self) -> dict:
         names = [name for name, handle in self.pools.items() if handle is not None]
         pools = await self.pool_reader.read_all(names)
-        return extend_status({
-            "model": self.args.model_name, "model_weights": self.model_weights,
-            "mode": self.args.mode.value, "time": time.time(),
-            "block_size": self.args.block_size, "pools": pools,
-            "index": await index_status(self.index),
-            "requests": self.stats.snapshot(),
-            "routing": {"skipped_prefills": self.workers.skipped_prefills,
-                        "prefill_retries": self.workers.prefill_retries,
-                        "migrations": self.workers.migrations, "failed_migrations": self.workers.failed_migrations},
-            "conversations": self.conversations.stats() if self.conversations is not None else None,
-            "autoscaling": await autoscaling_status(self.autoscaler),
-        }, self)  # + pair table, HTTP outcomes, last-minute rates (deploy/ops/cluster_status.py)
+        return extend_status(
+            {
+                "model": self.args.model_name,
+                "model_weights": self.model_weights,
+                "mode": self.args.mode.value,
+                "time": time.time(),
+                "block_size": self.args.block_size,
+                "pools": pools,
+                "index": await index_status(self.index),
+                "requests": self.stats.snapshot(),
+                "routing": {
+                    "skipped_prefills": self.workers.skipped_prefills,
+                    "prefill_retries": self.workers.prefill_retries,
+                    "migrations": self.workers.migrations,
+                    "failed_migrations": self.workers.failed_migrations,
+                },
+                "conversations": self.conversations.stats() if self.conversations is not None else None,
+                "autoscaling": await autoscaling_status(self.autoscaler),
+            },
+            self,
+        )  # + pair table, HTTP outcomes, last-minute rates (deploy/ops/cluster_status.py)
 
     @app.get("/v1/cluster/history")
     async def cluster_history(self, since: float | None = None) -> dict:
@@ -165,10 +181,18 @@ class OpenAIIngress:
 
     @app.get("/v1/models")
     async def models(self) -> dict:
-        return {"object": "list", "data": [{
-            "id": self.args.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
-            "max_model_len": self.max_model_len,
-        }]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.args.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "pdserve",
+                    "max_model_len": self.max_model_len,
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, raw: Request):
@@ -183,12 +207,15 @@ class OpenAIIngress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request):
         self._check_model(body.model)
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
-                    for m in body.messages]
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in body.messages]
         try:
             # tokenize=False: the rendered text (Hugging Face's type names every form it returns)
-            text = cast(str, self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt, tokenize=False))
+            text = cast(
+                str,
+                self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
+                ),
+            )
         except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
             raise RequestError(f"messages do not fit the model's chat template: {exc}", "messages") from exc
         stitched, turn = None, None
@@ -197,50 +224,82 @@ class OpenAIIngress:
             turn = ConversationTurn(text, body.cache_salt)
         prompt_ids = stitched.token_ids if stitched else self.tokenizer.encode(text, add_special_tokens=False)
         top = body.top_logprobs or 0
-        return await self._serve(body, prompt_ids, body.requested_max_tokens,
-                                 top if body.logprobs else None, chat=True, raw=raw, turn=turn)
+        return await self._serve(
+            body, prompt_ids, body.requested_max_tokens, top if body.logprobs else None, chat=True, raw=raw, turn=turn
+        )
 
     # --------------------------------------------------------------- internals
     def _check_model(self, model: str) -> None:
         if model != self.args.model_name:
-            raise RequestError(f"The model `{model}` does not exist. Available: {self.args.model_name}",
-                               "model", status=404, code="model_not_found")
+            raise RequestError(
+                f"The model `{model}` does not exist. Available: {self.args.model_name}",
+                "model",
+                status=404,
+                code="model_not_found",
+            )
 
     def _sampling(self, body, max_tokens: int, logprobs: int | None, choice: int) -> dict[str, Any]:
         seed = None if body.seed is None else body.seed + choice
         return {
-            "max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
-            "top_k": body.top_k, "min_p": body.min_p, "seed": seed,
-            "stop_token_ids": tuple(body.stop_token_ids or ()), "ignore_eos": body.ignore_eos,
+            "max_tokens": max_tokens,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "min_p": body.min_p,
+            "seed": seed,
+            "stop_token_ids": tuple(body.stop_token_ids or ()),
+            "ignore_eos": body.ignore_eos,
             "logprobs": logprobs,
         }
 
-    async def _serve(self, body, prompt_ids: list[int], max_tokens: int | None, logprobs: int | None,
-                     chat: bool, raw: Request, turn: ConversationTurn | None = None):
+    async def _serve(
+        self,
+        body,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        logprobs: int | None,
+        chat: bool,
+        raw: Request,
+        turn: ConversationTurn | None = None,
+    ):
         if self.readiness.stopping:
-            raise RequestError("the server is shutting down; retry on another replica", None, status=503,
-                               error_type="server_unavailable", code="shutting_down")
+            raise RequestError(
+                "the server is shutting down; retry on another replica",
+                None,
+                status=503,
+                error_type="server_unavailable",
+                code="shutting_down",
+            )
         task = asyncio.current_task()  # this request's task: streaming answers run in it too
         if task is not None:
             self._requests.add(task)
             task.add_done_callback(self._requests.discard)
-        max_tokens = fit_to_context(prompt_ids, max_tokens, self.model_config.vocab_size, self.max_model_len,
-                                    body.max_model_len)
+        max_tokens = fit_to_context(
+            prompt_ids, max_tokens, self.model_config.vocab_size, self.max_model_len, body.max_model_len
+        )
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         hashes = self._block_hashes(prompt_ids, body.cache_salt)
         arrival = time.time()
         choices = [
-            GenerateRequest(f"{request_id}-{i}", tuple(prompt_ids), self._sampling(body, max_tokens, logprobs, i),
-                            body.cache_salt, hashes, arrival)
+            GenerateRequest(
+                f"{request_id}-{i}",
+                tuple(prompt_ids),
+                self._sampling(body, max_tokens, logprobs, i),
+                body.cache_salt,
+                hashes,
+                arrival,
+            )
             for i in range(body.n)
         ]
         assemblers = [
-            ChoiceAssembler(self.tokenizer, prompt_ids, tuple(body.stop), body.include_stop_str_in_output,
-                            body.skip_special_tokens)
+            ChoiceAssembler(
+                self.tokenizer, prompt_ids, tuple(body.stop), body.include_stop_str_in_output, body.skip_special_tokens
+            )
             for _ in range(body.n)
         ]
-        builder = ResponseBuilder(request_id, self.args.model_name, self.tokenizer, chat, len(prompt_ids),
-                                  body.return_timing)
+        builder = ResponseBuilder(
+            request_id, self.args.model_name, self.tokenizer, chat, len(prompt_ids), body.return_timing
+        )
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = self._stream(choices, assemblers, builder, include_usage, turn)
@@ -251,13 +310,13 @@ class OpenAIIngress:
         await asyncio.gather(*(self._drain(c, a, turn) for c, a in zip(choices, assemblers)))
         return JSONResponse(builder.final(assemblers))
 
-    async def _drain(self, choice: GenerateRequest, assembler: ChoiceAssembler,
-                     turn: ConversationTurn | None) -> None:
+    async def _drain(self, choice: GenerateRequest, assembler: ChoiceAssembler, turn: ConversationTurn | None) -> None:
         async for _ in self._choice_deltas(choice, assembler, turn):
             pass
 
-    async def _choice_deltas(self, choice: GenerateRequest, assembler: ChoiceAssembler,
-                             turn: ConversationTurn | None = None):
+    async def _choice_deltas(
+        self, choice: GenerateRequest, assembler: ChoiceAssembler, turn: ConversationTurn | None = None
+    ):
         """Deltas of one choice; stops the workers' stream when a stop string ends it. A chat
         turn is recorded before its last delta goes out: the client's next turn can reuse it.
 
@@ -275,8 +334,9 @@ class OpenAIIngress:
                 if last is None:
                     stats.ttft.add(now - choice.arrival_time, now)
                     stats.cached_prompt_tokens += chunk.num_cached_tokens
-                    self.metrics.first_token(now - choice.arrival_time, len(choice.prompt_token_ids),
-                                             chunk.num_cached_tokens)
+                    self.metrics.first_token(
+                        now - choice.arrival_time, len(choice.prompt_token_ids), chunk.num_cached_tokens
+                    )
                 elif chunk.token_ids:
                     gap = (now - last) / len(chunk.token_ids)
                     stats.itl.add(gap, now)
@@ -304,8 +364,9 @@ class OpenAIIngress:
             self.metrics.finished(e2e, outcome)
             await stream.aclose()
 
-    async def _stream(self, choices, assemblers, builder: ResponseBuilder, include_usage: bool,
-                      turn: ConversationTurn | None):
+    async def _stream(
+        self, choices, assemblers, builder: ResponseBuilder, include_usage: bool, turn: ConversationTurn | None
+    ):
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int) -> None:
@@ -345,4 +406,3 @@ class OpenAIIngress:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-

@@ -18,8 +18,14 @@ MAX_STOP_STRINGS = 16
 class RequestError(Exception):
     """A client error: becomes an HTTP 4xx with an OpenAI-style body."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 error_type: str = "invalid_request_error", code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        error_type: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message, self.param, self.status, self.error_type, self.code = message, param, status, error_type, code
 
@@ -58,14 +64,18 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = Field(default=None, max_length=256)
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=256,
-                                   description="separates this tenant's prefix cache from others'")
+    cache_salt: str | None = Field(
+        default=None, min_length=1, max_length=256, description="separates this tenant's prefix cache from others'"
+    )
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     return_timing: bool = Field(default=False, description="pdserve: per-request timing in usage")
     max_model_len: int | None = Field(
-        default=None, ge=2, description="pdserve: this request's context limit (prompt + completion tokens), "
-                                        "at most the deployment's; e.g. a cap on a conversation's growth")
+        default=None,
+        ge=2,
+        description="pdserve: this request's context limit (prompt + completion tokens), "
+        "at most the deployment's; e.g. a cap on a conversation's growth",
+    )
 
     @field_validator("stop")
     @classmethod

@@ -67,7 +67,7 @@ class ChoiceAssembler:
                 detok.flush()  # a trailing partial character, as decode() shows it
             self.finish_reason = finish_reason
         end = len(detok.text) if self.finish_reason else max(self._emitted, len(detok.text) - self._hold)
-        delta = detok.text[self._emitted:end]
+        delta = detok.text[self._emitted : end]
         self._emitted = max(self._emitted, end)
         new_logprobs = list(logprobs or ())[: len(new_ids)]
         self.logprobs.extend(new_logprobs)

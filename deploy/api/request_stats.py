@@ -71,11 +71,17 @@ class RequestStats:
     def snapshot(self) -> dict:
         ttft, itl, e2e = self.ttft.recent(), self.itl.recent(), self.e2e.recent()
         return {
-            "started": self.started, "finished": self.finished, "failed": self.failed, "aborted": self.aborted,
+            "started": self.started,
+            "finished": self.finished,
+            "failed": self.failed,
+            "aborted": self.aborted,
             "active": self.active,
-            "prompt_tokens": self.prompt_tokens, "cached_prompt_tokens": self.cached_prompt_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cluster_prefix_hit_rate": self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-            "ttft_s": percentiles(ttft), "itl_s": percentiles(itl), "e2e_s": percentiles(e2e),
+            "ttft_s": percentiles(ttft),
+            "itl_s": percentiles(itl),
+            "e2e_s": percentiles(e2e),
             "window_s": WINDOW_S,
         }

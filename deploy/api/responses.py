@@ -12,8 +12,9 @@ from workers.protocol import TokenLogprobs
 
 
 class ResponseBuilder:
-    def __init__(self, request_id: str, model: str, tokenizer, chat: bool, num_prompt_tokens: int,
-                 return_timing: bool) -> None:
+    def __init__(
+        self, request_id: str, model: str, tokenizer, chat: bool, num_prompt_tokens: int, return_timing: bool
+    ) -> None:
         self.request_id, self.model, self.tokenizer, self.chat = request_id, model, tokenizer, chat
         self.num_prompt_tokens, self.return_timing = num_prompt_tokens, return_timing
         self.created = int(time.time())
@@ -24,8 +25,7 @@ class ResponseBuilder:
         return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
     def _envelope(self, obj: str, choices: list, usage: dict | None = None) -> dict:
-        body = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}
+        body = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
         if usage is not None:
             body["usage"] = usage
         return body
@@ -51,12 +51,16 @@ class ResponseBuilder:
         if not entries:
             return None
         if self.chat:
+
             def item(tid: int, lp: float) -> dict:
                 text = self._token_text(tid)
                 return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-            return {"content": [
-                {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries
-            ]}
+
+            return {
+                "content": [
+                    {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries
+                ]
+            }
         tokens = [self._token_text(e.token_id) for e in entries]
         offsets = []
         for text in tokens:
@@ -76,30 +80,53 @@ class ResponseBuilder:
             self._text_offset = 0
             entries = a.logprobs
             if self.chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": a.text},
-                                "logprobs": self._logprobs(entries), "finish_reason": a.finish_reason})
+                choices.append(
+                    {
+                        "index": index,
+                        "message": {"role": "assistant", "content": a.text},
+                        "logprobs": self._logprobs(entries),
+                        "finish_reason": a.finish_reason,
+                    }
+                )
             else:
-                choices.append({"index": index, "text": a.text, "logprobs": self._logprobs(entries),
-                                "finish_reason": a.finish_reason})
+                choices.append(
+                    {
+                        "index": index,
+                        "text": a.text,
+                        "logprobs": self._logprobs(entries),
+                        "finish_reason": a.finish_reason,
+                    }
+                )
         obj = "chat.completion" if self.chat else "text_completion"
         return self._envelope(obj, choices, self.usage(assemblers))
 
     def first_chunk(self, n: int) -> dict:
         if self.chat:
-            return self._envelope("chat.completion.chunk", [
-                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                for i in range(n)])
-        return self._envelope("text_completion", [
-            {"index": i, "text": "", "logprobs": None, "finish_reason": None} for i in range(n)])
+            return self._envelope(
+                "chat.completion.chunk",
+                [
+                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                    for i in range(n)
+                ],
+            )
+        return self._envelope(
+            "text_completion", [{"index": i, "text": "", "logprobs": None, "finish_reason": None} for i in range(n)]
+        )
 
     def chunk(self, index: int, delta: ChoiceDelta, assembler: ChoiceAssembler) -> dict:
         logprobs = self._logprobs(delta.logprobs)
         if self.chat:
-            body = {"index": index, "delta": {"content": delta.text} if delta.text else {},
-                    "logprobs": logprobs, "finish_reason": delta.finish_reason}
+            body = {
+                "index": index,
+                "delta": {"content": delta.text} if delta.text else {},
+                "logprobs": logprobs,
+                "finish_reason": delta.finish_reason,
+            }
             return self._envelope("chat.completion.chunk", [body])
-        return self._envelope("text_completion", [
-            {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}])
+        return self._envelope(
+            "text_completion",
+            [{"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}],
+        )
 
     def usage_chunk(self, assemblers: list[ChoiceAssembler]) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

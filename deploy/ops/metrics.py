@@ -40,13 +40,19 @@ class IngressMetrics:
         self.e2e = _hist("pdserve_e2e_request_latency_seconds", "Request latency, arrival to last token", ("model",))
         # Same tag keys as the workers' local-scope series of these counters.
         prefix_keys = ("scope", "worker", "role", "model")
-        self.queries = _get(Counter, "pdserve_prefix_cache_queries_total",
-                            "Prompt tokens looked up in a prefix cache", prefix_keys)
-        self.hits = _get(Counter, "pdserve_prefix_cache_hits_total",
-                         "Prompt tokens served from a prefix cache", prefix_keys)
+        self.queries = _get(
+            Counter, "pdserve_prefix_cache_queries_total", "Prompt tokens looked up in a prefix cache", prefix_keys
+        )
+        self.hits = _get(
+            Counter, "pdserve_prefix_cache_hits_total", "Prompt tokens served from a prefix cache", prefix_keys
+        )
         self.requests = _get(Counter, "pdserve_requests_total", "Requests by outcome", ("outcome", "model"))
-        self.migrations = _get(Counter, "pdserve_decode_migrations_total",
-                               "Decode streams resumed on another replica after theirs died", ("model",))
+        self.migrations = _get(
+            Counter,
+            "pdserve_decode_migrations_total",
+            "Decode streams resumed on another replica after theirs died",
+            ("model",),
+        )
 
     def first_token(self, ttft_s: float, prompt_tokens: int, cached_tokens: int) -> None:
         self.ttft.observe(ttft_s, tags=self.tags)

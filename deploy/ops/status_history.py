@@ -117,14 +117,20 @@ def condense(status: dict, previous: dict | None, previous_bytes: dict[str, int]
     t = float(status["time"])
     sample: dict[str, Any] = {
         "t": t,
-        "ttft": dict(req.get("ttft_s") or {}), "itl": dict(req.get("itl_s") or {}),
-        "active": req.get("active"), "started": req.get("started"),
-        "finished": req.get("finished"), "failed": req.get("failed"), "aborted": req.get("aborted"),
+        "ttft": dict(req.get("ttft_s") or {}),
+        "itl": dict(req.get("itl_s") or {}),
+        "active": req.get("active"),
+        "started": req.get("started"),
+        "finished": req.get("finished"),
+        "failed": req.get("failed"),
+        "aborted": req.get("aborted"),
         "completion_tokens": req.get("completion_tokens"),
-        "refused": http.get("refused"), "client_errors": http.get("client_errors"),
+        "refused": http.get("refused"),
+        "client_errors": http.get("client_errors"),
         "http_total": http.get("total"),
-        "kv_usage": {name: _mean([r.get("kv_usage") for r in replicas if r.get("healthy")])
-                     for name, replicas in pools.items()},
+        "kv_usage": {
+            name: _mean([r.get("kv_usage") for r in replicas if r.get("healthy")]) for name, replicas in pools.items()
+        },
     }
     dt = t - previous["t"] if previous is not None else 0.0
     for counter, rate in RATES.items():
@@ -132,12 +138,14 @@ def condense(status: dict, previous: dict | None, previous_bytes: dict[str, int]
         sample[rate] = max(0.0, (now - before) / dt) if dt > 0 and now is not None and before is not None else None
     # KV bytes received by the decode pool: per replica, so a replica that restarted (new id, or
     # a counter that went down) adds nothing this round rather than a negative rate
-    decode_bytes = {r["worker_id"]: int(r.get("transfer_bytes") or 0)
-                    for r in pools.get("decode") or [] if r.get("healthy")}
+    decode_bytes = {
+        r["worker_id"]: int(r.get("transfer_bytes") or 0) for r in pools.get("decode") or [] if r.get("healthy")
+    }
     sample["transfer_bytes_per_s"] = None
     if "decode" in pools and previous is not None and dt > 0:
-        moved = sum(b - previous_bytes[w] for w, b in decode_bytes.items()
-                    if w in previous_bytes and b >= previous_bytes[w])
+        moved = sum(
+            b - previous_bytes[w] for w, b in decode_bytes.items() if w in previous_bytes and b >= previous_bytes[w]
+        )
         sample["transfer_bytes_per_s"] = moved / dt
     return sample, decode_bytes
 
@@ -151,8 +159,12 @@ class StatusHistory:
     """A ring of condensed samples, fed by ``collect`` (a coroutine returning a status-like
     dict) every ``interval_s`` from a task on the event loop, or by ``record`` directly."""
 
-    def __init__(self, collect: Callable[[], Awaitable[dict]] | None = None,
-                 interval_s: float = INTERVAL_S, window_s: float = WINDOW_S) -> None:
+    def __init__(
+        self,
+        collect: Callable[[], Awaitable[dict]] | None = None,
+        interval_s: float = INTERVAL_S,
+        window_s: float = WINDOW_S,
+    ) -> None:
         self.collect = collect
         self.interval_s = interval_s
         self.window_s = window_s
@@ -243,8 +255,7 @@ class StatusHistory:
         if base is not None and span > 0 and "decode" in (status.get("pools") or {}):
             later = [s for s in self.samples if s["t"] > base["t"]]
             if later:
-                moved = sum((s["transfer_bytes_per_s"] or 0) * (s["t"] - p["t"])
-                            for p, s in zip([base, *later], later))
+                moved = sum((s["transfer_bytes_per_s"] or 0) * (s["t"] - p["t"]) for p, s in zip([base, *later], later))
                 bytes_moved = moved / (later[-1]["t"] - base["t"])
         out["transfer_bytes_per_s"] = bytes_moved
         return out

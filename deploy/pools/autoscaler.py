@@ -39,9 +39,13 @@ def policy_config(args: PDServeArgs) -> PolicyConfig:
         max_total_replicas=args.autoscaling_budget,
         prefill=PoolBounds(*args.autoscaling_bounds("prefill")),
         decode=PoolBounds(*args.autoscaling_bounds("decode")),
-        ttft_target_s=a.ttft_target_s, tpot_target_s=a.tpot_target_s, kv_usage_target=a.kv_usage_target,
-        prefill_tokens_per_s=a.prefill_tokens_per_s, upscale_delay_s=a.upscale_delay_s,
-        downscale_delay_s=a.downscale_delay_s, cooldown_s=a.cooldown_s,
+        ttft_target_s=a.ttft_target_s,
+        tpot_target_s=a.tpot_target_s,
+        kv_usage_target=a.kv_usage_target,
+        prefill_tokens_per_s=a.prefill_tokens_per_s,
+        upscale_delay_s=a.upscale_delay_s,
+        downscale_delay_s=a.downscale_delay_s,
+        cooldown_s=a.cooldown_s,
     )
 
 
@@ -77,9 +81,17 @@ class PDAutoscaler:
         self.pool_reader = PoolReader(self.app_name, None, ControlClient("autoscaler"), timeout_s=STATS_TIMEOUT_S)
         self._ensure_running()
         c = self.config
-        logger.info("autoscaling (pd): budget %d replicas, prefill %d..%d, decode %d..%d, TTFT target %.2f s, "
-                    "TPOT target %.0f ms", c.max_total_replicas, c.prefill.min_replicas, c.prefill.max_replicas,
-                    c.decode.min_replicas, c.decode.max_replicas, c.ttft_target_s, c.tpot_target_s * 1000)
+        logger.info(
+            "autoscaling (pd): budget %d replicas, prefill %d..%d, decode %d..%d, TTFT target %.2f s, "
+            "TPOT target %.0f ms",
+            c.max_total_replicas,
+            c.prefill.min_replicas,
+            c.prefill.max_replicas,
+            c.decode.min_replicas,
+            c.decode.max_replicas,
+            c.ttft_target_s,
+            c.tpot_target_s * 1000,
+        )
 
     def _ensure_running(self) -> None:
         if self._task is None or self._task.done():
@@ -102,9 +114,15 @@ class PDAutoscaler:
         p, d = self.reader.read(now, prefill, decode, self.targets["prefill"], self.targets["decode"])
         decision = decide(p, d, self.config, self.state, now)
         self.state = decision.state
-        self.last = {"time": now, "prefill_need": decision.prefill_need, "decode_need": decision.decode_need,
-                     "held": decision.held, "pending": decision.state.pending,
-                     "prefill": p.__dict__, "decode": d.__dict__}
+        self.last = {
+            "time": now,
+            "prefill_need": decision.prefill_need,
+            "decode_need": decision.decode_need,
+            "held": decision.held,
+            "pending": decision.state.pending,
+            "prefill": p.__dict__,
+            "decode": d.__dict__,
+        }
         if decision.changed:
             line = describe(decision, p, d, self.config)
             try:
@@ -114,15 +132,23 @@ class PDAutoscaler:
                         self.targets[name] = count
                 self.error = None
                 logger.info("autoscaling: %s", line)
-                self.decisions.append({"time": now, "prefill": decision.prefill, "decode": decision.decode,
-                                       "from": {"prefill": p.replicas, "decode": d.replicas}, "line": line})
+                self.decisions.append(
+                    {
+                        "time": now,
+                        "prefill": decision.prefill,
+                        "decode": decision.decode,
+                        "from": {"prefill": p.replicas, "decode": d.replicas},
+                        "line": line,
+                    }
+                )
             except Exception as exc:  # noqa: BLE001 - shown in status; the next round tries again
-                self.error = (f"could not set the pools' replicas ({type(exc).__name__}: {exc}); deploy the "
-                              "application with external_scaler_enabled (serve.run(..., external_scaler_enabled=True)"
-                              " or external_scaler_enabled: true in the Serve config)")[:400]
+                self.error = (
+                    f"could not set the pools' replicas ({type(exc).__name__}: {exc}); deploy the "
+                    "application with external_scaler_enabled (serve.run(..., external_scaler_enabled=True)"
+                    " or external_scaler_enabled: true in the Serve config)"
+                )[:400]
                 logger.error("autoscaling: %s", self.error)
-        self.timeline.append((now, self.targets["prefill"], self.targets["decode"], p.ready_replicas,
-                              d.ready_replicas))
+        self.timeline.append((now, self.targets["prefill"], self.targets["decode"], p.ready_replicas, d.ready_replicas))
         while self.timeline and self.timeline[0][0] < now - TIMELINE_S:
             self.timeline.popleft()
         return decision
@@ -138,11 +164,18 @@ class PDAutoscaler:
         self._ensure_running()
         c = self.config
         return {
-            "policy": "pd", "budget": c.max_total_replicas, "interval_s": self.interval_s,
-            "ttft_target_s": c.ttft_target_s, "tpot_target_s": c.tpot_target_s,
-            "bounds": {"prefill": [c.prefill.min_replicas, c.prefill.max_replicas],
-                       "decode": [c.decode.min_replicas, c.decode.max_replicas]},
-            "targets": dict(self.targets), "last": self.last, "error": self.error,
+            "policy": "pd",
+            "budget": c.max_total_replicas,
+            "interval_s": self.interval_s,
+            "ttft_target_s": c.ttft_target_s,
+            "tpot_target_s": c.tpot_target_s,
+            "bounds": {
+                "prefill": [c.prefill.min_replicas, c.prefill.max_replicas],
+                "decode": [c.decode.min_replicas, c.decode.max_replicas],
+            },
+            "targets": dict(self.targets),
+            "last": self.last,
+            "error": self.error,
             "decisions": list(self.decisions),
             "timeline": [list(t) for t in self.timeline],
         }

@@ -178,13 +178,20 @@ def fit_budget(wanted: tuple[int, int], needs: tuple[float, float], config: Poli
     return counts[0], counts[1]
 
 
-def decide(prefill: PrefillSignals, decode: DecodeSignals, config: PolicyConfig, state: PolicyState,
-           now: float) -> Decision:
+def decide(
+    prefill: PrefillSignals, decode: DecodeSignals, config: PolicyConfig, state: PolicyState, now: float
+) -> Decision:
     """One decision for both pools (pure: the caller keeps ``Decision.state`` for the next)."""
     needs = (prefill_need(prefill, config, decode_saturated=decode.waiting_seqs > 0), decode_need(decode, config))
     current = (prefill.replicas, decode.replicas)
-    wanted = fit_budget((follow(prefill.replicas, needs[0], config.prefill, config),
-                         follow(decode.replicas, needs[1], config.decode, config)), needs, config)
+    wanted = fit_budget(
+        (
+            follow(prefill.replicas, needs[0], config.prefill, config),
+            follow(decode.replicas, needs[1], config.decode, config),
+        ),
+        needs,
+        config,
+    )
 
     def keep(held: str | None, next_state: PolicyState) -> Decision:
         return Decision(current[0], current[1], False, needs[0], needs[1], next_state, held)
@@ -193,8 +200,11 @@ def decide(prefill: PrefillSignals, decode: DecodeSignals, config: PolicyConfig,
         return keep(None, replace(state, pending=None, pending_since=None))
     grows = any(w > c for w, c in zip(wanted, current))
     pending_since = state.pending_since
-    if (state.pending is None or pending_since is None
-            or _direction(state.pending, current) != _direction(wanted, current)):
+    if (
+        state.pending is None
+        or pending_since is None
+        or _direction(state.pending, current) != _direction(wanted, current)
+    ):
         pending_since = now
     state = replace(state, pending=wanted, pending_since=pending_since)
     landing = prefill.ready_replicas != prefill.replicas or decode.ready_replicas != decode.replicas

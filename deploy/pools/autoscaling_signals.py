@@ -30,8 +30,14 @@ class SignalReader:
     _previous: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
     _mean_prompt_tokens: float = 0.0
 
-    def read(self, now: float, prefill: list[dict[str, Any]], decode: list[dict[str, Any]],
-             prefill_target: int, decode_target: int) -> tuple[PrefillSignals, DecodeSignals]:
+    def read(
+        self,
+        now: float,
+        prefill: list[dict[str, Any]],
+        decode: list[dict[str, Any]],
+        prefill_target: int,
+        decode_target: int,
+    ) -> tuple[PrefillSignals, DecodeSignals]:
         live_p = [r for r in prefill if r.get("healthy")]
         live_d = [r for r in decode if r.get("healthy")]
         p = self._prefill(now, live_p, prefill_target)
@@ -73,7 +79,8 @@ class SignalReader:
         capacity = sum(r["total_blocks"] for r in replicas) * self.block_size
         held = sum(r.get("num_held", 0) for r in replicas) * self._mean_prompt_tokens
         return PrefillSignals(
-            replicas=target, ready_replicas=len(replicas),
+            replicas=target,
+            ready_replicas=len(replicas),
             queued_prompt_tokens=round(in_flight * self._mean_prompt_tokens),
             prompt_tokens_per_s=computed / seconds if seconds else 0.0,
             tokens_per_s_per_replica=self.tokens_per_s_per_replica,
@@ -96,7 +103,8 @@ class SignalReader:
             weight += running
         usage = [r["kv_usage"] for r in replicas]
         return DecodeSignals(
-            replicas=target, ready_replicas=len(replicas),
+            replicas=target,
+            ready_replicas=len(replicas),
             running_seqs=sum(r["num_running"] for r in replicas),
             waiting_seqs=sum(r["num_waiting"] for r in replicas),
             kv_usage=sum(usage) / len(usage) if usage else 0.0,

@@ -59,7 +59,8 @@ def get_or_create(app_name: str) -> ActorHandle:
     """The application's directory, created if it does not exist (the ingress's call). Blocking."""
     # An ActorClass: mypy keeps a decorated class's own type (python/mypy#3135).
     directory = WorkerDirectory.options(  # type: ignore[attr-defined]
-        name=directory_name(app_name), namespace=NAMESPACE, get_if_exists=True)
+        name=directory_name(app_name), namespace=NAMESPACE, get_if_exists=True
+    )
     return directory.remote()
 
 
@@ -88,8 +89,9 @@ class Registration:
                 if self._directory is None:
                     self._directory = await asyncio.to_thread(find, self.app_name)
                 if self._directory is not None:
-                    await asyncio.wait_for(self._directory.register.remote(self.deployment, self.address),
-                                           CALL_TIMEOUT_S)
+                    await asyncio.wait_for(
+                        self._directory.register.remote(self.deployment, self.address), CALL_TIMEOUT_S
+                    )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the directory was replaced: look it up again
@@ -104,8 +106,9 @@ class Registration:
                 await self._task
         if self._directory is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._directory.leave.remote(self.deployment, self.address.worker_id),
-                                       CALL_TIMEOUT_S)
+                await asyncio.wait_for(
+                    self._directory.leave.remote(self.deployment, self.address.worker_id), CALL_TIMEOUT_S
+                )
 
 
 async def lookup(directory, deployment: str) -> dict[str, TransferAddress] | None:
@@ -117,4 +120,3 @@ async def lookup(directory, deployment: str) -> dict[str, TransferAddress] | Non
     except Exception as exc:  # noqa: BLE001 - shown as such by the caller
         logger.debug("worker directory lookup failed: %s", exc)
         return None
-

@@ -86,8 +86,7 @@ def rank_by_prefix(
     if matched_blocks:
         best = max(replicas, key=lambda r: (matched_blocks.get(r, 0), -queue_len.get(r, 0)))
         shortest = min(queue_len.get(r, 0) for r in replicas)
-        if (matched_blocks.get(best, 0) >= min_match_blocks
-                and queue_len.get(best, 0) - shortest <= imbalance_threshold):
+        if matched_blocks.get(best, 0) >= min_match_blocks and queue_len.get(best, 0) - shortest <= imbalance_threshold:
             rest = [r for r in replicas if r is not best]
             return [[best]] + (power_of_two(rest, queue_len, rng) if rest else []), True
     return power_of_two(replicas, queue_len, rng), False
@@ -182,12 +181,18 @@ class PrefixAwareRouter(_IndexRouter):
         if matches:
             by_replica = {r: matches.get(r.replica_id.unique_id, 0) for r in candidate_replicas}
         ranks, by_prefix = rank_by_prefix(
-            candidate_replicas, by_replica, self._queue_lens(candidate_replicas),
-            self._min_match_blocks, self._imbalance_threshold,
+            candidate_replicas,
+            by_replica,
+            self._queue_lens(candidate_replicas),
+            self._min_match_blocks,
+            self._imbalance_threshold,
         )
         self.decisions["prefix" if by_prefix else "load"] += 1
-        failing = {r for r in candidate_replicas
-                   if int(r.routing_stats.get("recent_transfer_failures", 0)) >= LINK_FAILURE_THRESHOLD}
+        failing = {
+            r
+            for r in candidate_replicas
+            if int(r.routing_stats.get("recent_transfer_failures", 0)) >= LINK_FAILURE_THRESHOLD
+        }
         if failing:
             self.decisions["demoted"] = self.decisions.get("demoted", 0) + 1
         return demote_failing(ranks, failing)

@@ -56,9 +56,11 @@ def set_engine_threads(pool: PoolArgs) -> int:
 
 def transfer_config(args: PDServeArgs) -> TransferConfig:
     return TransferConfig(
-        transport=Transport(args.transport), host=ray.util.get_node_ip_address(),
+        transport=Transport(args.transport),
+        host=ray.util.get_node_ip_address(),
         node_id=ray.get_runtime_context().get_node_id(),
-        connect_timeout_s=args.transfer_timeout_s, transfer_timeout_s=args.transfer_timeout_s,
+        connect_timeout_s=args.transfer_timeout_s,
+        transfer_timeout_s=args.transfer_timeout_s,
     )
 
 
@@ -76,15 +78,26 @@ class _WorkerServer:
         self.device = resolve_device(self.args.device)
         pool = getattr(self.args, self.role)
         self.torch_threads = set_engine_threads(pool)
-        logger.info("%s replica %s: engine runs torch with %d thread(s) (num_threads %s, num_cpus %g)",
-                    self.role, self.worker_id, self.torch_threads, pool.num_threads, pool.num_cpus)
+        logger.info(
+            "%s replica %s: engine runs torch with %d thread(s) (num_threads %s, num_cpus %g)",
+            self.role,
+            self.worker_id,
+            self.torch_threads,
+            pool.num_threads,
+            pool.num_cpus,
+        )
         engine = LLMEngine(self.args.model, load_progress=True, **self.args.engine_kwargs(self.device))
         self.publisher: IndexPublisher | None = None
         self.metrics = WorkerMetrics(self.worker_id, self.role, self.args.model_name)
-        self._load = {"free_blocks": engine.num_kv_blocks, "total_blocks": engine.num_kv_blocks,
-                      "num_running": 0, "num_waiting": 0}
-        logger.info("%s replica %s ready: %d KV blocks on %s", self.role, self.worker_id,
-                    engine.num_kv_blocks, self.device)
+        self._load = {
+            "free_blocks": engine.num_kv_blocks,
+            "total_blocks": engine.num_kv_blocks,
+            "num_running": 0,
+            "num_waiting": 0,
+        }
+        logger.info(
+            "%s replica %s ready: %d KV blocks on %s", self.role, self.worker_id, engine.num_kv_blocks, self.device
+        )
         return engine
 
     async def _start_control(self, prefill: PrefillWorker | None = None) -> TransferAddress:
@@ -95,8 +108,9 @@ class _WorkerServer:
             control = ControlServer(self.worker_id, self.node_ip, ControlHandlers())
             await control.start()
             self._own_control = control
-            address = control.address_of(TransferAddress(self.node_ip, 0, self.worker_id,
-                                                         ray.get_runtime_context().get_node_id()))
+            address = control.address_of(
+                TransferAddress(self.node_ip, 0, self.worker_id, ray.get_runtime_context().get_node_id())
+            )
         else:
             control, address = prefill.control, prefill.address
         control.handlers.stats = self.stats
@@ -110,8 +124,12 @@ class _WorkerServer:
             return
         config = IndexConfig(redis_url=self.args.redis_url, model_key=engine.model_key)
         spec = WorkerSpec(
-            worker_id=self.worker_id, role=self.role, address=address, total_blocks=engine.num_kv_blocks,
-            block_size=engine.config.block_size, kv_cache_dtype=engine.kv_layout.dtype,
+            worker_id=self.worker_id,
+            role=self.role,
+            address=address,
+            total_blocks=engine.num_kv_blocks,
+            block_size=engine.config.block_size,
+            kv_cache_dtype=engine.kv_layout.dtype,
         )
         self.publisher = IndexPublisher(config, spec)
         await self.publisher.start()  # raises IncompatibleWorkerError for a mismatched pool
@@ -119,8 +137,12 @@ class _WorkerServer:
     def _on_step(self, engine: LLMEngine) -> None:
         """Engine thread, after each step and on idle ticks: events out, load refreshed."""
         state = engine.stats()
-        self._load = {"free_blocks": state.num_free_blocks, "total_blocks": state.num_blocks,
-                      "num_running": state.num_running, "num_waiting": state.num_waiting}
+        self._load = {
+            "free_blocks": state.num_free_blocks,
+            "total_blocks": state.num_blocks,
+            "num_running": state.num_running,
+            "num_waiting": state.num_waiting,
+        }
         events = engine.take_events()
         worker = getattr(self, "worker", None)  # idle ticks can start before the worker is assigned
         if worker is not None and self.metrics.due():
@@ -138,11 +160,21 @@ class _WorkerServer:
         snapshot = await worker.loop.call(lambda e: worker.stats.snapshot(e))
         index = None
         if self.publisher is not None:
-            index = {"registered": self.publisher.registered, "buffered_events": self.publisher.buffered_events,
-                     "dropped_events": self.publisher.dropped_events}
-        return {"worker_id": self.worker_id, "role": self.role, "device": self.device,
-                "node_ip": self.node_ip, "torch_threads": self.torch_threads, "index": index,
-                "recent_transfer_failures": worker.stats.recent_failures(LINK_FAILURE_WINDOW_S), **snapshot}
+            index = {
+                "registered": self.publisher.registered,
+                "buffered_events": self.publisher.buffered_events,
+                "dropped_events": self.publisher.dropped_events,
+            }
+        return {
+            "worker_id": self.worker_id,
+            "role": self.role,
+            "device": self.device,
+            "node_ip": self.node_ip,
+            "torch_threads": self.torch_threads,
+            "index": index,
+            "recent_transfer_failures": worker.stats.recent_failures(LINK_FAILURE_WINDOW_S),
+            **snapshot,
+        }
 
     def check_health(self) -> None:
         if not self.worker.loop.alive:
@@ -180,9 +212,14 @@ class PrefillServer(_WorkerServer):
     async def __init__(self, args: dict) -> None:  # type: ignore[misc]  # Serve awaits an async constructor
         engine = self._setup(args)
         stall = self.args.fault_injection.get("send_stall_s")
-        self.worker = PrefillWorker(engine, self.worker_id, transfer_config(self.args),
-                                    self.args.lease_ttl_s, on_step=self._on_step,
-                                    before_send=(lambda: asyncio.sleep(stall)) if stall else None)
+        self.worker = PrefillWorker(
+            engine,
+            self.worker_id,
+            transfer_config(self.args),
+            self.args.lease_ttl_s,
+            on_step=self._on_step,
+            before_send=(lambda: asyncio.sleep(stall)) if stall else None,
+        )
         await self.worker.start()
         await self._start_control(self.worker)
         address = f"{self.worker.address.host}:{self.worker.address.port}"

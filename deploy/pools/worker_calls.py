@@ -30,8 +30,13 @@ def client_error(exc: BaseException) -> BaseException:
     if is_cancellation(exc):
         return exc  # the call was cancelled (the client left): not the request's fault, nor ours
     if isinstance(exc, (BackPressureError, DeploymentUnavailableError)):
-        return RequestError(f"the server is at capacity, retry shortly ({type(exc).__name__})", None,
-                            status=503, error_type="server_overloaded", code="overloaded")
+        return RequestError(
+            f"the server is at capacity, retry shortly ({type(exc).__name__})",
+            None,
+            status=503,
+            error_type="server_overloaded",
+            code="overloaded",
+        )
     cause = getattr(exc, "cause", None)
     if isinstance(cause, ValueError):
         return RequestError(str(cause), "prompt")
@@ -52,8 +57,12 @@ class DecodeMigrationError(RuntimeError):
     """A decode stream broke more often than ``max_migrations`` allows."""
 
 
-def continuation(choice: GenerateRequest, produced: Sequence[int], attempt: int,
-                 rehash: Callable[[Sequence[int], str | None], tuple[str, ...]]) -> GenerateRequest:
+def continuation(
+    choice: GenerateRequest,
+    produced: Sequence[int],
+    attempt: int,
+    rehash: Callable[[Sequence[int], str | None], tuple[str, ...]],
+) -> GenerateRequest:
     """The request that resumes ``choice`` after ``produced`` tokens went to the client: those
     tokens are its forced prefix, it asks for what is left, and its sampling positions continue
     where they stopped, so position-seeded (and greedy) sampling draws the same tokens."""
@@ -62,15 +71,27 @@ def continuation(choice: GenerateRequest, produced: Sequence[int], attempt: int,
     sampling["output_position_offset"] = sampling.get("output_position_offset", 0) + len(produced)
     prompt = tuple(choice.prompt_token_ids) + tuple(produced)
     return dataclasses.replace(
-        choice, request_id=f"{choice.request_id}~m{attempt}", prompt_token_ids=prompt, sampling=sampling,
-        block_hashes=rehash(prompt, choice.cache_salt))
+        choice,
+        request_id=f"{choice.request_id}~m{attempt}",
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        block_hashes=rehash(prompt, choice.cache_salt),
+    )
 
 
 class WorkerCalls:
-    def __init__(self, mode: Mode, prefill=None, decode=None, colocated=None, index=None,
-                 rehash: Callable[[Sequence[int], str | None], tuple[str, ...]] | None = None,
-                 max_migrations: int = 0, on_migration: Callable[[], None] | None = None,
-                 control: ControlClient | None = None) -> None:
+    def __init__(
+        self,
+        mode: Mode,
+        prefill=None,
+        decode=None,
+        colocated=None,
+        index=None,
+        rehash: Callable[[Sequence[int], str | None], tuple[str, ...]] | None = None,
+        max_migrations: int = 0,
+        on_migration: Callable[[], None] | None = None,
+        control: ControlClient | None = None,
+    ) -> None:
         self.mode = mode
         self.control = control  # the prefill workers' KV control servers (release, lease extension)
         self.prefill, self.decode, self.colocated = prefill, decode, colocated
@@ -111,13 +132,20 @@ class WorkerCalls:
                     raise DecodeMigrationError(
                         f"decode replica lost after {len(produced)} tokens and {attempt} migration(s) "
                         f"(max_migrations {self.max_migrations}; another decode replica: "
-                        f"{'none' if attempt < self.max_migrations else 'not tried'}): {type(exc).__name__}") from exc
+                        f"{'none' if attempt < self.max_migrations else 'not tried'}): {type(exc).__name__}"
+                    ) from exc
                 attempt += 1
                 self.migrations += 1
                 self.on_migration()
-                logger.warning("request %s: decode replica lost after %d tokens (%s); resuming on another "
-                               "replica (migration %d of at most %d)", choice.request_id, len(produced),
-                               type(exc).__name__, attempt, self.max_migrations)
+                logger.warning(
+                    "request %s: decode replica lost after %d tokens (%s); resuming on another "
+                    "replica (migration %d of at most %d)",
+                    choice.request_id,
+                    len(produced),
+                    type(exc).__name__,
+                    attempt,
+                    self.max_migrations,
+                )
                 current = continuation(choice, produced, attempt, self.rehash)
 
     async def _another_decode_replica(self) -> bool:
@@ -187,11 +215,14 @@ class WorkerCalls:
         if handle is None or self.control is None or time.time() + LEASE_EXTENSION_S / 2 > give_up:
             return None
         try:
-            left = await self.control.extend(handle.address, handle.request_id, LEASE_EXTENSION_S,
-                                             CONTROL_TIMEOUT_S)
+            left = await self.control.extend(handle.address, handle.request_id, LEASE_EXTENSION_S, CONTROL_TIMEOUT_S)
         except KVTransferError as exc:
-            logger.warning("request %s: could not extend its KV lease on %s while waiting for decode room: %s",
-                           handle.request_id, handle.prefill_worker_id, exc)
+            logger.warning(
+                "request %s: could not extend its KV lease on %s while waiting for decode room: %s",
+                handle.request_id,
+                handle.prefill_worker_id,
+                exc,
+            )
             return None
         return dataclasses.replace(result, kv_handle=dataclasses.replace(handle, lease_expires_at=time.time() + left))
 
@@ -254,11 +285,15 @@ class WorkerCalls:
 def first_chunk(result: PrefillResult) -> TokenChunk:
     logprobs = None
     if result.first_token_logprob is not None:
-        logprobs = (TokenLogprobs(result.first_token_id, result.first_token_logprob,
-                                  tuple(result.first_token_top_logprobs)),)
+        logprobs = (
+            TokenLogprobs(result.first_token_id, result.first_token_logprob, tuple(result.first_token_top_logprobs)),
+        )
     return TokenChunk(
-        request_id=result.request_id, token_ids=(result.first_token_id,), logprobs=logprobs,
-        finish_reason=result.finish_reason, num_cached_tokens=result.num_cached_tokens,
+        request_id=result.request_id,
+        token_ids=(result.first_token_id,),
+        logprobs=logprobs,
+        finish_reason=result.finish_reason,
+        num_cached_tokens=result.num_cached_tokens,
         timing=result.timing,
     )
 
@@ -273,8 +308,7 @@ class PoolReadiness:
     replica running yet it waits in the router, and it returns as soon as one runs.
     """
 
-    def __init__(self, pools: dict[str, object | None], probe_timeout_s: float = 10.0,
-                 retry_s: float = 0.5) -> None:
+    def __init__(self, pools: dict[str, object | None], probe_timeout_s: float = 10.0, retry_s: float = 0.5) -> None:
         self.pools = {name: handle for name, handle in pools.items() if handle is not None}
         self.ready: set[str] = set()
         self.probe_timeout_s = probe_timeout_s
@@ -293,8 +327,10 @@ class PoolReadiness:
             return {"status": "ok"}
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._probe_all())
-        return {"status": "starting",
-                "pools": {name: "ready" if name in self.ready else "starting" for name in self.pools}}
+        return {
+            "status": "starting",
+            "pools": {name: "ready" if name in self.ready else "starting" for name in self.pools},
+        }
 
     async def _probe_all(self) -> None:
         await asyncio.gather(*(self._probe(name) for name in self.pools if name not in self.ready))

@@ -19,9 +19,14 @@ def hf_outputs(model_dir: str, prompts, dtype: torch.dtype) -> list[list[int]]:
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p], device="cuda")
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW_TOKENS,
-                                 min_new_tokens=MAX_NEW_TOKENS, do_sample=False)
-            outs.append(out[0, len(p):].tolist())
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_NEW_TOKENS,
+                min_new_tokens=MAX_NEW_TOKENS,
+                do_sample=False,
+            )
+            outs.append(out[0, len(p) :].tolist())
     return outs
 
 
@@ -43,8 +48,10 @@ def test_bf16_cuda_match_rate(tiny_model_dirs):
     ref = hf_outputs(model_dir, prompts, torch.bfloat16)
     full = sum(a == b for a, b in zip(ours, ref)) / len(prompts)
     first = sum(a[0] == b[0] for a, b in zip(ours, ref)) / len(prompts)
-    print(f"bf16 greedy parity: {full:.0%} of {len(prompts)} prompts identical over {MAX_NEW_TOKENS} tokens, "
-          f"first token {first:.0%}")
+    print(
+        f"bf16 greedy parity: {full:.0%} of {len(prompts)} prompts identical over {MAX_NEW_TOKENS} tokens, "
+        f"first token {first:.0%}"
+    )
     assert first >= 0.9
     engine.block_manager.check_idle()
 

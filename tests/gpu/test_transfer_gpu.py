@@ -60,31 +60,38 @@ def check_exact(outcome, sender, seed, src, dst, transport, dtype="float32") -> 
 
 def test_gpu_transfer_exact_then_survives_stall_and_kill(gpu_peers):
     prefill, decode, doomed, transport = gpu_peers
-    sets = [(list(range(10, 42)), list(range(500, 532))),
-            ([3, 77, 5, 900, 42, 1099, 0], [1000, 2, 640, 11, 12, 300, 7]),
-            ([17], [1099]),
-            (list(range(1000)), list(range(1099, 99, -1)))]
+    sets = [
+        (list(range(10, 42)), list(range(500, 532))),
+        ([3, 77, 5, 900, 42, 1099, 0], [1000, 2, 640, 11, 12, 300, 7]),
+        ([17], [1099]),
+        (list(range(1000)), list(range(1099, 99, -1))),
+    ]
     for i, (src, dst) in enumerate(sets):
         outcome, sender = relay_pull(prefill, decode, make_handle(prefill, f"g{i}", src), dst, timeout_s=60)
         check_exact(outcome, sender, 1, src, dst, transport)
     src, dst = [9, 1, 700, 33], [4, 1098, 250, 60]
-    outcome, sender = relay_pull(prefill, decode, make_handle(prefill, "g-bf16", src, "bfloat16"), dst,
-                                 timeout_s=60)
+    outcome, sender = relay_pull(prefill, decode, make_handle(prefill, "g-bf16", src, "bfloat16"), dst, timeout_s=60)
     live_epoch = check_exact(outcome, sender, 1, src, dst, transport, "bfloat16").epoch
 
     timeout_s = 2.0
-    (kind, result), sender = relay_pull(prefill, decode, make_handle(prefill, "g-stall", src), dst,
-                                        timeout_s=timeout_s, stall_s=timeout_s + 1.0)
+    (kind, result), sender = relay_pull(
+        prefill, decode, make_handle(prefill, "g-stall", src), dst, timeout_s=timeout_s, stall_s=timeout_s + 1.0
+    )
     assert kind == "pull_failed", result
     assert result["num_free"] == NUM_BLOCKS  # failed (only the deadline can fail it), and freed
-    outcome, sender = relay_pull(prefill, decode, make_handle(prefill, "g-after-stall", src), dst,
-                                 timeout_s=60)
+    outcome, sender = relay_pull(prefill, decode, make_handle(prefill, "g-after-stall", src), dst, timeout_s=60)
     assert check_exact(outcome, sender, 1, src, dst, transport).epoch > live_epoch
 
-    (kind, result), _ = relay_pull(doomed, decode, make_handle(doomed, "g-doomed", src), dst,
-                                   timeout_s=timeout_s, prefill_cmd="connect_then_die", wait_sender=False)
+    (kind, result), _ = relay_pull(
+        doomed,
+        decode,
+        make_handle(doomed, "g-doomed", src),
+        dst,
+        timeout_s=timeout_s,
+        prefill_cmd="connect_then_die",
+        wait_sender=False,
+    )
     assert kind == "pull_failed", result
     assert result["freed"] == dst
-    outcome, sender = relay_pull(prefill, decode, make_handle(prefill, "g-after-kill", src), dst,
-                                 timeout_s=60)
+    outcome, sender = relay_pull(prefill, decode, make_handle(prefill, "g-after-kill", src), dst, timeout_s=60)
     check_exact(outcome, sender, 1, src, dst, transport)

@@ -85,8 +85,13 @@ def serve_cluster() -> Iterator[ServeCluster]:
     redis_server.start()
     port, metrics_port = free_port(), free_port()
     try:
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+        ray.init(
+            num_cpus=8,
+            include_dashboard=False,
+            log_to_driver=False,
+            _metrics_export_port=metrics_port,
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
+        )
         serve.start(http_options={"host": "127.0.0.1", "port": port})
     except BaseException:
         redis_server.stop()  # never orphan the redis-server when Ray fails to start

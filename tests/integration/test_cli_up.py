@@ -42,8 +42,13 @@ class Up:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("RAY_ADDRESS", None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "deploy.ops.cli", "up", *args], cwd=REPO_ROOT, env=env,
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [sys.executable, "-m", "deploy.ops.cli", "up", *args],
+            cwd=REPO_ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             start_new_session=True,  # its own process group, as a shell job: killpg reaches all of it
         )
         threading.Thread(target=self._read, daemon=True).start()
@@ -71,8 +76,9 @@ class Up:
         return self.proc.wait(timeout=timeout_s)
 
     def session_processes(self) -> list[str]:
-        out = subprocess.run(["ps", "-o", "pid=,comm=", "--sid", str(self.proc.pid)],
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            ["ps", "-o", "pid=,comm=", "--sid", str(self.proc.pid)], capture_output=True, text=True
+        ).stdout
         return [line for line in out.splitlines() if line.strip()]
 
     @property
@@ -162,8 +168,7 @@ def test_up_leaves_the_prefix_index_before_it_stops(tiny_llama):
     index, i.e. the replicas deregistered while Redis was still reachable."""
     port = free_port()
     with RedisServer() as server:
-        up = Up("--model", tiny_llama, "--served-model-name", "tiny", "--port", str(port),
-                "--redis-url", server.url)
+        up = Up("--model", tiny_llama, "--served-model-name", "tiny", "--port", str(port), "--redis-url", server.url)
         try:
             up.wait_for("Redis connected", 120)
             up.wait_for("pdserve is up", 300)

@@ -24,16 +24,24 @@ MODEL = "conv"
 BLOCK = 16
 MAX_TOKENS = 24
 EOT = 4  # <|eot_id|>, the tiny models' end of turn (special)
-SYSTEM_LONG = ("You answer questions about rivers, towns and the weather, briefly and plainly. "
-               "Keep to the facts you are given and say when you do not know. ") * 4
+SYSTEM_LONG = (
+    "You answer questions about rivers, towns and the weather, briefly and plainly. "
+    "Keep to the facts you are given and say when you do not know. "
+) * 4
 USERS = ["Tell me about the river.", "And the town?", "What about the weather?", "Thanks, anything else?"]
 
 
 def app_args(model_dir: str, **overrides) -> dict:
     args = {
-        "model": model_dir, "served_model_name": MODEL, "num_kv_blocks": 512, "device": "cpu",
-        "transfer_timeout_s": 10.0, "lease_ttl_s": 10.0, "max_model_len": 1024,
-        "prefill": {"replicas": 1, "num_cpus": 0.5}, "decode": {"replicas": 1, "num_cpus": 0.5},
+        "model": model_dir,
+        "served_model_name": MODEL,
+        "num_kv_blocks": 512,
+        "device": "cpu",
+        "transfer_timeout_s": 10.0,
+        "lease_ttl_s": 10.0,
+        "max_model_len": 1024,
+        "prefill": {"replicas": 1, "num_cpus": 0.5},
+        "decode": {"replicas": 1, "num_cpus": 0.5},
         "colocated": {"replicas": 1, "num_cpus": 0.5},
     }
     return {**args, **overrides}
@@ -44,8 +52,12 @@ def apps(serve_cluster, tiny_llama):
     from ray import serve
 
     # two decode replicas: each turn must find the one that holds its conversation's history
-    pd = deploy(serve_cluster, "conv-pd", "/conv-pd", app_args(
-        tiny_llama, redis_url=serve_cluster.redis.url, decode={"replicas": 2, "num_cpus": 0.5}))
+    pd = deploy(
+        serve_cluster,
+        "conv-pd",
+        "/conv-pd",
+        app_args(tiny_llama, redis_url=serve_cluster.redis.url, decode={"replicas": 2, "num_cpus": 0.5}),
+    )
     # colocated without Redis: turns are kept in the ingress's own memory
     colo = deploy(serve_cluster, "conv-colo", "/conv-colo", app_args(tiny_llama, mode="colocated"))
     yield {"pd": pd, "colo": colo}
@@ -76,21 +88,31 @@ class Turn:
 
 
 def chat_turn(c: openai.OpenAI, messages: list[dict], salt: str, stream: bool) -> Turn:
-    kwargs = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
-              "extra_body": {"cache_salt": salt}}
+    kwargs = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "extra_body": {"cache_salt": salt},
+    }
     if not stream:
         out = c.chat.completions.create(**kwargs)
-        return Turn(out.usage.prompt_tokens, out.usage.completion_tokens,
-                    out.usage.prompt_tokens_details.cached_tokens, out.choices[0].finish_reason,
-                    out.choices[0].message.content)
+        return Turn(
+            out.usage.prompt_tokens,
+            out.usage.completion_tokens,
+            out.usage.prompt_tokens_details.cached_tokens,
+            out.choices[0].finish_reason,
+            out.choices[0].message.content,
+        )
     pieces, usage, finish = [], None, None
     for chunk in c.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
         usage = chunk.usage or usage
         for choice in chunk.choices:
             pieces.append(choice.delta.content or "")
             finish = choice.finish_reason or finish
-    return Turn(usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens,
-                finish, "".join(pieces))
+    return Turn(
+        usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens, finish, "".join(pieces)
+    )
 
 
 def converse(base: str, system: str, salt: str, before_turn=None) -> tuple[list[Turn], list[dict]]:
@@ -127,8 +149,9 @@ def render(tokenizer, messages: list[dict]) -> str:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-def stitched_prompt(tokenizer, messages: list[dict], k: int, previous: list[int], generated: list[int],
-                    finish_reason: str) -> list[int]:
+def stitched_prompt(
+    tokenizer, messages: list[dict], k: int, previous: list[int], generated: list[int], finish_reason: str
+) -> list[int]:
     """The prompt ids turn ``k`` > 0 should be served with: turn k-1's prompt ids, its generated
     ids (less a trailing end of turn), then the new text after its answer."""
     history = messages[: 2 + 2 * k]  # system, (user, assistant) pairs, then the k-th user message
@@ -137,7 +160,7 @@ def stitched_prompt(tokenizer, messages: list[dict], k: int, previous: list[int]
     shown = answer if text.startswith(answer, len(head)) else answer.strip()  # the template trims
     assert text.startswith(head + shown)
     generated = generated[:-1] if finish_reason == "stop" and generated[-1] == EOT else generated
-    return previous + generated + tokenizer.encode(text[len(head) + len(shown):], add_special_tokens=False)
+    return previous + generated + tokenizer.encode(text[len(head) + len(shown) :], add_special_tokens=False)
 
 
 def replay(engine, tokenizer, messages: list[dict], turns: list[Turn], reuse: bool):
@@ -154,8 +177,11 @@ def replay(engine, tokenizer, messages: list[dict], turns: list[Turn], reuse: bo
             prompt = tokenizer.encode(render(tokenizer, messages[: 2 + 2 * k]), add_special_tokens=False)
         assert len(prompt) == turn.prompt_tokens
         out = engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))[0]
-        assert (tokenizer.decode(out.token_ids, skip_special_tokens=True), len(out.token_ids), out.finish_reason) \
-            == (turn.answer, turn.completion_tokens, turn.finish_reason)
+        assert (tokenizer.decode(out.token_ids, skip_special_tokens=True), len(out.token_ids), out.finish_reason) == (
+            turn.answer,
+            turn.completion_tokens,
+            turn.finish_reason,
+        )
         history.append((prompt, list(out.token_ids)))
         finish = out.finish_reason
     return history
@@ -195,8 +221,10 @@ def test_four_turns_reuse_prompts_and_answers(apps, mode, engine, tokenizer):
     counts = {k: after["conversations"][k] - before["conversations"][k] for k in ("lookups", "hits", "recorded")}
     assert counts == {"lookups": 3, "hits": 3, "recorded": 4}
     conv = after["conversations"]
-    assert (f"conversations: {conv['hits']} of {conv['lookups']} follow-up turns reused a recorded turn "
-            f"({conv['reused_tokens']} tokens), {conv['recorded']} turns recorded") in format_status(after)
+    assert (
+        f"conversations: {conv['hits']} of {conv['lookups']} follow-up turns reused a recorded turn "
+        f"({conv['reused_tokens']} tokens), {conv['recorded']} turns recorded"
+    ) in format_status(after)
     if mode == "pd":  # every later turn's history sits on the decode replica: no remote prefill
         assert expected_skips(turns) == 3
         assert after["routing"]["skipped_prefills"] - before["routing"]["skipped_prefills"] == 3
@@ -228,9 +256,13 @@ def test_interleaved_conversations_each_return_to_their_decode_replica(apps):
         assert [t.cached_tokens for t in conversation] == expected_cached(conversation)
     skipped = after["routing"]["skipped_prefills"] - before["routing"]["skipped_prefills"]
     assert skipped == sum(expected_skips(t) for t in turns) == 6
-    served = [r["requests"] - b["requests"] for r, b in zip(
-        sorted(after["pools"]["decode"], key=lambda r: r["worker_id"]),
-        sorted(before["pools"]["decode"], key=lambda r: r["worker_id"]))]
+    served = [
+        r["requests"] - b["requests"]
+        for r, b in zip(
+            sorted(after["pools"]["decode"], key=lambda r: r["worker_id"]),
+            sorted(before["pools"]["decode"], key=lambda r: r["worker_id"]),
+        )
+    ]
     assert sum(served) == 9 and len(served) == 2
 
 
@@ -256,21 +288,24 @@ def test_without_recorded_turns_the_answers_are_recomputed(apps, serve_cluster, 
     without, messages = converse(apps["pd"], SYSTEM_LONG, salt="compare-off", before_turn=forget_turns)
     store.close()
     assert [t.cached_tokens for t in with_reuse] == expected_cached(with_reuse)
-    assert [t.cached_tokens for t in without] == cached_by_prefix(replay(engine, tokenizer, messages, without,
-                                                                         reuse=False))
+    assert [t.cached_tokens for t in without] == cached_by_prefix(
+        replay(engine, tokenizer, messages, without, reuse=False)
+    )
     assert sum(t.cached_tokens for t in without) < sum(t.cached_tokens for t in with_reuse)
 
 
 def test_reuse_can_be_turned_off(serve_cluster, tiny_llama, engine, tokenizer):
     from ray import serve
 
-    base = deploy(serve_cluster, "conv-off", "/conv-off", app_args(tiny_llama, mode="colocated",
-                                                                   conversation_reuse=False))
+    base = deploy(
+        serve_cluster, "conv-off", "/conv-off", app_args(tiny_llama, mode="colocated", conversation_reuse=False)
+    )
     try:
         turns, messages = converse(base, SYSTEM_LONG, salt="off")
         assert httpx.get(f"{base}/v1/cluster/status", timeout=10).json()["conversations"] is None
-        assert [t.cached_tokens for t in turns] == cached_by_prefix(replay(engine, tokenizer, messages, turns,
-                                                                           reuse=False))
+        assert [t.cached_tokens for t in turns] == cached_by_prefix(
+            replay(engine, tokenizer, messages, turns, reuse=False)
+        )
         assert sum(t.cached_tokens for t in turns) < sum(expected_cached(turns))
         wait_idle(base)
     finally:
@@ -298,7 +333,10 @@ def test_request_context_cap(apps):
     assert long_prompt.status_code == 400
     assert long_prompt.json()["error"] == {
         "message": "This request's max_model_len is 30 tokens; the prompt has 30 tokens. Shorten the prompt.",
-        "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
+        "type": "invalid_request_error",
+        "param": "prompt",
+        "code": "context_length_exceeded",
+    }
 
     too_big = post("completions", {"prompt": prompt, "max_model_len": 1025})
     assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "max_model_len"
@@ -307,8 +345,7 @@ def test_request_context_cap(apps):
 
     # chat: without max_tokens the answer may take exactly the room the cap leaves
     messages = [{"role": "user", "content": "Hi"}]
-    chat = post("chat/completions", {"messages": messages, "max_model_len": 24, "temperature": 0,
-                                     "ignore_eos": True})
+    chat = post("chat/completions", {"messages": messages, "max_model_len": 24, "temperature": 0, "ignore_eos": True})
     assert chat.status_code == 200
     usage = chat.json()["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == 24

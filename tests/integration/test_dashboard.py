@@ -24,8 +24,16 @@ pytestmark = pytest.mark.timeout(300)
 
 MODEL = "llama"
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 
 
@@ -59,9 +67,15 @@ def _chromium_or_skip():
 def dash(serve_cluster, tiny_llama):
     sync_playwright = _chromium_or_skip()
     args = {
-        "model": tiny_llama, "served_model_name": MODEL, "redis_url": serve_cluster.redis.url,
-        "num_kv_blocks": 256, "device": "cpu", "transfer_timeout_s": 10.0, "lease_ttl_s": 10.0,
-        "prefill": {"replicas": 1, "num_cpus": 0.5}, "decode": {"replicas": 1, "num_cpus": 0.5},
+        "model": tiny_llama,
+        "served_model_name": MODEL,
+        "redis_url": serve_cluster.redis.url,
+        "num_kv_blocks": 256,
+        "device": "cpu",
+        "transfer_timeout_s": 10.0,
+        "lease_ttl_s": 10.0,
+        "prefill": {"replicas": 1, "num_cpus": 0.5},
+        "decode": {"replicas": 1, "num_cpus": 0.5},
     }
     base = deploy(serve_cluster, "dash", "/dash", args)
     yield base, sync_playwright
@@ -162,8 +176,11 @@ def test_dashboard_follows_live_traffic(dash):
             prompts = [shared + [rng.randrange(10, 1000) for _ in range(8)] for _ in range(2)]
             prompts += [[rng.randrange(10, 1000) for _ in range(40)] for _ in range(2)]
             for prompt in prompts:
-                reply = httpx.post(f"{base}/v1/completions", timeout=60, json={
-                    "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+                reply = httpx.post(
+                    f"{base}/v1/completions",
+                    timeout=60,
+                    json={"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0},
+                )
                 assert reply.status_code == 200, reply.text
             # and one the ingress turns away: a client error, not a failure or a refusal
             wrong = httpx.post(f"{base}/v1/completions", timeout=60, json={"model": "nope", "prompt": "hi"})
@@ -192,11 +209,13 @@ def test_dashboard_follows_live_traffic(dash):
 
             page.wait_for_function(
                 f"document.querySelector('[data-testid=\"requests-finished\"]').textContent === '{len(prompts)}'",
-                timeout=30_000)
+                timeout=30_000,
+            )
             # throughput and error figures of the last minute, as the page shows them
             page.wait_for_function(
                 "parseFloat(document.querySelector('[data-testid=\"throughput-tokens\"]').textContent) > 0",
-                timeout=10_000)
+                timeout=10_000,
+            )
             assert re.fullmatch(r"\d+\.\d tok/s", page.get_by_test_id("throughput-tokens").inner_text())
             assert re.fullmatch(r"\d+\.\d\d req/s", page.get_by_test_id("throughput-requests").inner_text())
             assert page.get_by_test_id("error-rate").inner_text() == "0.0%"
@@ -208,8 +227,9 @@ def test_dashboard_follows_live_traffic(dash):
             hit_rate = final["requests"]["cluster_prefix_hit_rate"]
             assert hit_rate > 0
             page.wait_for_function(
-                f"document.querySelector('[data-testid=\"cluster-hit-rate\"]').textContent === "
-                f"'{hit_rate * 100:.1f}%'", timeout=10_000)
+                f"document.querySelector('[data-testid=\"cluster-hit-rate\"]').textContent === '{hit_rate * 100:.1f}%'",
+                timeout=10_000,
+            )
             assert _number(page.get_by_test_id("cluster-hit-rate").inner_text()) > 0
             assert _number(page.get_by_test_id("transfer-count").inner_text()) == decode["transfers"] > 0
             decode_row = page.locator(f'[data-testid="replica-{decode_ids[0]}"]')
@@ -221,8 +241,10 @@ def test_dashboard_follows_live_traffic(dash):
             assert row.get_attribute("data-prefill") == prefill_ids[0]
             assert row.get_attribute("data-decode") == decode_ids[0]
             assert row.locator('[data-testid="transfers"]').inner_text() == str(decode["transfers"])
-            assert row.locator('[data-testid="transfer-bytes"]').inner_text() == \
-                decode_row.locator('[data-testid="transfer-bytes"]').inner_text()
+            assert (
+                row.locator('[data-testid="transfer-bytes"]').inner_text()
+                == decode_row.locator('[data-testid="transfer-bytes"]').inner_text()
+            )
             assert row.locator('[data-testid="failures"]').inner_text() == "0"
             assert row.locator('[data-testid="recomputed"]').inner_text() == str(decode["recomputed_prefills"])
             for p in ("p50", "p99"):
@@ -230,10 +252,12 @@ def test_dashboard_follows_live_traffic(dash):
             # two polls since the traffic: each percentile is a line of at least two points
             page.wait_for_function(
                 "['chart-ttft', 'chart-itl'].every(id => Number(document.getElementById(id).dataset.points) >= 6)",
-                timeout=10_000)
+                timeout=10_000,
+            )
             assert page.locator('[data-testid="chart-ttft"] path').count() == 3  # p50, p90, p99
-            page.wait_for_function("Number(document.getElementById('chart-throughput').dataset.max) > 0",
-                                   timeout=10_000)
+            page.wait_for_function(
+                "Number(document.getElementById('chart-throughput').dataset.max) > 0", timeout=10_000
+            )
             assert errors == []
 
             ARTIFACTS.mkdir(exist_ok=True)
@@ -243,7 +267,8 @@ def test_dashboard_follows_live_traffic(dash):
 
             # the server keeps what a page saw: a sample after the traffic holds its totals
             after = _wait_for_history(
-                base, lambda s: s[-1]["completion_tokens"] == final["requests"]["completion_tokens"])
+                base, lambda s: s[-1]["completion_tokens"] == final["requests"]["completion_tokens"]
+            )
             assert after[-1]["finished"] == len(prompts) and after[-1]["client_errors"] == 1
             assert max(s["output_tokens_per_s"] or 0 for s in after) > 0
             with_ttft = [s for s in after if s["ttft"]["p50"] is not None]

@@ -27,8 +27,12 @@ def test_actor_threads_follow_the_pool_not_ray(serve_cluster):
             before = torch.get_num_threads()
             return before, set_engine_threads(PoolArgs(**pool)), os.environ.get("OMP_NUM_THREADS")
 
-    cases = [({"num_cpus": 0.5}, 1), ({"num_cpus": 2}, 2), ({"num_cpus": 3.5}, 3),
-             ({"num_cpus": 0.5, "num_threads": 2}, 2)]
+    cases = [
+        ({"num_cpus": 0.5}, 1),
+        ({"num_cpus": 2}, 2),
+        ({"num_cpus": 3.5}, 3),
+        ({"num_cpus": 0.5, "num_threads": 2}, 2),
+    ]
     for pool, expected in cases:
         actor = Replica.options(num_cpus=pool["num_cpus"]).remote()
         before, after, omp = ray.get(actor.threads.remote(pool))
@@ -39,8 +43,12 @@ def test_actor_threads_follow_the_pool_not_ray(serve_cluster):
 
 def test_replica_reports_the_threads_it_was_granted(serve_cluster, tiny_llama):
     args = {
-        "model": tiny_llama, "served_model_name": "llama", "num_kv_blocks": 64, "device": "cpu",
-        "mode": "colocated", "colocated": {"replicas": 1, "num_cpus": 0.5, "num_threads": 2},
+        "model": tiny_llama,
+        "served_model_name": "llama",
+        "num_kv_blocks": 64,
+        "device": "cpu",
+        "mode": "colocated",
+        "colocated": {"replicas": 1, "num_cpus": 0.5, "num_threads": 2},
     }
     base = deploy(serve_cluster, "threads", "/threads", args)
     status = httpx.get(f"{base}/v1/cluster/status", timeout=10).json()

@@ -24,9 +24,15 @@ MODEL = "llama"
 
 def app_args(model_dir: str, redis_url: str, **overrides) -> dict:
     args = {
-        "model": model_dir, "served_model_name": MODEL, "redis_url": redis_url, "num_kv_blocks": 256,
-        "device": "cpu", "transfer_timeout_s": 5.0, "lease_ttl_s": 10.0,
-        "prefill": {"replicas": 1, "num_cpus": 0.5}, "decode": {"replicas": 1, "num_cpus": 0.5},
+        "model": model_dir,
+        "served_model_name": MODEL,
+        "redis_url": redis_url,
+        "num_kv_blocks": 256,
+        "device": "cpu",
+        "transfer_timeout_s": 5.0,
+        "lease_ttl_s": 10.0,
+        "prefill": {"replicas": 1, "num_cpus": 0.5},
+        "decode": {"replicas": 1, "num_cpus": 0.5},
     }
     return {**args, **overrides}
 
@@ -43,8 +49,9 @@ def kill(name: str) -> None:
 def expected_text(tiny_llama: str, prompt: list[int], n: int) -> str:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(tiny_llama).decode(hf_greedy(tiny_llama, tuple(prompt), n),
-                                                             skip_special_tokens=True)
+    return AutoTokenizer.from_pretrained(tiny_llama).decode(
+        hf_greedy(tiny_llama, tuple(prompt), n), skip_special_tokens=True
+    )
 
 
 def complete(base: str, prompt, max_tokens: int, timeout: float = 120, **extra) -> httpx.Response:
@@ -70,9 +77,17 @@ def wait_replicas(app: str, deployment: str, count: int, base: str, timeout_s: f
 @pytest.fixture(scope="module")
 def slow_prefill_app(serve_cluster, tiny_llama):
     """2 prefill replicas that each wait 2 s before prefilling: time to kill one mid-request."""
-    base = deploy(serve_cluster, "faults", "/faults", app_args(
-        tiny_llama, serve_cluster.redis.url, prefill={"replicas": 2, "num_cpus": 0.5},
-        fault_injection={"prefill_delay_s": 2.0}))
+    base = deploy(
+        serve_cluster,
+        "faults",
+        "/faults",
+        app_args(
+            tiny_llama,
+            serve_cluster.redis.url,
+            prefill={"replicas": 2, "num_cpus": 0.5},
+            fault_injection={"prefill_delay_s": 2.0},
+        ),
+    )
     yield base
     from ray import serve
 
@@ -130,8 +145,14 @@ def test_a_prefill_replica_serve_has_just_replaced_serves_the_next_request(slow_
 
 def test_decode_replica_death_ends_the_stream_with_an_error(slow_prefill_app, tiny_llama):
     base = slow_prefill_app
-    body = {"model": MODEL, "prompt": random_prompts((30,), seed=82)[0], "max_tokens": 1500,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": random_prompts((30,), seed=82)[0],
+        "max_tokens": 1500,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     events: list[str] = []
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as resp:  # a hang fails here
         assert resp.status_code == 200
@@ -169,8 +190,14 @@ def _wait_ended(base: str, before: dict, count: int, timeout_s: float = 30) -> d
 def test_client_disconnect_aborts_and_frees_everything(slow_prefill_app):
     base = slow_prefill_app
     before = _requests(base)
-    body = {"model": MODEL, "prompt": random_prompts((40,), seed=84)[0], "max_tokens": 1500,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": random_prompts((40,), seed=84)[0],
+        "max_tokens": 1500,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as resp:
         got = 0
         for line in resp.iter_lines():
@@ -209,9 +236,12 @@ def stall_app(serve_cluster, tiny_llama):
     """Its own redis-server (killed and restarted here); KV sends stall past the deadline."""
     redis = RedisServer()
     redis.start()
-    base = deploy(serve_cluster, "stall", "/stall", app_args(
-        tiny_llama, redis.url, transfer_timeout_s=1.0, lease_ttl_s=2.0,
-        fault_injection={"send_stall_s": 3.0}))
+    base = deploy(
+        serve_cluster,
+        "stall",
+        "/stall",
+        app_args(tiny_llama, redis.url, transfer_timeout_s=1.0, lease_ttl_s=2.0, fault_injection={"send_stall_s": 3.0}),
+    )
     yield base, redis
     from ray import serve
 

@@ -31,10 +31,16 @@ def fuzz_app(serve_cluster, tiny_llama):
     from ray import serve
 
     args = {
-        "model": tiny_llama, "served_model_name": MODEL, "redis_url": serve_cluster.redis.url,
-        "num_kv_blocks": 256, "device": "cpu", "transfer_timeout_s": 10.0, "lease_ttl_s": 10.0,
+        "model": tiny_llama,
+        "served_model_name": MODEL,
+        "redis_url": serve_cluster.redis.url,
+        "num_kv_blocks": 256,
+        "device": "cpu",
+        "transfer_timeout_s": 10.0,
+        "lease_ttl_s": 10.0,
         "max_request_bytes": MAX_REQUEST_BYTES,
-        "prefill": {"replicas": 1, "num_cpus": 0.5}, "decode": {"replicas": 1, "num_cpus": 0.5},
+        "prefill": {"replicas": 1, "num_cpus": 0.5},
+        "decode": {"replicas": 1, "num_cpus": 0.5},
     }
     base = deploy(serve_cluster, APP, PREFIX, args)
     yield base
@@ -114,8 +120,14 @@ def test_schema_fuzz_never_5xx(fuzz_app):
 def _fuzz_operation(op, modes: list, base_url: str) -> None:
     """Call one operation with its generated cases (each with its own label in a failure)."""
 
-    @settings(max_examples=EXAMPLES.get(op.label, 10), deadline=None, database=None, derandomize=True,
-              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES.get(op.label, 10),
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=st.one_of(*(op.as_strategy(mode) for mode in modes)), use_served_model=st.booleans())
     def call(case, use_served_model):
         if case.body is not None and not isinstance(case.body, (bytes, str)):
@@ -151,84 +163,237 @@ BAD_INPUTS = [
     ("prompt_dict", COMPLETIONS, {"json": _completion(prompt={"text": "hi"})}, 400, "prompt", None, "prompt"),
     ("prompt_missing", COMPLETIONS, {"json": {"model": MODEL}}, 400, "prompt", None, "prompt"),
     ("model_missing", COMPLETIONS, {"json": {"prompt": "hi"}}, 400, "model", None, "model"),
-    ("max_tokens_string", COMPLETIONS, {"json": _completion(max_tokens="many")}, 400, "max_tokens", None,
-     "max_tokens"),
+    ("max_tokens_string", COMPLETIONS, {"json": _completion(max_tokens="many")}, 400, "max_tokens", None, "max_tokens"),
     ("messages_string", CHAT, {"json": {"model": MODEL, "messages": "hi"}}, 400, "messages", None, "messages"),
-    ("max_tokens_negative", COMPLETIONS, {"json": _completion(max_tokens=-5)}, 400, "max_tokens", None,
-     "max_tokens"),
+    ("max_tokens_negative", COMPLETIONS, {"json": _completion(max_tokens=-5)}, 400, "max_tokens", None, "max_tokens"),
     ("max_tokens_zero", CHAT, {"json": _chat(max_tokens=0)}, 400, "max_tokens", None, "max_tokens"),
-    ("max_tokens_huge", COMPLETIONS, {"json": _completion(max_tokens=10**9)}, 400, "max_tokens",
-     "context_length_exceeded", "context length"),
-    ("max_tokens_bigint", COMPLETIONS, {"json": _completion(max_tokens=2**80)}, 400, "max_tokens",
-     "context_length_exceeded", "context length"),
-    ("max_completion_tokens_huge", CHAT, {"json": _chat(max_completion_tokens=10**6)}, 400, "max_tokens",
-     "context_length_exceeded", "context length"),
+    (
+        "max_tokens_huge",
+        COMPLETIONS,
+        {"json": _completion(max_tokens=10**9)},
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+        "context length",
+    ),
+    (
+        "max_tokens_bigint",
+        COMPLETIONS,
+        {"json": _completion(max_tokens=2**80)},
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+        "context length",
+    ),
+    (
+        "max_completion_tokens_huge",
+        CHAT,
+        {"json": _chat(max_completion_tokens=10**6)},
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+        "context length",
+    ),
     ("prompt_empty", COMPLETIONS, {"json": _completion(prompt="")}, 400, "prompt", None, "empty"),
     ("prompt_empty_list", COMPLETIONS, {"json": _completion(prompt=[])}, 400, "prompt", None, "empty"),
     ("prompt_batched", COMPLETIONS, {"json": _completion(prompt=[[1, 2], [3]])}, 400, "prompt", None, "batched"),
-    ("prompt_negative_ids", COMPLETIONS, {"json": _completion(prompt=[5, -1])}, 400, "prompt", None,
-     "non-negative"),
-    ("prompt_ids_outside_vocab", COMPLETIONS, {"json": _completion(prompt=[5, 10**9])}, 400, "prompt", None,
-     "vocabulary"),
+    ("prompt_negative_ids", COMPLETIONS, {"json": _completion(prompt=[5, -1])}, 400, "prompt", None, "non-negative"),
+    (
+        "prompt_ids_outside_vocab",
+        COMPLETIONS,
+        {"json": _completion(prompt=[5, 10**9])},
+        400,
+        "prompt",
+        None,
+        "vocabulary",
+    ),
     ("messages_empty", CHAT, {"json": {"model": MODEL, "messages": []}}, 400, "messages", None, "at least 1"),
-    ("prompt_over_context", COMPLETIONS, {"json": _completion(prompt=[5] * (MAX_MODEL_LEN + 1))}, 400, "prompt",
-     "context_length_exceeded", "context length"),
-    ("prompt_fills_context", COMPLETIONS, {"json": _completion(prompt=[5] * MAX_MODEL_LEN)}, 400, "prompt",
-     "context_length_exceeded", "context length"),
-    ("prompt_plus_max_tokens_over_context", COMPLETIONS,
-     {"json": _completion(prompt=[5] * (MAX_MODEL_LEN - 4), max_tokens=16)}, 400, "max_tokens",
-     "context_length_exceeded", "context length"),
-    ("unknown_model", COMPLETIONS, {"json": _completion(model="gpt-4")}, 404, "model", "model_not_found",
-     "does not exist"),
+    (
+        "prompt_over_context",
+        COMPLETIONS,
+        {"json": _completion(prompt=[5] * (MAX_MODEL_LEN + 1))},
+        400,
+        "prompt",
+        "context_length_exceeded",
+        "context length",
+    ),
+    (
+        "prompt_fills_context",
+        COMPLETIONS,
+        {"json": _completion(prompt=[5] * MAX_MODEL_LEN)},
+        400,
+        "prompt",
+        "context_length_exceeded",
+        "context length",
+    ),
+    (
+        "prompt_plus_max_tokens_over_context",
+        COMPLETIONS,
+        {"json": _completion(prompt=[5] * (MAX_MODEL_LEN - 4), max_tokens=16)},
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+        "context length",
+    ),
+    (
+        "unknown_model",
+        COMPLETIONS,
+        {"json": _completion(model="gpt-4")},
+        404,
+        "model",
+        "model_not_found",
+        "does not exist",
+    ),
     ("unknown_model_chat", CHAT, {"json": _chat(model="gpt-4")}, 404, "model", "model_not_found", "does not exist"),
-    ("oversized_body", COMPLETIONS, {"json": _completion(prompt="x" * (MAX_REQUEST_BYTES + 10))}, 413, None,
-     "request_too_large", "exceeds"),
-    ("stream_options_without_stream", COMPLETIONS, {"json": _completion(stream_options={"include_usage": True})},
-     400, None, None, "stream_options"),
-    ("stream_options_stream_false", CHAT, {"json": _chat(stream=False, stream_options={"include_usage": True})},
-     400, None, None, "stream_options"),
+    (
+        "oversized_body",
+        COMPLETIONS,
+        {"json": _completion(prompt="x" * (MAX_REQUEST_BYTES + 10))},
+        413,
+        None,
+        "request_too_large",
+        "exceeds",
+    ),
+    (
+        "stream_options_without_stream",
+        COMPLETIONS,
+        {"json": _completion(stream_options={"include_usage": True})},
+        400,
+        None,
+        None,
+        "stream_options",
+    ),
+    (
+        "stream_options_stream_false",
+        CHAT,
+        {"json": _chat(stream=False, stream_options={"include_usage": True})},
+        400,
+        None,
+        None,
+        "stream_options",
+    ),
     ("n_too_large", COMPLETIONS, {"json": _completion(n=17)}, 400, "n", None, "n"),
     ("n_zero", CHAT, {"json": _chat(n=0)}, 400, "n", None, "n"),
     ("logprobs_too_large", COMPLETIONS, {"json": _completion(logprobs=21)}, 400, "logprobs", None, "logprobs"),
-    ("top_logprobs_too_large", CHAT, {"json": _chat(logprobs=True, top_logprobs=21)}, 400, "top_logprobs", None,
-     "top_logprobs"),
+    (
+        "top_logprobs_too_large",
+        CHAT,
+        {"json": _chat(logprobs=True, top_logprobs=21)},
+        400,
+        "top_logprobs",
+        None,
+        "top_logprobs",
+    ),
     ("top_logprobs_without_logprobs", CHAT, {"json": _chat(top_logprobs=3)}, 400, None, None, "top_logprobs"),
     ("top_p_zero", COMPLETIONS, {"json": _completion(top_p=0)}, 400, "top_p", None, "top_p"),
     ("top_p_above_one", CHAT, {"json": _chat(top_p=1.5)}, 400, "top_p", None, "top_p"),
-    ("top_p_nan", COMPLETIONS, {"content": b'{"model": "llama", "prompt": "hi", "top_p": NaN}'}, 400, "top_p", None,
-     "top_p"),
-    ("temperature_negative", COMPLETIONS, {"json": _completion(temperature=-0.5)}, 400, "temperature", None,
-     "temperature"),
+    (
+        "top_p_nan",
+        COMPLETIONS,
+        {"content": b'{"model": "llama", "prompt": "hi", "top_p": NaN}'},
+        400,
+        "top_p",
+        None,
+        "top_p",
+    ),
+    (
+        "temperature_negative",
+        COMPLETIONS,
+        {"json": _completion(temperature=-0.5)},
+        400,
+        "temperature",
+        None,
+        "temperature",
+    ),
     ("temperature_too_high", CHAT, {"json": _chat(temperature=2.5)}, 400, "temperature", None, "temperature"),
-    ("temperature_infinite", COMPLETIONS,
-     {"content": b'{"model": "llama", "prompt": "hi", "temperature": Infinity}'}, 400, "temperature", None,
-     "temperature"),
-    ("temperature_string", COMPLETIONS, {"json": _completion(temperature="hot")}, 400, "temperature", None,
-     "temperature"),
+    (
+        "temperature_infinite",
+        COMPLETIONS,
+        {"content": b'{"model": "llama", "prompt": "hi", "temperature": Infinity}'},
+        400,
+        "temperature",
+        None,
+        "temperature",
+    ),
+    (
+        "temperature_string",
+        COMPLETIONS,
+        {"json": _completion(temperature="hot")},
+        400,
+        "temperature",
+        None,
+        "temperature",
+    ),
     ("seed_negative", COMPLETIONS, {"json": _completion(seed=-1)}, 400, "seed", None, "seed"),
     ("seed_too_big", COMPLETIONS, {"json": _completion(seed=2**64)}, 400, "seed", None, "seed"),
     ("stop_empty_string", COMPLETIONS, {"json": _completion(stop=[""])}, 400, "stop", None, "stop"),
-    ("stop_too_many", COMPLETIONS, {"json": _completion(stop=[f"s{i}" for i in range(17)])}, 400, "stop", None,
-     "stop"),
+    ("stop_too_many", COMPLETIONS, {"json": _completion(stop=[f"s{i}" for i in range(17)])}, 400, "stop", None, "stop"),
     ("penalty_nonzero", CHAT, {"json": _chat(presence_penalty=0.5)}, 400, "presence_penalty", None, "penalt"),
     ("echo_unsupported", COMPLETIONS, {"json": _completion(echo=True)}, 400, "echo", None, "echo"),
     ("user_too_long", COMPLETIONS, {"json": _completion(user="u" * 300)}, 400, "user", None, "user"),
-    ("unknown_role", CHAT, {"json": {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}}, 400,
-     "messages.0.role", None, "role"),
-    ("role_missing", CHAT, {"json": {"model": MODEL, "messages": [{"content": "hi"}]}}, 400, "messages.0.role",
-     None, "role"),
-    ("image_content_part", CHAT, {"json": {"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}]}]}}, 400, "messages.0.content",
-     None, "content"),
-    ("text_part_without_text", CHAT, {"json": {"model": MODEL, "messages": [
-        {"role": "user", "content": [{"type": "text"}]}]}}, 400, "messages.0.content", None, "text"),
-    ("message_not_an_object", CHAT, {"json": {"model": MODEL, "messages": ["hi"]}}, 400, "messages.0", None,
-     "messages"),
+    (
+        "unknown_role",
+        CHAT,
+        {"json": {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}},
+        400,
+        "messages.0.role",
+        None,
+        "role",
+    ),
+    (
+        "role_missing",
+        CHAT,
+        {"json": {"model": MODEL, "messages": [{"content": "hi"}]}},
+        400,
+        "messages.0.role",
+        None,
+        "role",
+    ),
+    (
+        "image_content_part",
+        CHAT,
+        {
+            "json": {
+                "model": MODEL,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}],
+                    }
+                ],
+            }
+        },
+        400,
+        "messages.0.content",
+        None,
+        "content",
+    ),
+    (
+        "text_part_without_text",
+        CHAT,
+        {"json": {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}},
+        400,
+        "messages.0.content",
+        None,
+        "text",
+    ),
+    (
+        "message_not_an_object",
+        CHAT,
+        {"json": {"model": MODEL, "messages": ["hi"]}},
+        400,
+        "messages.0",
+        None,
+        "messages",
+    ),
 ]
 
 
-@pytest.mark.parametrize("path, request_kwargs, status, param, code, words",
-                         [case[1:] for case in BAD_INPUTS], ids=[case[0] for case in BAD_INPUTS])
+@pytest.mark.parametrize(
+    "path, request_kwargs, status, param, code, words",
+    [case[1:] for case in BAD_INPUTS],
+    ids=[case[0] for case in BAD_INPUTS],
+)
 def test_bad_input_gets_named_4xx(fuzz_app, path, request_kwargs, status, param, code, words):
     headers = {"content-type": "application/json"} if "content" in request_kwargs else None
     resp = httpx.post(f"{fuzz_app}{path}", headers=headers, timeout=REQUEST_TIMEOUT_S, **request_kwargs)
@@ -264,22 +429,29 @@ def test_chunked_oversized_body_is_refused(fuzz_app):
 
     def chunks():
         for i in range(0, len(payload), 8192):
-            yield payload[i:i + 8192]
+            yield payload[i : i + 8192]
 
-    resp = httpx.post(f"{fuzz_app}{COMPLETIONS}", content=chunks(), timeout=REQUEST_TIMEOUT_S,
-                      headers={"content-type": "application/json"})
+    resp = httpx.post(
+        f"{fuzz_app}{COMPLETIONS}",
+        content=chunks(),
+        timeout=REQUEST_TIMEOUT_S,
+        headers={"content-type": "application/json"},
+    )
     error = check_response(resp.status_code, resp.text, "chunked oversized body")
     assert resp.status_code == 413 and error and error["code"] == "request_too_large", resp.text
 
 
 def test_nothing_leaked_and_no_5xx(fuzz_app):
     # a good request still works after all of the above
-    resp = httpx.post(f"{fuzz_app}{COMPLETIONS}", json=_completion(max_tokens=4, temperature=0),
-                      timeout=REQUEST_TIMEOUT_S)
+    resp = httpx.post(
+        f"{fuzz_app}{COMPLETIONS}", json=_completion(max_tokens=4, temperature=0), timeout=REQUEST_TIMEOUT_S
+    )
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4, resp.text
     wait_idle(fuzz_app)
     valid = TRIED["requests"] - TRIED["4xx"] - TRIED["5xx"]
     print(f"\nbad inputs tried: {TRIED['requests']}, 5xx: {TRIED['5xx']}")
-    print(f"({TRIED['4xx']} answered 4xx, {len(VIOLATIONS) - TRIED['5xx']} of them without OpenAI's body; "
-          f"{valid} valid and served)")
+    print(
+        f"({TRIED['4xx']} answered 4xx, {len(VIOLATIONS) - TRIED['5xx']} of them without OpenAI's body; "
+        f"{valid} valid and served)"
+    )
     assert TRIED["5xx"] == 0, "\n".join(VIOLATIONS)

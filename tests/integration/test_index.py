@@ -26,16 +26,30 @@ KEYS = IndexKeys(MODEL)
 
 
 def make_config(url: str, **overrides: object) -> IndexConfig:
-    fast = dict(heartbeat_interval_s=0.2, ttl_s=0.6, lookup_timeout_s=0.05, write_timeout_s=1.0,
-                purge_interval_s=60.0, reconnect_backoff_s=0.02, reconnect_backoff_max_s=0.2)
+    fast = dict(
+        heartbeat_interval_s=0.2,
+        ttl_s=0.6,
+        lookup_timeout_s=0.05,
+        write_timeout_s=1.0,
+        purge_interval_s=60.0,
+        reconnect_backoff_s=0.02,
+        reconnect_backoff_max_s=0.2,
+    )
     fast.update(overrides)
     return IndexConfig(redis_url=url, model_key=MODEL, **fast)  # type: ignore[arg-type]
 
 
-def spec(worker_id: str, role: str = "prefill", block_size: int = BLOCK,
-         kv_cache_dtype: str = "bfloat16") -> WorkerSpec:
-    return WorkerSpec(worker_id=worker_id, role=role, address=f"{worker_id}:9000",
-                      total_blocks=1000, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
+def spec(
+    worker_id: str, role: str = "prefill", block_size: int = BLOCK, kv_cache_dtype: str = "bfloat16"
+) -> WorkerSpec:
+    return WorkerSpec(
+        worker_id=worker_id,
+        role=role,
+        address=f"{worker_id}:9000",
+        total_blocks=1000,
+        block_size=block_size,
+        kv_cache_dtype=kv_cache_dtype,
+    )
 
 
 def chain(tokens: list[int]) -> list[bytes]:
@@ -92,7 +106,12 @@ async def test_longest_prefix_for_overlapping_chains(redis_url: str) -> None:
         assert records is not None and sorted(records) == ["a", "b"]
         rec = records["b"]
         assert (rec.role, rec.address, rec.generation, rec.total_blocks, rec.block_size) == (
-            "prefill", "b:9000", b.generation, 1000, BLOCK)
+            "prefill",
+            "b:9000",
+            b.generation,
+            1000,
+            BLOCK,
+        )
         assert (rec.free_blocks, rec.num_running, rec.num_waiting) == (600, 3, 1)
         assert rec.kv_cache_usage == pytest.approx(0.4)
     finally:
@@ -262,9 +281,10 @@ async def test_compatibility_check_refuses_mismatched_block_size(redis_url: str)
     config = make_config(redis_url)
     first = await started(config, spec("a", block_size=16))
     try:
-        with pytest.raises(IncompatibleWorkerError,
-                           match="block_size 32 on this worker but 16 in the pool: start every "
-                                 "worker with the same --block-size"):
+        with pytest.raises(
+            IncompatibleWorkerError,
+            match="block_size 32 on this worker but 16 in the pool: start every worker with the same --block-size",
+        ):
             await IndexPublisher(config, spec("b", block_size=32)).start()
         with pytest.raises(IncompatibleWorkerError, match="kv_cache_dtype float16 on this worker"):
             await IndexPublisher(config, spec("c", kv_cache_dtype="float16")).start()
@@ -302,8 +322,7 @@ async def test_256_block_lookup_is_one_round_trip(redis_url: str) -> None:
     index = PrefixIndex(config)
     raw = redis.Redis.from_url(redis_url, decode_responses=True)
     try:
-        publishers = [await started(config, spec(f"w{i}"), long_prompt[: 256 - 64 * i])
-                      for i in range(3)]
+        publishers = [await started(config, spec(f"w{i}"), long_prompt[: 256 - 64 * i]) for i in range(3)]
         assert await index.longest_prefix(long_prompt) == {"w0": 256, "w1": 192, "w2": 128}
         for p in publishers:
             await p.stop(deregister=False)  # records stay live for ttl_s; no background traffic
@@ -318,8 +337,12 @@ async def test_256_block_lookup_is_one_round_trip(redis_url: str) -> None:
         # holder per chunk of 16, 32, 64, 128... blocks up to its first miss); nothing else
         # crossed the wire.
         assert {k: v for k, v in delta.items() if v} == {
-            "cmdstat_info": 3, "cmdstat_evalsha": 1,
-            "cmdstat_hkeys": 1, "cmdstat_hmget": 3, "cmdstat_hgetall": 1, "cmdstat_smismember": 5 + 4 + 4,
+            "cmdstat_info": 3,
+            "cmdstat_evalsha": 1,
+            "cmdstat_hkeys": 1,
+            "cmdstat_hmget": 3,
+            "cmdstat_hgetall": 1,
+            "cmdstat_smismember": 5 + 4 + 4,
         }
         assert total_after - total_before == 2 + (1 + 3 + 1 + 13)
     finally:

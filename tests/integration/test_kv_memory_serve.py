@@ -31,15 +31,27 @@ def models(tmp_path_factory, tiny_llama) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def apps(serve_cluster, models):
     common = {
-        "redis_url": serve_cluster.redis.url, "num_kv_blocks": 128, "device": "cpu",
-        "transfer_timeout_s": 10.0, "lease_ttl_s": 10.0,
-        "prefill": {"replicas": 1, "num_cpus": 0.5}, "decode": {"replicas": 1, "num_cpus": 0.5},
+        "redis_url": serve_cluster.redis.url,
+        "num_kv_blocks": 128,
+        "device": "cpu",
+        "transfer_timeout_s": 10.0,
+        "lease_ttl_s": 10.0,
+        "prefill": {"replicas": 1, "num_cpus": 0.5},
+        "decode": {"replicas": 1, "num_cpus": 0.5},
     }
     bases = {
-        "int8": deploy(serve_cluster, "pd-int8", "/int8",
-                       {**common, "model": models["int8"], "served_model_name": "m", "kv_cache_dtype": "int8"}),
-        "swa": deploy(serve_cluster, "pd-swa", "/swa",
-                      {**common, "model": models["swa"], "served_model_name": "m", "num_kv_blocks": 24}),
+        "int8": deploy(
+            serve_cluster,
+            "pd-int8",
+            "/int8",
+            {**common, "model": models["int8"], "served_model_name": "m", "kv_cache_dtype": "int8"},
+        ),
+        "swa": deploy(
+            serve_cluster,
+            "pd-swa",
+            "/swa",
+            {**common, "model": models["swa"], "served_model_name": "m", "num_kv_blocks": 24},
+        ),
     }
     yield bases
     for base in bases.values():
@@ -53,12 +65,14 @@ def client(base: str) -> openai.OpenAI:
 def test_int8_disaggregated_equals_int8_colocated_engine(apps, models):
     prompts = random_prompts((9, 70, 150), seed=61)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    expected = LLMEngine(models["int8"], kv_cache_dtype="int8", num_kv_blocks=128,
-                         load_progress=False).generate(prompts, params)
+    expected = LLMEngine(models["int8"], kv_cache_dtype="int8", num_kv_blocks=128, load_progress=False).generate(
+        prompts, params
+    )
     c = client(apps["int8"])
     for prompt, want in zip(prompts, expected):
-        out = c.completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0,
-                                   extra_body={"ignore_eos": True})
+        out = c.completions.create(
+            model="m", prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert out.choices[0].text == want.text
     status = wait_idle(apps["int8"])
     (decode,) = status["pools"]["decode"]
@@ -66,8 +80,11 @@ def test_int8_disaggregated_equals_int8_colocated_engine(apps, models):
     # Every prompt's blocks crossed the pair group as int8 blocks (17 rows of 1-byte elements).
     cfg = LLMEngine(models["int8"], kv_cache_dtype="int8", num_kv_blocks=1, load_progress=False).kv_layout
     assert cfg.dtype == "int8" and decode["transfers"] == len(prompts)
-    assert decode["transfer_bytes"] == prefill["transfer_bytes"] == cfg.bytes_per_block * sum(
-        -(-len(p) // 16) for p in prompts)
+    assert (
+        decode["transfer_bytes"]
+        == prefill["transfer_bytes"]
+        == cfg.bytes_per_block * sum(-(-len(p) // 16) for p in prompts)
+    )
 
 
 def test_sliding_window_model_serves_past_three_windows_in_a_small_cache(apps, models):
@@ -76,12 +93,14 @@ def test_sliding_window_model_serves_past_three_windows_in_a_small_cache(apps, m
     # transformers on this model past three windows: tests/unit/test_sliding_window.py.)
     prompts = random_prompts((150, 120, 90, 60), seed=62)
     expected = LLMEngine(models["swa"], num_kv_blocks=64, load_progress=False).generate(
-        prompts, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+        prompts, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    )
     c = client(apps["swa"])
 
     def run(prompt):
-        return c.completions.create(model="m", prompt=prompt, max_tokens=200, temperature=0,
-                                    extra_body={"ignore_eos": True})
+        return c.completions.create(
+            model="m", prompt=prompt, max_tokens=200, temperature=0, extra_body={"ignore_eos": True}
+        )
 
     with ThreadPoolExecutor(4) as pool:
         outs = list(pool.map(run, prompts))

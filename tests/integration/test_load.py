@@ -21,8 +21,10 @@ APP, PREFIX, MODEL = "load", "/load", "llama"
 CLIENTS, ROUNDS = 64, 2
 REQUEST_TIMEOUT_S, ROUND_TIMEOUT_S = 60.0, 150.0
 RSS_GROWTH_LIMIT = 50 << 20  # bytes, or 10 % of the first round's RSS, whichever is larger
-WORDS = ("river stone light cloud harbor lantern meadow copper signal winter orchard thunder paper "
-         "silver garden engine falcon marble canyon velvet").split()
+WORDS = (
+    "river stone light cloud harbor lantern meadow copper signal winter orchard thunder paper "
+    "silver garden engine falcon marble canyon velvet"
+).split()
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +33,15 @@ def load_app(serve_cluster, tiny_llama):
 
     bounded = {"replicas": 1, "num_cpus": 0.5, "max_ongoing_requests": 8, "max_queued_requests": 16}
     args = {
-        "model": tiny_llama, "served_model_name": MODEL, "redis_url": serve_cluster.redis.url,
-        "num_kv_blocks": 256, "device": "cpu", "transfer_timeout_s": 10.0, "lease_ttl_s": 10.0,
-        "prefill": bounded, "decode": bounded,
+        "model": tiny_llama,
+        "served_model_name": MODEL,
+        "redis_url": serve_cluster.redis.url,
+        "num_kv_blocks": 256,
+        "device": "cpu",
+        "transfer_timeout_s": 10.0,
+        "lease_ttl_s": 10.0,
+        "prefill": bounded,
+        "decode": bounded,
     }
     base = deploy(serve_cluster, APP, PREFIX, args)
     yield base
@@ -76,8 +84,15 @@ async def stream_one(client: httpx.AsyncClient, base: str, prompt: str, max_toke
 
 
 async def _stream(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int, out: Outcome) -> None:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.7, "seed": 1,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.7,
+        "seed": 1,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     async with client.stream("POST", f"{base}/v1/completions", json=body) as resp:
         out.status = resp.status_code
@@ -90,7 +105,7 @@ async def _stream(client: httpx.AsyncClient, base: str, prompt: str, max_tokens:
                 continue
             if out.ttft_s is None:
                 out.ttft_s = time.perf_counter() - start
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 out.done = True
                 continue
@@ -109,7 +124,8 @@ async def run_round(base: str, round_index: int) -> list[tuple[int, Outcome]]:
     async with httpx.AsyncClient(limits=limits, timeout=REQUEST_TIMEOUT_S) as client:
         work = prompts(round_index)
         results = await asyncio.wait_for(
-            asyncio.gather(*(stream_one(client, base, p, n) for p, n in work)), ROUND_TIMEOUT_S)
+            asyncio.gather(*(stream_one(client, base, p, n) for p, n in work)), ROUND_TIMEOUT_S
+        )
     return [(n, r) for (_, n), r in zip(work, results)]
 
 
@@ -144,8 +160,12 @@ def test_concurrent_streams_complete_or_are_refused(load_app):
         outcomes = asyncio.run(run_round(base, round_index))  # wait_for raises if any request hangs
         assert len(outcomes) == CLIENTS
         for max_tokens, out in outcomes:
-            if out.status == 200 and out.done and out.in_stream_error is None and (
-                    out.completion_tokens == max_tokens or out.finish_reason == "stop"):
+            if (
+                out.status == 200
+                and out.done
+                and out.in_stream_error is None
+                and (out.completion_tokens == max_tokens or out.finish_reason == "stop")
+            ):
                 completed.append(out)
                 e2e.append(out.e2e_s)
                 ttft.append(out.ttft_s)
@@ -160,15 +180,19 @@ def test_concurrent_streams_complete_or_are_refused(load_app):
     growth = sum(second.values()) - sum(first.values())
     hung = [out for out in problems if out.error and "Timeout" in out.error]
     refusal_codes = "/".join(map(str, sorted({out.status for out in refused}))) or "none"
-    print(f"\nload: {ROUNDS} rounds x {CLIENTS} concurrent streams: {len(completed)} completed, {len(refused)} "
-          f"refused ({refusal_codes} + Retry-After), {len(problems) - len(hung)} lost, {len(hung)} hung; "
-          f"e2e p50 {percentile(e2e, 50) * 1e3:.0f} ms p99 {percentile(e2e, 99) * 1e3:.0f} ms; "
-          f"TTFT p50 {percentile(ttft, 50) * 1e3:.0f} ms p99 {percentile(ttft, 99) * 1e3:.0f} ms; "
-          f"replica RSS growth {growth / 2**20:.1f} MB; leaked blocks 0")
+    print(
+        f"\nload: {ROUNDS} rounds x {CLIENTS} concurrent streams: {len(completed)} completed, {len(refused)} "
+        f"refused ({refusal_codes} + Retry-After), {len(problems) - len(hung)} lost, {len(hung)} hung; "
+        f"e2e p50 {percentile(e2e, 50) * 1e3:.0f} ms p99 {percentile(e2e, 99) * 1e3:.0f} ms; "
+        f"TTFT p50 {percentile(ttft, 50) * 1e3:.0f} ms p99 {percentile(ttft, 99) * 1e3:.0f} ms; "
+        f"replica RSS growth {growth / 2**20:.1f} MB; leaked blocks 0"
+    )
 
     in_stream = [out for out in problems if out.status == 200 and out.in_stream_error]
-    assert not problems, (f"{len(problems)} neither completed nor refused before the first byte "
-                          f"({len(in_stream)} failed inside a 200 stream), e.g. {problems[:3]}")
+    assert not problems, (
+        f"{len(problems)} neither completed nor refused before the first byte "
+        f"({len(in_stream)} failed inside a 200 stream), e.g. {problems[:3]}"
+    )
     assert len(completed) + len(refused) == ROUNDS * CLIENTS
     assert set(first) == set(second), "a replica restarted between the rounds"
     assert growth <= max(RSS_GROWTH_LIMIT, 0.10 * sum(first.values())), (first, second)

@@ -23,8 +23,12 @@ NEW_TOKENS = 160
 
 @pytest.fixture(scope="module")
 def two_decode_app(serve_cluster, tiny_llama):
-    base = deploy(serve_cluster, APP, "/migrate", app_args(
-        tiny_llama, serve_cluster.redis.url, decode={"replicas": 2, "num_cpus": 0.5}))
+    base = deploy(
+        serve_cluster,
+        APP,
+        "/migrate",
+        app_args(tiny_llama, serve_cluster.redis.url, decode={"replicas": 2, "num_cpus": 0.5}),
+    )
     yield base
     from ray import serve
 
@@ -57,8 +61,16 @@ def assert_migrated_once(base: str, before: int) -> None:
 
 
 def body(prompt, stream: bool, **sampling) -> dict:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "ignore_eos": True, "stream": stream,
-            "stream_options": {"include_usage": True} if stream else None, "temperature": 0, **sampling}
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": NEW_TOKENS,
+        "ignore_eos": True,
+        "stream": stream,
+        "stream_options": {"include_usage": True} if stream else None,
+        "temperature": 0,
+        **sampling,
+    }
 
 
 def streamed(base: str, payload: dict, on_event=None) -> tuple[str, list[dict], dict | None]:
@@ -78,10 +90,13 @@ def streamed(base: str, payload: dict, on_event=None) -> tuple[str, list[dict], 
     return "".join(text), events, usage
 
 
-@pytest.mark.parametrize("sampling", [
-    pytest.param({}, id="greedy"),
-    pytest.param({"temperature": 0.8, "seed": 11}, id="seeded"),
-])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        pytest.param({}, id="greedy"),
+        pytest.param({"temperature": 0.8, "seed": 11}, id="seeded"),
+    ],
+)
 def test_a_killed_decode_replica_is_invisible_to_a_stream(two_decode_app, sampling):
     base = two_decode_app
     prompt = random_prompts((40,), seed=91)[0]
@@ -105,8 +120,9 @@ def test_a_killed_decode_replica_is_invisible_to_a_whole_answer(two_decode_app):
     reference = httpx.post(f"{base}/v1/completions", json=body(prompt, False), timeout=300).json()
     before = status(base)["routing"]["migrations"]
     answer: dict = {}
-    thread = threading.Thread(target=lambda: answer.update(
-        httpx.post(f"{base}/v1/completions", json=body(prompt, False), timeout=300).json()))
+    thread = threading.Thread(
+        target=lambda: answer.update(httpx.post(f"{base}/v1/completions", json=body(prompt, False), timeout=300).json())
+    )
     thread.start()
     kill_busy_decode_replica(base)
     thread.join(300)

@@ -22,8 +22,16 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 # Quick to react, so the test runs in a minute or two: with a TTFT target this short a busy
 # prefill replica is never enough; decode stays at its minimum (two-token outputs, a loose TPOT).
-PD = {"policy": "pd", "max_total_replicas": 3, "ttft_target_s": 0.05, "tpot_target_s": 5.0,
-      "interval_s": 0.5, "upscale_delay_s": 1.0, "downscale_delay_s": 3.0, "cooldown_s": 1.0}
+PD = {
+    "policy": "pd",
+    "max_total_replicas": 3,
+    "ttft_target_s": 0.05,
+    "tpot_target_s": 5.0,
+    "interval_s": 0.5,
+    "upscale_delay_s": 1.0,
+    "downscale_delay_s": 3.0,
+    "cooldown_s": 1.0,
+}
 NUM_PROMPTS = 3000  # each sent once: a repeated prompt would be a decode-side hit that skips prefill
 
 
@@ -65,8 +73,11 @@ def check_dashboard(base: str) -> None:
             page.goto(f"{base}/dashboard")
             page.wait_for_selector('[data-testid="autoscaling-decisions"] td.mono', timeout=30_000)
             summary = page.get_by_test_id("autoscaling-summary").inner_text()
-            assert re.fullmatch(r"budget 3 replicas · prefill [12] \(1–2\) · decode 1 \(1–2\) · targets TTFT 50\.0 ms, "
-                                r"TPOT 5000\.0 ms", summary), summary  # prefill 1 again if idle long enough
+            assert re.fullmatch(
+                r"budget 3 replicas · prefill [12] \(1–2\) · decode 1 \(1–2\) · targets TTFT 50\.0 ms, "
+                r"TPOT 5000\.0 ms",
+                summary,
+            ), summary  # prefill 1 again if idle long enough
             first_row = page.locator('[data-testid="autoscaling-decisions"] tr').last
             cells = first_row.locator("td").all_inner_texts()
             assert cells[1:3] == ["1 → 2", "1 → 1"] and "queued prompt tokens" in cells[3], cells
@@ -91,17 +102,20 @@ def test_pd_policy_grows_the_prefill_pool_under_prompt_load_and_logs_it(serve_cl
             i = unsent.pop()
             body = {"model": MODEL, "prompt": prompts[i], "max_tokens": 2, "temperature": 0}
             resp = httpx.post(f"{base}/v1/completions", json=body, timeout=300)
-            answers.append((i, resp.status_code, resp.json()["choices"][0]["text"] if resp.status_code == 200
-                            else resp.text))
+            answers.append(
+                (i, resp.status_code, resp.json()["choices"][0]["text"] if resp.status_code == 200 else resp.text)
+            )
 
     threads = [threading.Thread(target=client) for _ in range(6)]
     for t in threads:
         t.start()
     try:
-        wait_for(lambda: targets(base).get("prefill") == 2, 180,
-                 "the pd policy did not grow the prefill pool to 2")
-        wait_for(lambda: sum(r.get("healthy", False) for r in status(base)["pools"]["prefill"]) == 2, 180,
-                 "the second prefill replica did not come up")
+        wait_for(lambda: targets(base).get("prefill") == 2, 180, "the pd policy did not grow the prefill pool to 2")
+        wait_for(
+            lambda: sum(r.get("healthy", False) for r in status(base)["pools"]["prefill"]) == 2,
+            180,
+            "the second prefill replica did not come up",
+        )
     finally:
         stop.set()
         for t in threads:
@@ -116,11 +130,13 @@ def test_pd_policy_grows_the_prefill_pool_under_prompt_load_and_logs_it(serve_cl
     assert "queued prompt tokens" in change["line"] and "TPOT" in change["line"]
     assert "autoscaling (pd): budget 3 replicas; prefill 2" in format_status(grown)
     check_dashboard(base)
-    wait_for(lambda: any(f"autoscaling: {change['line']}" in line for line in autoscaler_log_lines("pdscale")), 30,
-             "the change was not logged in the autoscaler's replica log")
+    wait_for(
+        lambda: any(f"autoscaling: {change['line']}" in line for line in autoscaler_log_lines("pdscale")),
+        30,
+        "the change was not logged in the autoscaler's replica log",
+    )
     # idle: back to the minimum
-    wait_for(lambda: targets(base).get("prefill") == 1, 180,
-             "the idle prefill pool did not shrink back to 1")
+    wait_for(lambda: targets(base).get("prefill") == 1, 180, "the idle prefill pool did not shrink back to 1")
     shrunk = status(base)["autoscaling"]["decisions"][-1]
     assert (shrunk["prefill"], shrunk["decode"]) == (1, 1)
     wait_for(lambda: len(status(base)["pools"]["prefill"]) == 1, 120, "the retired prefill replica did not stop")

@@ -27,8 +27,9 @@ def request(rid: str, prompt: list[int], max_tokens: int = 64, **sampling) -> Ge
 @pytest.fixture
 async def pd(tiny_llama):
     cfg = TransferConfig(transfer_timeout_s=5.0, connect_timeout_s=5.0)
-    prefill = PrefillWorker(LLMEngine(tiny_llama, num_kv_blocks=128, load_progress=False), "prefill-0",
-                            cfg, lease_ttl_s=2.0)
+    prefill = PrefillWorker(
+        LLMEngine(tiny_llama, num_kv_blocks=128, load_progress=False), "prefill-0", cfg, lease_ttl_s=2.0
+    )
     await prefill.start()  # its KV control server: the decode worker calls it at the handle's address
     decode = DecodeWorker(LLMEngine(tiny_llama, num_kv_blocks=128, load_progress=False), "decode-0", cfg)
     yield prefill, decode

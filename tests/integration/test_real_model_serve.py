@@ -18,10 +18,17 @@ NEW_TOKENS = 24
 
 
 def smol_args(model: str, redis_url: str, **overrides) -> dict:
-    return {"model": model, "served_model_name": NAME, "redis_url": redis_url, "num_kv_blocks": 256,
-            "device": "cpu", "prefill": {"replicas": 1, "num_cpus": 0.5},
-            "decode": {"replicas": 1, "num_cpus": 0.5}, "colocated": {"replicas": 1, "num_cpus": 0.5},
-            **overrides}
+    return {
+        "model": model,
+        "served_model_name": NAME,
+        "redis_url": redis_url,
+        "num_kv_blocks": 256,
+        "device": "cpu",
+        "prefill": {"replicas": 1, "num_cpus": 0.5},
+        "decode": {"replicas": 1, "num_cpus": 0.5},
+        "colocated": {"replicas": 1, "num_cpus": 0.5},
+        **overrides,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +58,9 @@ def ask(base: str, question: str, stream: bool) -> tuple[str, str | None]:
         out = c.chat.completions.create(model=NAME, messages=messages, max_tokens=NEW_TOKENS, temperature=0)
         return out.choices[0].message.content, out.choices[0].finish_reason
     text, finish = [], None
-    for chunk in c.chat.completions.create(model=NAME, messages=messages, max_tokens=NEW_TOKENS, temperature=0,
-                                           stream=True):
+    for chunk in c.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=NEW_TOKENS, temperature=0, stream=True
+    ):
         for choice in chunk.choices:
             text.append(choice.delta.content or "")
             finish = choice.finish_reason or finish

@@ -20,9 +20,15 @@ API_KEY = "test-key"  # the colocated app requires it; the disaggregated app has
 
 def app_args(model_dir: str, redis_url: str, **overrides) -> dict:
     args = {
-        "model": model_dir, "served_model_name": MODEL, "redis_url": redis_url, "num_kv_blocks": 256,
-        "device": "cpu", "transfer_timeout_s": 10.0, "lease_ttl_s": 10.0,
-        "prefill": {"replicas": 2, "num_cpus": 0.5}, "decode": {"replicas": 1, "num_cpus": 0.5},
+        "model": model_dir,
+        "served_model_name": MODEL,
+        "redis_url": redis_url,
+        "num_kv_blocks": 256,
+        "device": "cpu",
+        "transfer_timeout_s": 10.0,
+        "lease_ttl_s": 10.0,
+        "prefill": {"replicas": 2, "num_cpus": 0.5},
+        "decode": {"replicas": 1, "num_cpus": 0.5},
         "colocated": {"replicas": 1, "num_cpus": 0.5},
     }
     return {**args, **overrides}
@@ -32,8 +38,12 @@ def app_args(model_dir: str, redis_url: str, **overrides) -> dict:
 def apps(serve_cluster, tiny_llama):
     redis_url = serve_cluster.redis.url
     disagg = deploy(serve_cluster, "pd", "/", app_args(tiny_llama, redis_url))
-    colo = deploy(serve_cluster, "colo", "/colo", app_args(tiny_llama, redis_url, mode="colocated",
-                                                           api_keys=[API_KEY], max_request_bytes=4096))
+    colo = deploy(
+        serve_cluster,
+        "colo",
+        "/colo",
+        app_args(tiny_llama, redis_url, mode="colocated", api_keys=[API_KEY], max_request_bytes=4096),
+    )
     yield {"pd": disagg, "colo": colo}
     for base in (disagg, colo):
         # every replica's blocks back to free once traffic stops
@@ -68,8 +78,14 @@ def test_completions_match_transformers_and_colocated(apps, tiny_llama):
 def test_streamed_equals_unstreamed_with_usage_chunk(apps):
     c = client(apps["pd"])
     whole = c.completions.create(model=MODEL, prompt="The river runs", max_tokens=20, temperature=0)
-    stream = c.completions.create(model=MODEL, prompt="The river runs", max_tokens=20, temperature=0,
-                                  stream=True, stream_options={"include_usage": True})
+    stream = c.completions.create(
+        model=MODEL,
+        prompt="The river runs",
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     pieces, usage, finish = [], None, None
     for chunk in stream:
         if chunk.usage is not None:
@@ -91,8 +107,9 @@ def test_chat_streamed_and_not_agree_across_modes(apps):
         assert whole.choices[0].message.role == "assistant"
         streamed = "".join(
             (ch.choices[0].delta.content or "")
-            for ch in c.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
-                                                stream=True)
+            for ch in c.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True
+            )
             if ch.choices
         )
         assert streamed == whole.choices[0].message.content
@@ -106,8 +123,9 @@ def test_n_choices_seeded_sampling_and_stop(apps):
     again = c.completions.create(model=MODEL, prompt="Once", max_tokens=12, temperature=0.8, seed=7, n=3)
     assert [ch.text for ch in out.choices] == [ch.text for ch in again.choices]
     assert len({ch.text for ch in out.choices}) > 1
-    colo = client(apps["colo"]).completions.create(model=MODEL, prompt="Once", max_tokens=12, temperature=0.8,
-                                                   seed=7, n=3)
+    colo = client(apps["colo"]).completions.create(
+        model=MODEL, prompt="Once", max_tokens=12, temperature=0.8, seed=7, n=3
+    )
     assert [ch.text for ch in colo.choices] == [ch.text for ch in out.choices]
     base = c.completions.create(model=MODEL, prompt="Once", max_tokens=30, temperature=0).choices[0].text
     stop = base[5:8]
@@ -169,8 +187,9 @@ def test_bad_requests_get_openai_errors(apps, body, status, param):
 
 
 def test_malformed_json_and_wrong_types(apps):
-    resp = httpx.post(f"{apps['pd']}/v1/completions", content=b"{not json", timeout=30,
-                      headers={"content-type": "application/json"})
+    resp = httpx.post(
+        f"{apps['pd']}/v1/completions", content=b"{not json", timeout=30, headers={"content-type": "application/json"}
+    )
     assert resp.status_code == 400 and "JSON" in resp.json()["error"]["message"]
     resp = httpx.post(f"{apps['pd']}/v1/chat/completions", json={"model": MODEL, "messages": "hi"}, timeout=30)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
@@ -179,11 +198,17 @@ def test_malformed_json_and_wrong_types(apps):
 # Those that normal traffic moves; failure counters (transfer failures, recomputes, preemptions)
 # are exported once they first count, and are checked by the reliability tests.
 MOVING_METRICS = (
-    "pdserve_time_to_first_token_seconds", "pdserve_inter_token_latency_seconds",
-    "pdserve_e2e_request_latency_seconds", "pdserve_request_queue_time_seconds",
-    "pdserve_kv_cache_usage_perc", "pdserve_num_requests_running", "pdserve_num_requests_waiting",
-    "pdserve_prefix_cache_queries_total", "pdserve_prefix_cache_hits_total",
-    "pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_seconds",
+    "pdserve_time_to_first_token_seconds",
+    "pdserve_inter_token_latency_seconds",
+    "pdserve_e2e_request_latency_seconds",
+    "pdserve_request_queue_time_seconds",
+    "pdserve_kv_cache_usage_perc",
+    "pdserve_num_requests_running",
+    "pdserve_num_requests_waiting",
+    "pdserve_prefix_cache_queries_total",
+    "pdserve_prefix_cache_hits_total",
+    "pdserve_kv_transfer_bytes_total",
+    "pdserve_kv_transfer_seconds",
 )
 
 
@@ -192,7 +217,7 @@ def scrape(url: str) -> dict[str, float]:
     totals: dict[str, float] = {}
     for line in httpx.get(url, timeout=10).text.splitlines():
         if line.startswith("ray_pdserve_"):
-            name = line.split("{")[0].split(" ")[0][len("ray_"):]
+            name = line.split("{")[0].split(" ")[0][len("ray_") :]
             totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return totals
 
@@ -219,8 +244,10 @@ def test_status_and_metrics_move_with_traffic(apps, serve_cluster):
     totals: dict[str, float] = {}
     while time.time() < deadline:  # the metrics agent exports every few seconds
         totals = scrape(serve_cluster.metrics_url)
-        if all(f"{m}_count" in totals or m in totals for m in MOVING_METRICS) and totals.get(
-                "pdserve_kv_transfer_bytes_total", 0) > 0:
+        if (
+            all(f"{m}_count" in totals or m in totals for m in MOVING_METRICS)
+            and totals.get("pdserve_kv_transfer_bytes_total", 0) > 0
+        ):
             break
         time.sleep(2)
     missing = [m for m in MOVING_METRICS if f"{m}_count" not in totals and m not in totals]

@@ -51,8 +51,9 @@ def peers(cluster):
     return cluster["prefill-a"], cluster["decode-b"]
 
 
-def assert_exact_pull(outcome, sender, seed: int, src: list[int], dst: list[int],
-                      dtype: str = "float32") -> TransferStats:
+def assert_exact_pull(
+    outcome, sender, seed: int, src: list[int], dst: list[int], dtype: str = "float32"
+) -> TransferStats:
     kind, result = outcome
     assert kind == "pulled", result
     assert sender is not None and sender[0] == "sent", sender
@@ -123,8 +124,9 @@ def test_stalled_sender_fails_within_deadline_then_pair_is_recreated(peers):
     live_epoch = assert_exact_pull(ok, sender, PREFILL_SEED, src, dst).epoch
 
     timeout_s = 1.0
-    (kind, result), sender = relay_pull(prefill, decode, make_handle(prefill, "req-stall", src), dst,
-                                        timeout_s=timeout_s, stall_s=timeout_s + 0.5)
+    (kind, result), sender = relay_pull(
+        prefill, decode, make_handle(prefill, "req-stall", src), dst, timeout_s=timeout_s, stall_s=timeout_s + 0.5
+    )
     # The sender sends once its stall ends: only the deadline can make this pull fail (no wall-clock
     # assertion: a loaded machine must not fail a correct build; pytest's timeout catches a hang).
     assert kind == "pull_failed", result
@@ -141,16 +143,21 @@ def test_killed_sender_fails_within_deadline_and_a_new_prefill_works(peers, clus
     doomed, replacement = cluster["prefill-d"], cluster["prefill-e"]
     src, dst = list(range(100, 300)), list(range(0, 200))
     timeout_s = 3.0
-    (kind, result), _ = relay_pull(doomed, decode, make_handle(doomed, "req-doomed", src), dst,
-                                   timeout_s=timeout_s, prefill_cmd="connect_then_die",
-                                   wait_sender=False)
+    (kind, result), _ = relay_pull(
+        doomed,
+        decode,
+        make_handle(doomed, "req-doomed", src),
+        dst,
+        timeout_s=timeout_s,
+        prefill_cmd="connect_then_die",
+        wait_sender=False,
+    )
     assert kind == "pull_failed", result
     assert result["freed"] == dst and result["num_free"] == NUM_BLOCKS
     doomed.process.join(10)
     assert doomed.process.exitcode == -9
 
-    outcome, sender = relay_pull(replacement, decode,
-                                 make_handle(replacement, "req-replacement", src), dst)
+    outcome, sender = relay_pull(replacement, decode, make_handle(replacement, "req-replacement", src), dst)
     assert assert_exact_pull(outcome, sender, 5, src, dst).created_pair
 
 

@@ -30,14 +30,15 @@ LAYOUTS = {
 }
 
 
-def make_kv_caches(layout: KVLayout, num_blocks: int, seed: int,
-                   device: str = "cpu") -> list[torch.Tensor]:
+def make_kv_caches(layout: KVLayout, num_blocks: int, seed: int, device: str = "cpu") -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     shape = (2, num_blocks) + layout.block_shape[1:]
     dtype = getattr(torch, layout.dtype)
     if layout.quantized:  # random bytes, scale rows included
-        return [torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).view(dtype).to(device)
-                for _ in range(layout.num_layers)]
+        return [
+            torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).view(dtype).to(device)
+            for _ in range(layout.num_layers)
+        ]
     return [torch.randn(shape, generator=gen).to(dtype).to(device) for _ in range(layout.num_layers)]
 
 
@@ -56,6 +57,7 @@ def block_digest(kv_caches: list[torch.Tensor], block_ids) -> str:
 
 # ---------------------------------------------------------------- prefill peer (rank 0)
 
+
 def prefill_main(conn, worker_id: str, seed: int, config: dict, device: str = "cpu") -> None:
     caches = {name: make_kv_caches(layout, NUM_BLOCKS, seed, device) for name, layout in LAYOUTS.items()}
     server = KVTransferServer(worker_id, TransferConfig(**config), device=device)
@@ -66,15 +68,13 @@ def prefill_main(conn, worker_id: str, seed: int, config: dict, device: str = "c
             server.close()
             return
         if cmd == "connect":
-            server.connect(args["decode_worker_id"], args["epoch"], args["transport"],
-                           timeout_s=args["timeout_s"])
+            server.connect(args["decode_worker_id"], args["epoch"], args["transport"], timeout_s=args["timeout_s"])
             conn.send(("connected", args["epoch"]))
             continue
         request = decode(TransferRequest, args["request"])
         if cmd == "connect_then_die":
             # Pair group up, then SIGKILL before the payload goes out.
-            server.connect(request.decode_worker_id, request.epoch, request.transport,
-                           timeout_s=args["timeout_s"])
+            server.connect(request.decode_worker_id, request.epoch, request.transport, timeout_s=args["timeout_s"])
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(args.get("stall_s", 0.0))
         try:
@@ -85,6 +85,7 @@ def prefill_main(conn, worker_id: str, seed: int, config: dict, device: str = "c
 
 
 # ---------------------------------------------------------------- decode peer (rank 1)
+
 
 def decode_main(conn, worker_id: str, seed: int, config: dict, device: str = "cpu") -> None:
     caches = {name: make_kv_caches(layout, NUM_BLOCKS, seed, device) for name, layout in LAYOUTS.items()}
@@ -97,9 +98,13 @@ def decode_main(conn, worker_id: str, seed: int, config: dict, device: str = "cp
             return
         if cmd == "connect":
             address = decode(TransferAddress, args["address"])
-            epoch = client.connect(address, lambda worker, epoch, transport: conn.send(
-                ("connect_request", {"decode_worker_id": worker, "epoch": epoch, "transport": transport})),
-                timeout_s=args["timeout_s"])
+            epoch = client.connect(
+                address,
+                lambda worker, epoch, transport: conn.send(
+                    ("connect_request", {"decode_worker_id": worker, "epoch": epoch, "transport": transport})
+                ),
+                timeout_s=args["timeout_s"],
+            )
             conn.send(("connected", epoch))
             continue
         handle = decode(KVHandle, args["handle"])
@@ -111,23 +116,32 @@ def decode_main(conn, worker_id: str, seed: int, config: dict, device: str = "cp
         free_blocks -= set(dst)  # allocate
         started = time.monotonic()
         try:
-            stats = client.pull(handle, kv, dst, lambda req: conn.send(("send_request", encode(req))),
-                                src_block_ids=args.get("src"), timeout_s=args["timeout_s"])
+            stats = client.pull(
+                handle,
+                kv,
+                dst,
+                lambda req: conn.send(("send_request", encode(req))),
+                src_block_ids=args.get("src"),
+                timeout_s=args["timeout_s"],
+            )
         except (KVTransferError, ValueError) as exc:
             elapsed = time.monotonic() - started
             free_blocks |= set(dst)  # the failure path frees every block it allocated
             kind = "pull_failed" if isinstance(exc, KVTransferError) else "rejected"
-            conn.send((kind, {"error": str(exc), "elapsed": elapsed, "freed": dst,
-                              "num_free": len(free_blocks)}))
+            conn.send((kind, {"error": str(exc), "elapsed": elapsed, "freed": dst, "num_free": len(free_blocks)}))
             continue
-        result = {"stats": encode(stats), "digest": block_digest(kv, dst),
-                  "others_untouched": block_digest(kv, others) == before}
+        result = {
+            "stats": encode(stats),
+            "digest": block_digest(kv, dst),
+            "others_untouched": block_digest(kv, others) == before,
+        }
         free_blocks |= set(dst)  # the request finished
         result["num_free"] = len(free_blocks)
         conn.send(("pulled", result))
 
 
 # ---------------------------------------------------------------- the test process side
+
 
 @dataclass
 class Peer:
@@ -156,13 +170,13 @@ class Peer:
             self.process.join(5)
 
 
-def start_peer(role: str, worker_id: str, seed: int, config: dict | None = None,
-               device: str = "cpu") -> Peer:
+def start_peer(role: str, worker_id: str, seed: int, config: dict | None = None, device: str = "cpu") -> Peer:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     target = prefill_main if role == "prefill" else decode_main
-    process = ctx.Process(target=target, args=(child, worker_id, seed, config or {}, device),
-                          name=worker_id, daemon=True)
+    process = ctx.Process(
+        target=target, args=(child, worker_id, seed, config or {}, device), name=worker_id, daemon=True
+    )
     process.start()
     child.close()
     return Peer(worker_id, process, parent)
@@ -173,11 +187,19 @@ def await_address(peer: Peer, timeout_s: float = 60.0) -> Peer:
     return peer
 
 
-def make_handle(prefill: Peer, request_id: str, src: list[int], dtype: str = "float32",
-                lease_s: float = 60.0) -> KVHandle:
+def make_handle(
+    prefill: Peer, request_id: str, src: list[int], dtype: str = "float32", lease_s: float = 60.0
+) -> KVHandle:
     layout = LAYOUTS[dtype]
-    return KVHandle(request_id, prefill.worker_id, prefill.address, tuple(src),
-                    len(src) * layout.block_size, layout, time.time() + lease_s)
+    return KVHandle(
+        request_id,
+        prefill.worker_id,
+        prefill.address,
+        tuple(src),
+        len(src) * layout.block_size,
+        layout,
+        time.time() + lease_s,
+    )
 
 
 def relay_connect(prefill: Peer, decode: Peer, timeout_s: float = 10.0) -> tuple[int, int]:
@@ -189,9 +211,17 @@ def relay_connect(prefill: Peer, decode: Peer, timeout_s: float = 10.0) -> tuple
     return decode.recv(timeout_s + 30)[1], prefill.recv(timeout_s + 30)[1]
 
 
-def relay_pull(prefill: Peer, decode: Peer, handle: KVHandle, dst: list[int], *,
-               timeout_s: float = 10.0, prefill_cmd: str = "send", stall_s: float = 0.0,
-               wait_sender: bool = True) -> tuple[tuple[str, Any], tuple[str, Any] | None]:
+def relay_pull(
+    prefill: Peer,
+    decode: Peer,
+    handle: KVHandle,
+    dst: list[int],
+    *,
+    timeout_s: float = 10.0,
+    prefill_cmd: str = "send",
+    stall_s: float = 0.0,
+    wait_sender: bool = True,
+) -> tuple[tuple[str, Any], tuple[str, Any] | None]:
     """Play the control plane for one pull; returns (decode's outcome, prefill's outcome)."""
     decode.conn.send(("pull", {"handle": encode(handle), "dst": dst, "timeout_s": timeout_s}))
     kind, request = decode.recv(timeout_s + 30)

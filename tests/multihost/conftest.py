@@ -64,10 +64,21 @@ def testbed() -> Iterator:
     num_prefill, num_decode = _host_counts()
     try:
         started = time.monotonic()
-        tb = up(PREFIX, SUBNET, num_prefill, num_decode, rate="1gbit", state_dir=STATE_DIR,
-                start_ray=True, sshd=False, timeout_s=300)
-        print(f"\ntestbed up in {time.monotonic() - started:.1f}s: "
-              + ", ".join(f"{h.name} {h.ip} {h.role}" for h in tb.hosts))
+        tb = up(
+            PREFIX,
+            SUBNET,
+            num_prefill,
+            num_decode,
+            rate="1gbit",
+            state_dir=STATE_DIR,
+            start_ray=True,
+            sshd=False,
+            timeout_s=300,
+        )
+        print(
+            f"\ntestbed up in {time.monotonic() - started:.1f}s: "
+            + ", ".join(f"{h.name} {h.ip} {h.role}" for h in tb.hosts)
+        )
         yield tb
     finally:
         down(PREFIX, STATE_DIR)
@@ -80,5 +91,14 @@ def wide_tiny_model(tmp_path_factory) -> str:
     host reads the same directory."""
     from workers.models.tiny import make_tiny_model
 
-    return str(make_tiny_model(tmp_path_factory.mktemp("multihost") / "llama-wide", arch="llama", num_layers=4,
-                               hidden_size=256, num_heads=8, num_kv_heads=8, seed=0))
+    return str(
+        make_tiny_model(
+            tmp_path_factory.mktemp("multihost") / "llama-wide",
+            arch="llama",
+            num_layers=4,
+            hidden_size=256,
+            num_heads=8,
+            num_kv_heads=8,
+            seed=0,
+        )
+    )

@@ -33,8 +33,9 @@ MAX_TOKENS = 12
 def expected_text(model_dir: str, prompt: list[int], n: int = MAX_TOKENS) -> str:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir).decode(hf_greedy(model_dir, tuple(prompt), n),
-                                                           skip_special_tokens=True)
+    return AutoTokenizer.from_pretrained(model_dir).decode(
+        hf_greedy(model_dir, tuple(prompt), n), skip_special_tokens=True
+    )
 
 
 def complete(base: str, prompt, max_tokens: int = MAX_TOKENS, timeout: float = 180, **extra) -> httpx.Response:
@@ -47,8 +48,10 @@ def pair_totals(base: str, prefill_ids: set[str] | None = None) -> dict[str, int
     all of them or those of the prefill replicas `prefill_ids`."""
     pairs = httpx.get(f"{base}/v1/cluster/status", timeout=30).json()["pairs"]
     pairs = [p for p in pairs if prefill_ids is None or p["prefill"] in prefill_ids]
-    return {key: sum(p.get(key, 0) for p in pairs)
-            for key in ("transfers", "transfer_failures", "recomputed_prefills", "pair_groups")}
+    return {
+        key: sum(p.get(key, 0) for p in pairs)
+        for key in ("transfers", "transfer_failures", "recomputed_prefills", "pair_groups")
+    }
 
 
 def pair_rows(base: str, prefill_ids: set[str] | None = None) -> dict[tuple[str, str], dict]:
@@ -62,11 +65,16 @@ def replica_placement(testbed) -> dict[str, dict[str, str]]:
     head's dashboard)."""
     from ray.util.state import list_actors, list_nodes
 
-    nodes = {n.node_id: n.node_ip for n in list_nodes(address=testbed.dashboard_url, raise_on_missing_output=False,
-                                                      filters=[("state", "=", "ALIVE")])}
+    nodes = {
+        n.node_id: n.node_ip
+        for n in list_nodes(
+            address=testbed.dashboard_url, raise_on_missing_output=False, filters=[("state", "=", "ALIVE")]
+        )
+    }
     placed: dict[str, dict[str, str]] = {}
-    for actor in list_actors(address=testbed.dashboard_url, filters=[("state", "=", "ALIVE")],
-                             raise_on_missing_output=False):
+    for actor in list_actors(
+        address=testbed.dashboard_url, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False
+    ):
         if actor.class_name.startswith(f"ServeReplica:{APP}:"):
             deployment = actor.class_name.rsplit(":", 1)[1]
             placed.setdefault(deployment, {})[actor.name.rsplit("#", 1)[1]] = nodes[actor.node_id]
@@ -76,8 +84,9 @@ def replica_placement(testbed) -> dict[str, dict[str, str]]:
 @pytest.fixture(scope="module")
 def app(testbed, wide_tiny_model) -> str:
     """The app, pools pinned to their hosts, Redis on the head's address; its base URL."""
-    config = testbed.serve_config(wide_tiny_model, served_model_name=MODEL_NAME, num_kv_blocks=256,
-                                  transfer_timeout_s=5.0, lease_ttl_s=20.0)
+    config = testbed.serve_config(
+        wide_tiny_model, served_model_name=MODEL_NAME, num_kv_blocks=256, transfer_timeout_s=5.0, lease_ttl_s=20.0
+    )
     started = time.monotonic()
     testbed.deploy(config)  # replaces whatever was deployed (the loopback app of the first test)
     print(f"\napp running in {time.monotonic() - started:.1f}s at {testbed.http_url}")
@@ -117,8 +126,16 @@ def test_greedy_output_through_the_heads_ingress_equals_transformers(app, wide_t
         out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         assert out.choices[0].text == expected
         assert out.usage.completion_tokens == len(expected_ids) and out.usage.prompt_tokens == len(prompt)
-        chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
-                                                temperature=0, stream=True, stream_options={"include_usage": True}))
+        chunks = list(
+            client.completions.create(
+                model=MODEL_NAME,
+                prompt=prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
         assert chunks[-1].usage.completion_tokens == len(expected_ids)
 
@@ -190,8 +207,10 @@ def test_a_transfer_crosses_the_decode_hosts_link_not_the_heads(app, testbed, wi
 def test_prefill_link_down_during_transfers_recomputes_then_transfers_resume(app, testbed, wide_tiny_model):
     prompts = random_prompts((300,) * 18, seed=63)  # distinct prompts: every one needs a transfer
     expected = [expected_text(wide_tiny_model, p) for p in prompts]
-    totals_before = {host.ip: pair_totals(app, {rid for rid, ip in replica_placement(testbed)["prefill"].items()
-                                                if ip == host.ip}) for host in testbed.role("prefill")}
+    totals_before = {
+        host.ip: pair_totals(app, {rid for rid, ip in replica_placement(testbed)["prefill"].items() if ip == host.ip})
+        for host in testbed.role("prefill")
+    }
     rows_before = pair_rows(app)
     results: dict[int, tuple[float, float, int, str]] = {}
     queue = iter(range(len(prompts)))
@@ -249,15 +268,20 @@ def test_prefill_link_down_during_transfers_recomputes_then_transfers_resume(app
     pairs_before = {key: pair for key, pair in rows_before.items() if key[0] in cut_ids}
     during_pairs = pair_rows(app, cut_ids)
     during = pair_totals(app, cut_ids)
-    print(f"\n{cut.name}'s link down {restored_at - cut_at:.1f}s; {len(in_flight)} requests in flight at the cut, all "
-          f"completed with the reference text; its pairs before {before}, after {during}")
+    print(
+        f"\n{cut.name}'s link down {restored_at - cut_at:.1f}s; {len(in_flight)} requests in flight at the cut, all "
+        f"completed with the reference text; its pairs before {before}, after {during}"
+    )
     assert during["transfer_failures"] > before["transfer_failures"]
     assert during["recomputed_prefills"] > before["recomputed_prefills"]
     # Transfers resume on the pairs that failed: a failed pair is torn down on both sides, so the
     # next transfer over it runs over a new group (new epoch, new rendezvous), which the pair counts
     # in `pair_groups_since_failure` (the clients above may already have made it).
-    failed_pairs = {key for key, pair in during_pairs.items()
-                    if pair["transfer_failures"] > pairs_before.get(key, {}).get("transfer_failures", 0)}
+    failed_pairs = {
+        key
+        for key, pair in during_pairs.items()
+        if pair["transfer_failures"] > pairs_before.get(key, {}).get("transfer_failures", 0)
+    }
     assert failed_pairs
 
     def regrouped(pairs: dict) -> set:
@@ -285,7 +309,9 @@ def test_prefill_link_down_during_transfers_recomputes_then_transfers_resume(app
             assert answers[i].status_code == 200, answers[i].text
             assert answers[i].json()["choices"][0]["text"] == expected_text(wide_tiny_model, prompt)
         resumed_pairs = pair_rows(app, cut_ids)
-    print(f"failed pairs {sorted(failed_pairs)}: before {[pairs_before.get(k) for k in sorted(failed_pairs)]}, "
-          f"now {[resumed_pairs[k] for k in sorted(failed_pairs)]} ({time.monotonic() - restored_at:.1f}s after the "
-          f"link came back)")
+    print(
+        f"failed pairs {sorted(failed_pairs)}: before {[pairs_before.get(k) for k in sorted(failed_pairs)]}, "
+        f"now {[resumed_pairs[k] for k in sorted(failed_pairs)]} ({time.monotonic() - restored_at:.1f}s after the "
+        f"link came back)"
+    )
     assert regrouped(resumed_pairs), "no failed pair transferred again over a new group after its link came back"

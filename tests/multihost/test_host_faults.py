@@ -29,8 +29,7 @@ CLIENT_TIMEOUT_S = 120.0  # the bound: a request not answered by then is a hung 
 
 
 def deploy(testbed, model: str, **args) -> str:
-    config = testbed.serve_config(model, served_model_name=MODEL_NAME, num_kv_blocks=512, lease_ttl_s=20.0,
-                                  **args)
+    config = testbed.serve_config(model, served_model_name=MODEL_NAME, num_kv_blocks=512, lease_ttl_s=20.0, **args)
     testbed.deploy(config)
     return testbed.http_url
 
@@ -41,8 +40,10 @@ def wait_placed(testbed, timeout_s: float = 240.0) -> dict[str, dict[str, str]]:
     placed: dict[str, dict[str, str]] = {}
     while time.monotonic() < deadline:
         placed = replica_placement(testbed)
-        if all(sorted(placed.get(role, {}).values()) == sorted(h.ip for h in testbed.role(role))
-               for role in ("prefill", "decode")):
+        if all(
+            sorted(placed.get(role, {}).values()) == sorted(h.ip for h in testbed.role(role))
+            for role in ("prefill", "decode")
+        ):
             if app_running(testbed):
                 return placed
         time.sleep(2.0)
@@ -109,7 +110,8 @@ def test_a_10mbit_link_under_a_1s_transfer_deadline_recomputes_and_never_hangs(f
     print(f"\n{slow.name} at 10mbit: its pairs before {before}, after {after}")
     assert after["transfer_failures"] > before["transfer_failures"]  # counted...
     assert after["recomputed_prefills"] - before["recomputed_prefills"] == (
-        after["transfer_failures"] - before["transfer_failures"])  # ...and each one recomputed, not lost
+        after["transfer_failures"] - before["transfer_failures"]
+    )  # ...and each one recomputed, not lost
 
 
 def test_link_aware_routing_sends_no_prompts_to_a_prefill_host_whose_sends_fail(fault_app, testbed, wide_tiny_model):
@@ -118,9 +120,12 @@ def test_link_aware_routing_sends_no_prompts_to_a_prefill_host_whose_sends_fail(
     if len(testbed.role("prefill")) < 2:
         pytest.skip("needs another prefill host to send the prompts to")
     slow_ids = {rid for rid, ip in replica_placement(testbed)["prefill"].items() if ip == slow.ip}
+
     def recent_failures() -> dict[str, int]:
-        rows = {r["worker_id"]: r for r in
-                httpx.get(f"{fault_app}/v1/cluster/status", timeout=30).json()["pools"]["prefill"]}
+        rows = {
+            r["worker_id"]: r
+            for r in httpx.get(f"{fault_app}/v1/cluster/status", timeout=30).json()["pools"]["prefill"]
+        }
         return {rid: rows[rid]["recent_transfer_failures"] for rid in slow_ids}
 
     # Failures an earlier test left (the 10 Mbit/s one) would age out of the window in the middle
@@ -136,8 +141,9 @@ def test_link_aware_routing_sends_no_prompts_to_a_prefill_host_whose_sends_fail(
         while time.monotonic() < deadline:
             if all(n >= LINK_FAILURE_THRESHOLD for n in recent_failures().values()):
                 break
-            run_concurrently(lambda p: complete(fault_app, p, timeout=CLIENT_TIMEOUT_S),
-                             [next(fresh) for _ in range(4)])
+            run_concurrently(
+                lambda p: complete(fault_app, p, timeout=CLIENT_TIMEOUT_S), [next(fresh) for _ in range(4)]
+            )
         time.sleep(2.0)  # the routers have the new routing stats
         before = pair_totals(fault_app, slow_ids)
         prompts = [next(fresh) for _ in range(6)]
@@ -150,7 +156,6 @@ def test_link_aware_routing_sends_no_prompts_to_a_prefill_host_whose_sends_fail(
         assert resp.json()["choices"][0]["text"] == expected_text(wide_tiny_model, prompts[i])
     print(f"\n{slow.name} at 10mbit after its sends failed: its pairs {before} -> {after} over 6 more prompts")
     assert after == before  # no prompt went to the host whose sends fail: nothing more failed or moved
-
 
 
 def test_a_decode_host_lost_mid_stream_resumes_its_streams_on_the_other(fault_app, testbed, wide_tiny_model):
@@ -166,8 +171,14 @@ def test_a_decode_host_lost_mid_stream_resumes_its_streams_on_the_other(fault_ap
 
     def stream(i: int) -> None:
         try:
-            for chunk in client.completions.create(model=MODEL_NAME, prompt=prompts[i], temperature=0, stream=True,
-                                                   extra_body={"ignore_eos": True}, max_tokens=max_tokens):
+            for chunk in client.completions.create(
+                model=MODEL_NAME,
+                prompt=prompts[i],
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+                max_tokens=max_tokens,
+            ):
                 if chunk.choices:
                     texts[i].append(chunk.choices[0].text)
             ended[i] = time.monotonic()
@@ -189,8 +200,10 @@ def test_a_decode_host_lost_mid_stream_resumes_its_streams_on_the_other(fault_ap
     killed = testbed.kill_host(victim)
     killed_at = time.monotonic()
     try:
-        print(f"\n{victim.name} ({victim.ip}) lost: {killed} processes killed; decode streams per host {running}; "
-              f"{len(unfinished)} streams unfinished")
+        print(
+            f"\n{victim.name} ({victim.ip}) lost: {killed} processes killed; decode streams per host {running}; "
+            f"{len(unfinished)} streams unfinished"
+        )
         # New requests go to the surviving decode host at once.
         fresh = random_prompts((40,) * 3, seed=73)
         answers = run_concurrently(lambda p: complete(fault_app, p, timeout=CLIENT_TIMEOUT_S), fresh)
@@ -205,8 +218,10 @@ def test_a_decode_host_lost_mid_stream_resumes_its_streams_on_the_other(fault_ap
             assert isinstance(resp, httpx.Response) and resp.status_code == 200, resp
             assert resp.json()["choices"][0]["text"] == expected_text(wide_tiny_model, fresh[i])
         migrated = routing(fault_app)["migrations"] - migrations_before
-        print(f"every stream complete with the uninterrupted text {took:.1f}s after the loss; {migrated:.0f} migrated; "
-              f"3 new requests answered while the host was down")
+        print(
+            f"every stream complete with the uninterrupted text {took:.1f}s after the loss; {migrated:.0f} migrated; "
+            f"3 new requests answered while the host was down"
+        )
         assert migrated >= running[victim.ip] >= 1  # each stream on the lost host resumed on the other
     finally:
         # Serve re-places the lost replica once the host is back (capacity: `decode: 1` per host).
@@ -226,8 +241,11 @@ def test_a_prefill_host_lost_during_prefill_retries_on_the_other(testbed, wide_t
         expected = [expected_text(wide_tiny_model, p) for p in prompts]
         victim = testbed.role("prefill")[1]
         results: dict[int, object] = {}
-        sender = threading.Thread(target=lambda: results.update(
-            run_concurrently(lambda p: complete(base, p, timeout=CLIENT_TIMEOUT_S), prompts)))
+        sender = threading.Thread(
+            target=lambda: results.update(
+                run_concurrently(lambda p: complete(base, p, timeout=CLIENT_TIMEOUT_S), prompts)
+            )
+        )
         sender.start()
         retries_before = routing(base)["prefill_retries"]
         time.sleep(1.5)  # every request is now inside its replica's 3 s prefill

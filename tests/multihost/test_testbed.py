@@ -20,8 +20,10 @@ PREFIX, SUBNET, STATE_DIR = "pdtbk", "10.231.2", "/tmp/pdtbk"  # apart from the 
 def _ours() -> tuple[list[str], list[str]]:
     from cluster.testbed import _link_names, _netns_names
 
-    return ([n for n in _netns_names() if n.startswith(f"{PREFIX}-")],
-            [n for n in _link_names() if n.startswith(f"{PREFIX}-")])
+    return (
+        [n for n in _netns_names() if n.startswith(f"{PREFIX}-")],
+        [n for n in _link_names() if n.startswith(f"{PREFIX}-")],
+    )
 
 
 @pytest.fixture
@@ -39,17 +41,35 @@ def crash_site():
 def test_an_up_killed_half_way_is_cleaned_by_the_next_up_and_by_down(crash_site):
     from cluster.testbed import Testbed, _netns_inode, _pid_netns_inode, _pids_in_netns, down, up
 
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.testbed", "up", "--prefix", PREFIX, "--subnet", SUBNET,
-                             "--state-dir", STATE_DIR, "--no-sshd"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cluster.testbed",
+            "up",
+            "--prefix",
+            PREFIX,
+            "--subnet",
+            SUBNET,
+            "--state-dir",
+            STATE_DIR,
+            "--no-sshd",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     # Kill `up` (SIGKILL: no cleanup of its own) once the head's Ray is starting in its namespace.
     deadline = time.monotonic() + 120
     stranded: list[int] = []
     while time.monotonic() < deadline and not stranded:
         time.sleep(0.2)
         if os.path.exists(f"/run/netns/{PREFIX}-head"):
-            stranded = [p for p in _pids_in_netns({_netns_inode(f"{PREFIX}-head")})
-                        if "gcs_server" in Path(f"/proc/{p}/comm").read_text(errors="replace")]
+            stranded = [
+                p
+                for p in _pids_in_netns({_netns_inode(f"{PREFIX}-head")})
+                if "gcs_server" in Path(f"/proc/{p}/comm").read_text(errors="replace")
+            ]
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
     assert stranded, "the head's GCS never started"
@@ -76,8 +96,13 @@ def test_loopback_redis_urls_are_recognised_and_refused_only_across_nodes():
     """The start-up check behind build_app (no namespaces needed)."""
     from deploy.args import loopback_redis_problem, redis_url_is_loopback
 
-    for url in ("redis://127.0.0.1:6380/0", "redis://localhost:6380", "redis://:pw@127.0.0.2:6380/1",
-                "redis://[::1]:6380/0", "rediss://0.0.0.0:6380/0"):
+    for url in (
+        "redis://127.0.0.1:6380/0",
+        "redis://localhost:6380",
+        "redis://:pw@127.0.0.2:6380/1",
+        "redis://[::1]:6380/0",
+        "rediss://0.0.0.0:6380/0",
+    ):
         assert redis_url_is_loopback(url), url
     for url in ("redis://10.231.0.10:6380/0", "redis://redis.internal:6380/0", "rediss://[fd00::5]:6380"):
         assert not redis_url_is_loopback(url), url

@@ -29,7 +29,9 @@ def hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int = MAX
     model = hf_model(model_dir)
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens, do_sample=False,
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()

@@ -70,9 +70,17 @@ class FakeServer:
                 choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
                 yield sse({"id": f"cmpl-{n}", "choices": [choice]})
             if not body.get("fake_no_usage"):
-                yield sse({"id": f"cmpl-{n}", "choices": [], "usage": {
-                    "prompt_tokens": prompt_tokens, "completion_tokens": chunks + 1,
-                    "prompt_tokens_details": {"cached_tokens": prompt_tokens // 2}}})
+                yield sse(
+                    {
+                        "id": f"cmpl-{n}",
+                        "choices": [],
+                        "usage": {
+                            "prompt_tokens": prompt_tokens,
+                            "completion_tokens": chunks + 1,
+                            "prompt_tokens_details": {"cached_tokens": prompt_tokens // 2},
+                        },
+                    }
+                )
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
@@ -98,14 +106,18 @@ def fake_server():
 
 
 def small_random(**kw) -> WorkloadSpec:
-    return WorkloadSpec(**{"dataset": "random", "num_prompts": 8, "random_input_len": 20,
-                           "random_output_len": 4, **kw})
+    return WorkloadSpec(**{"dataset": "random", "num_prompts": 8, "random_input_len": 20, "random_output_len": 4, **kw})
 
 
 async def test_counts_refusals_usage_and_timings(fake_server):
     fake_server.reset(refuse_every=4)
-    config = BenchConfig(workload=small_random(), base_url=fake_server.url + "/v1", max_concurrency=4,
-                         ignore_eos=True, goodput_slos_ms={"ttft": 10_000})
+    config = BenchConfig(
+        workload=small_random(),
+        base_url=fake_server.url + "/v1",
+        max_concurrency=4,
+        ignore_eos=True,
+        goodput_slos_ms={"ttft": 10_000},
+    )
     result = await run_benchmark(config)
     s = result.summary
     assert (s.completed, s.failed, s.refused) == (6, 2, 2)
@@ -134,8 +146,12 @@ async def test_counts_refusals_usage_and_timings(fake_server):
 
 async def test_without_usage_counts_chunks_and_extra_body_is_merged(fake_server):
     fake_server.reset()
-    config = BenchConfig(workload=small_random(num_prompts=3), base_url=fake_server.url, model="m",
-                         extra_body={"fake_no_usage": True, "fake_chunks": 6, "cache_salt": "x"})
+    config = BenchConfig(
+        workload=small_random(num_prompts=3),
+        base_url=fake_server.url,
+        model="m",
+        extra_body={"fake_no_usage": True, "fake_chunks": 6, "cache_salt": "x"},
+    )
     result = await run_benchmark(config)
     assert [r.output_tokens for r in result.requests] == [6, 6, 6]
     assert all(len(r.itl_s) == 5 and r.cached_tokens is None for r in result.requests)
@@ -146,13 +162,19 @@ async def test_without_usage_counts_chunks_and_extra_body_is_merged(fake_server)
 
 async def test_timeouts_and_empty_streams_fail_without_stopping_the_run(fake_server):
     fake_server.reset()
-    slow = BenchConfig(workload=small_random(num_prompts=2), base_url=fake_server.url, model="m",
-                       timeout_s=0.2, extra_body={"fake_delay_s": 5})
+    slow = BenchConfig(
+        workload=small_random(num_prompts=2),
+        base_url=fake_server.url,
+        model="m",
+        timeout_s=0.2,
+        extra_body={"fake_delay_s": 5},
+    )
     result = await run_benchmark(slow)  # the server would answer after 5 s: only the timeout fails them
     assert [r.error for r in result.requests] == ["timed out after 0.2s"] * 2
     assert (result.summary.failed, result.summary.refused) == (2, 0)
-    empty = BenchConfig(workload=small_random(num_prompts=2), base_url=fake_server.url, model="m",
-                        extra_body={"fake_chunks": 0})
+    empty = BenchConfig(
+        workload=small_random(num_prompts=2), base_url=fake_server.url, model="m", extra_body={"fake_chunks": 0}
+    )
     result = await run_benchmark(empty)
     assert [r.error for r in result.requests] == ["stream ended without content"] * 2
 
@@ -161,8 +183,14 @@ def test_ideal_hit_rate_is_exact():
     # 2 groups x 4 prompts, system 40 tokens -> 32 cacheable (2 blocks of 16), question 10:
     # 2 * 3 * 32 cached of 2 * 4 * 50 prompt tokens.
     assert ideal_prefix_hit_rate(2, 4, 40, 10, 16) == 192 / 400
-    spec = WorkloadSpec(dataset="shared-prefix", gsp_num_groups=2, gsp_prompts_per_group=4,
-                        gsp_system_prompt_len=40, gsp_question_len=10, gsp_output_len=3)
+    spec = WorkloadSpec(
+        dataset="shared-prefix",
+        gsp_num_groups=2,
+        gsp_prompts_per_group=4,
+        gsp_system_prompt_len=40,
+        gsp_question_len=10,
+        gsp_output_len=3,
+    )
     workload = build_workload(spec)
     assert workload.ideal_cache_hit_rate == 0.48
     assert len(workload.prompts) == 8 and all(p.prompt_len == 50 for p in workload.prompts)
@@ -174,24 +202,32 @@ def test_ideal_hit_rate_is_exact():
 
 @pytest.mark.parametrize("dataset", ["random", "shared-prefix", "multi-turn"])
 def test_workloads_are_deterministic_in_the_seed(dataset):
-    spec = dict(dataset=dataset, num_prompts=5, random_input_len=30, random_range_ratio=0.5,
-                gsp_num_groups=2, gsp_prompts_per_group=3, gsp_system_prompt_len=20,
-                mt_num_conversations=2, mt_turns=2)
+    spec = dict(
+        dataset=dataset,
+        num_prompts=5,
+        random_input_len=30,
+        random_range_ratio=0.5,
+        gsp_num_groups=2,
+        gsp_prompts_per_group=3,
+        gsp_system_prompt_len=20,
+        mt_num_conversations=2,
+        mt_turns=2,
+    )
     assert build_workload(WorkloadSpec(seed=1, **spec)) == build_workload(WorkloadSpec(seed=1, **spec))
     assert build_workload(WorkloadSpec(seed=1, **spec)) != build_workload(WorkloadSpec(seed=2, **spec))
 
 
 def test_random_lengths_follow_the_range_ratio():
-    workload = build_workload(WorkloadSpec(num_prompts=50, random_input_len=100, random_output_len=10,
-                                           random_range_ratio=0.5))
+    workload = build_workload(
+        WorkloadSpec(num_prompts=50, random_input_len=100, random_output_len=10, random_range_ratio=0.5)
+    )
     assert all(50 <= p.prompt_len <= 150 and 5 <= p.output_len <= 15 for p in workload.prompts)
     assert all(len(p.text.split()) == p.prompt_len for p in workload.prompts)
 
 
 async def test_multi_turn_resends_history_with_the_replies_received(fake_server):
     fake_server.reset()
-    spec = WorkloadSpec(dataset="multi-turn", mt_num_conversations=3, mt_turns=3, mt_user_len=5,
-                        mt_output_len=4)
+    spec = WorkloadSpec(dataset="multi-turn", mt_num_conversations=3, mt_turns=3, mt_user_len=5, mt_output_len=4)
     config = BenchConfig(workload=spec, base_url=fake_server.url, max_concurrency=2)
     assert config.resolved_endpoint == CHAT
     result = await run_benchmark(config)
@@ -219,22 +255,56 @@ async def test_multi_turn_resends_history_with_the_replies_received(fake_server)
 def test_cli_prints_the_vllm_block_and_writes_json(fake_server, tmp_path, capsys):
     fake_server.reset(refuse_every=5)
     out = tmp_path / "result.json"
-    rc = main(["--base-url", fake_server.url, "--dataset", "shared-prefix", "--gsp-num-groups", "2",
-               "--gsp-prompts-per-group", "4", "--gsp-system-prompt-len", "40", "--gsp-question-len", "10",
-               "--gsp-output-len", "3", "--request-rate", "200", "--goodput", "ttft:10000", "tpot:10000",
-               "--percentiles", "50,90,99", "--result-json", str(out), "--disable-tqdm"])
+    rc = main(
+        [
+            "--base-url",
+            fake_server.url,
+            "--dataset",
+            "shared-prefix",
+            "--gsp-num-groups",
+            "2",
+            "--gsp-prompts-per-group",
+            "4",
+            "--gsp-system-prompt-len",
+            "40",
+            "--gsp-question-len",
+            "10",
+            "--gsp-output-len",
+            "3",
+            "--request-rate",
+            "200",
+            "--goodput",
+            "ttft:10000",
+            "tpot:10000",
+            "--percentiles",
+            "50,90,99",
+            "--result-json",
+            str(out),
+            "--disable-tqdm",
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
-    for header in ("============ Serving Benchmark Result ============",
-                   "---------------Time to First Token----------------",
-                   "-----Time per Output Token (excl. 1st token)------",
-                   "---------------Inter-token Latency----------------",
-                   "----------------End-to-end Latency----------------",
-                   "Successful requests:                     7", "Failed requests:                         1",
-                   "Refused requests (429/503):              1", "Request goodput (req/s):",
-                   "Mean TTFT (ms):", "Median TTFT (ms):", "P90 TTFT (ms):", "P99 TTFT (ms):",
-                   "P95 ITL (ms):", "Max ITL (ms):", "Mean E2EL (ms):",
-                   "Ideal cache hit rate (%):                48.00", "Measured cache hit rate (%):"):
+    for header in (
+        "============ Serving Benchmark Result ============",
+        "---------------Time to First Token----------------",
+        "-----Time per Output Token (excl. 1st token)------",
+        "---------------Inter-token Latency----------------",
+        "----------------End-to-end Latency----------------",
+        "Successful requests:                     7",
+        "Failed requests:                         1",
+        "Refused requests (429/503):              1",
+        "Request goodput (req/s):",
+        "Mean TTFT (ms):",
+        "Median TTFT (ms):",
+        "P90 TTFT (ms):",
+        "P99 TTFT (ms):",
+        "P95 ITL (ms):",
+        "Max ITL (ms):",
+        "Mean E2EL (ms):",
+        "Ideal cache hit rate (%):                48.00",
+        "Measured cache hit rate (%):",
+    ):
         assert header in printed, header
     assert printed.rstrip().endswith("=" * 50)
     saved = json.loads(out.read_text())
@@ -245,12 +315,15 @@ def test_cli_prints_the_vllm_block_and_writes_json(fake_server, tmp_path, capsys
     assert len({" ".join(body["prompt"].split()[:40]) for body in fake_server.received}) == 2
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--goodput", "ttfx:5"], "goodput SLO ttfx:5.0 is invalid"),
-    (["--dataset", "multi-turn", "--endpoint", "/v1/completions"], "multi-turn dataset sends message lists"),
-    (["--extra-body", "[1]"], "--extra-body must be a JSON object"),
-    (["--random-range-ratio", "1.5"], "random_range_ratio 1.5 must be in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--goodput", "ttfx:5"], "goodput SLO ttfx:5.0 is invalid"),
+        (["--dataset", "multi-turn", "--endpoint", "/v1/completions"], "multi-turn dataset sends message lists"),
+        (["--extra-body", "[1]"], "--extra-body must be a JSON object"),
+        (["--random-range-ratio", "1.5"], "random_range_ratio 1.5 must be in [0, 1)"),
+    ],
+)
 def test_cli_rejects_bad_options_with_what_to_change(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
@@ -270,15 +343,25 @@ def test_tokenizer_gives_exact_prompt_lengths(tmp_path):
     bpe = Tokenizer(models.BPE())  # byte-level, like GPT-2 / Llama 3 / Qwen
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    corpus = ["the river ran past the old city and the young team sat by the water",
-              "a game of music and light in the open field near the great house"] * 20
+    corpus = [
+        "the river ran past the old city and the young team sat by the water",
+        "a game of music and light in the open field near the great house",
+    ] * 20
     corpus += [word for line in corpus[:2] for word in line.split()] * 5  # bare words too
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    bpe.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False),
+    )
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe)
     tokenizer.save_pretrained(tmp_path)
-    spec = WorkloadSpec(dataset="shared-prefix", gsp_num_groups=2, gsp_prompts_per_group=2,
-                        gsp_system_prompt_len=37, gsp_question_len=9, tokenizer=str(tmp_path))
+    spec = WorkloadSpec(
+        dataset="shared-prefix",
+        gsp_num_groups=2,
+        gsp_prompts_per_group=2,
+        gsp_system_prompt_len=37,
+        gsp_question_len=9,
+        tokenizer=str(tmp_path),
+    )
     for prompt in build_workload(spec).prompts:
         assert len(tokenizer.encode(prompt.system, add_special_tokens=False)) == 37
         assert len(tokenizer.encode(prompt.completion_prompt(), add_special_tokens=False)) == 46

@@ -74,8 +74,7 @@ def _onprem_node_resources(config: dict, gpus_per_node: int = 1) -> dict[str, di
     nodes = {}
     for ip in config["provider"]["worker_ips"]:
         env = dict(os.environ, STUB_IP=ip, RAY_HEAD_IP=config["provider"]["head_ip"])
-        result = subprocess.run(["bash", "-c", stubs + script], env=env, capture_output=True,
-                                text=True, timeout=10)
+        result = subprocess.run(["bash", "-c", stubs + script], env=env, capture_output=True, text=True, timeout=10)
         assert result.returncode == 0, f"worker {ip}: {result.stderr}"
         # `ray stop` prints "stop"; `ray start ...` prints one argument per line.
         args = result.stdout.split("\n")
@@ -127,8 +126,9 @@ def test_every_gpu_pool_fits_some_node_type(path: Path) -> None:
     with_cpus = config["provider"]["type"] != "local"
     for pool_name in POOLS:
         demand = _pool_demand(args[pool_name], with_cpus)
-        fitting = [name for name, have in nodes.items()
-                   if all(have.get(key, 0) >= need for key, need in demand.items())]
+        fitting = [
+            name for name, have in nodes.items() if all(have.get(key, 0) >= need for key, need in demand.items())
+        ]
         assert fitting, f"{path.name}: no node type has {demand} for the {pool_name} pool; nodes: {nodes}"
 
 
@@ -171,7 +171,7 @@ def test_setup_installs_pdserve_from_the_mounted_repo(path: Path) -> None:
     config = _load(path)
     mount = next(remote for remote, local in config["file_mounts"].items() if local == ".")
     installs = [shlex.split(cmd) for cmd in config["setup_commands"] if cmd.startswith("pip install")]
-    assert any(["-e", mount] == cmd[i:i + 2] for cmd in installs for i in range(len(cmd))), installs
+    assert any(["-e", mount] == cmd[i : i + 2] for cmd in installs for i in range(len(cmd))), installs
     assert any(f"ray[default,serve]=={ray.__version__}" in cmd for cmd in installs), installs
 
 
@@ -202,7 +202,8 @@ def test_serve_dev_yaml_is_cpu_with_the_default_model(tiny_model_dir: str) -> No
 
 def test_serve_gpu_yaml_pins_one_gpu_per_replica_to_its_pool(tiny_model_dir: str) -> None:
     args = PDServeArgs.model_validate(
-        {**_pdserve_app(_load(REPO_ROOT / "deploy" / "serve.gpu.yaml"))["args"], "model": tiny_model_dir})
+        {**_pdserve_app(_load(REPO_ROOT / "deploy" / "serve.gpu.yaml"))["args"], "model": tiny_model_dir}
+    )
     assert (args.prefill.num_gpus, args.decode.num_gpus) == (1, 1)
     assert args.prefill.resources == {"prefill": 1} and args.decode.resources == {"decode": 1}
     assert (args.dtype, args.transport, args.device) == ("bfloat16", "auto", "cuda")
@@ -215,12 +216,13 @@ def _run_testbed_commands(config: dict, kind: str, ip: str, home: Path) -> list[
     """Run `<kind>_start_ray_commands` as on host `ip`, with `hostname`, `ray`, `serve`, `redis-*`
     stubbed to print their arguments; returns each stubbed call's argv."""
     script = "; ".join(config[f"{kind}_start_ray_commands"])
-    stubs = ('hostname() { echo "$STUB_IP "; }; '
-             'for tool in ray serve redis-server; do '
-             'eval "$tool() { printf CALL; printf \\" %q\\" $tool \\"\\$@\\"; echo; }"; done; '
-             'redis-cli() { return 1; }; ulimit() { :; }; mkdir() { :; }; ')
-    env = dict(os.environ, STUB_IP=ip, RAY_HEAD_IP=config["provider"]["head_ip"], PDTB_DIR="/tmp/pdtb",
-               HOME=str(home))
+    stubs = (
+        'hostname() { echo "$STUB_IP "; }; '
+        "for tool in ray serve redis-server; do "
+        'eval "$tool() { printf CALL; printf \\" %q\\" $tool \\"\\$@\\"; echo; }"; done; '
+        "redis-cli() { return 1; }; ulimit() { :; }; mkdir() { :; }; "
+    )
+    env = dict(os.environ, STUB_IP=ip, RAY_HEAD_IP=config["provider"]["head_ip"], PDTB_DIR="/tmp/pdtb", HOME=str(home))
     result = subprocess.run(["bash", "-c", stubs + script], env=env, capture_output=True, text=True, timeout=10)
     assert result.returncode == 0, f"{kind} {ip}: {result.stderr}"
     return [shlex.split(line)[1:] for line in result.stdout.splitlines() if line.startswith("CALL ")]
@@ -260,10 +262,21 @@ def test_testbed_head_runs_ray_redis_and_the_proxy_on_its_own_address(tmp_path: 
     (tmp_path / "ray_bootstrap_config.yaml").write_text("{}")  # as `ray up` leaves it
     again = [c for c in _run_testbed_commands(config, "head", head, tmp_path) if c[:3] == ["ray", "start", "--head"]]
     assert _flags(again[0])["autoscaling-config"] == f"{tmp_path}/ray_bootstrap_config.yaml"
-    assert _flags(serve_start) == {"address": f"{head}:{RAY_GCS_PORT}", "http-host": head, "http-port": "8000",
-                                   "proxy-location": "HeadOnly"}
-    tb = Testbed(prefix="pdtb", subnet=head.rsplit(".", 1)[0], state_dir="/tmp/pdtb", rate="1gbit", venv="/v",
-                 hosts=plan_hosts("pdtb", head.rsplit(".", 1)[0], 1, 1), bridge="pdtb-br")
+    assert _flags(serve_start) == {
+        "address": f"{head}:{RAY_GCS_PORT}",
+        "http-host": head,
+        "http-port": "8000",
+        "proxy-location": "HeadOnly",
+    }
+    tb = Testbed(
+        prefix="pdtb",
+        subnet=head.rsplit(".", 1)[0],
+        state_dir="/tmp/pdtb",
+        rate="1gbit",
+        venv="/v",
+        hosts=plan_hosts("pdtb", head.rsplit(".", 1)[0], 1, 1),
+        bridge="pdtb-br",
+    )
     assert urlsplit(tb.redis_url).hostname == head and urlsplit(tb.redis_url).port == 6380
 
 
@@ -273,8 +286,15 @@ def test_testbed_workers_carry_their_pool_and_the_serve_config_fits_them(tmp_pat
     config = _load(TESTBED_YAML)
     head = config["provider"]["head_ip"]
     subnet = head.rsplit(".", 1)[0]
-    tb = Testbed(prefix="pdtb", subnet=subnet, state_dir="/tmp/pdtb", rate="1gbit", venv="/v",
-                 hosts=plan_hosts("pdtb", subnet, 2, 2), bridge="pdtb-br")
+    tb = Testbed(
+        prefix="pdtb",
+        subnet=subnet,
+        state_dir="/tmp/pdtb",
+        rate="1gbit",
+        venv="/v",
+        hosts=plan_hosts("pdtb", subnet, 2, 2),
+        bridge="pdtb-br",
+    )
     serve_config = tb.serve_config(tiny_model_dir)
     ServeDeploySchema.model_validate(serve_config)
     args = PDServeArgs.model_validate(_pdserve_app(serve_config)["args"])
@@ -288,7 +308,15 @@ def test_testbed_workers_carry_their_pool_and_the_serve_config_fits_them(tmp_pat
         assert resources == {host.role: 1}, (host, resources)
         pool = getattr(args, host.role)
         assert pool.resources == resources and pool.num_cpus <= float(flags["num-cpus"]) and pool.num_gpus == 0
-    stray = subprocess.run(["bash", "-c", "hostname() { echo 10.231.0.30; }; ray() { :; }; " +
-                            "; ".join(config["worker_start_ray_commands"])], capture_output=True, text=True,
-                           env=dict(os.environ, RAY_HEAD_IP=head, PDTB_DIR="/tmp/pdtb"), timeout=10)
+    stray = subprocess.run(
+        [
+            "bash",
+            "-c",
+            "hostname() { echo 10.231.0.30; }; ray() { :; }; " + "; ".join(config["worker_start_ray_commands"]),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, RAY_HEAD_IP=head, PDTB_DIR="/tmp/pdtb"),
+        timeout=10,
+    )
     assert stray.returncode == 1 and "not a testbed prefill" in stray.stderr

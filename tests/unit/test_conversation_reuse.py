@@ -53,9 +53,13 @@ def test_key_separates_model_salt_and_text():
     base = conversation_key("m", None, "hello")
     assert base == conversation_key("m", None, "hello")
     assert len(base) == 32
-    others = {conversation_key("m2", None, "hello"), conversation_key("m", "tenant", "hello"),
-              conversation_key("m", None, "hello!"), conversation_key("m", "a", "bc"),
-              conversation_key("m", "ab", "c")}
+    others = {
+        conversation_key("m2", None, "hello"),
+        conversation_key("m", "tenant", "hello"),
+        conversation_key("m", None, "hello!"),
+        conversation_key("m", "a", "bc"),
+        conversation_key("m", "ab", "c"),
+    }
     assert base not in others and len(others) == 5
     assert conversation_key("m", None, "x") == conversation_key("m", "", "x")  # no salt is the empty salt
 
@@ -99,9 +103,14 @@ def test_local_store_evicts_least_recently_used_by_entries_and_tokens():
 
 # ------------------------------------------------------------------ history candidates
 def test_candidates_latest_first_with_trimmed_answers(tokenizer):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": " padded answer "}, {"role": "user", "content": "More"},
-                {"role": "assistant", "content": "second"}, {"role": "user", "content": "Again"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": " padded answer "},
+        {"role": "user", "content": "More"},
+        {"role": "assistant", "content": "second"},
+        {"role": "user", "content": "Again"},
+    ]
     text = render(tokenizer, messages)
     found = history_candidates(lambda m: render(tokenizer, m), messages, text)
     head4, head2 = render(tokenizer, messages[:4]), render(tokenizer, messages[:2])
@@ -109,13 +118,16 @@ def test_candidates_latest_first_with_trimmed_answers(tokenizer):
     assert found[0].rest_start == len(head4) + len("second")
     # the template trims the first answer: the rest starts after the trimmed text
     assert found[1].rest_start == len(head2) + len("padded answer")
-    assert text[found[1].rest_start:].startswith("<|eot_id|>")
+    assert text[found[1].rest_start :].startswith("<|eot_id|>")
     assert len(history_candidates(lambda m: render(tokenizer, m), messages, text, max_candidates=1)) == 1
 
 
 def test_no_candidate_when_the_history_changed(tokenizer):
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
-                {"role": "user", "content": "More"}]
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "More"},
+    ]
     text = render(tokenizer, messages)
     other = [{"role": "user", "content": "Hi!"}, *messages[1:]]  # an earlier message edited
     assert history_candidates(lambda m: render(tokenizer, m), other, text) == []
@@ -124,13 +136,17 @@ def test_no_candidate_when_the_history_changed(tokenizer):
 
 # ----------------------------------------------------------------- recorded answer ids
 def test_answer_ids_drop_a_trailing_special_stop_token(tokenizer):
-    assert answer_token_ids(finished(tokenizer, [300, 301, EOT], "stop"), frozenset(tokenizer.all_special_ids)) \
-        == [300, 301]
-    assert answer_token_ids(finished(tokenizer, [300, 301, 302], "length"), frozenset(tokenizer.all_special_ids)) \
-        == [300, 301, 302]
+    assert answer_token_ids(finished(tokenizer, [300, 301, EOT], "stop"), frozenset(tokenizer.all_special_ids)) == [
+        300,
+        301,
+    ]
+    assert answer_token_ids(finished(tokenizer, [300, 301, 302], "length"), frozenset(tokenizer.all_special_ids)) == [
+        300,
+        301,
+        302,
+    ]
     # a non-special stop token is part of the text, and so is EOS when special tokens are shown
-    assert answer_token_ids(finished(tokenizer, [300, 301], "stop"), frozenset(tokenizer.all_special_ids)) \
-        == [300, 301]
+    assert answer_token_ids(finished(tokenizer, [300, 301], "stop"), frozenset(tokenizer.all_special_ids)) == [300, 301]
     shown = finished(tokenizer, [300, EOT], "stop", skip_special_tokens=False)
     assert answer_token_ids(shown, frozenset(tokenizer.all_special_ids)) == [300, EOT]
 
@@ -160,13 +176,15 @@ def test_next_turn_is_recorded_ids_plus_the_new_text(tokenizer):
     turn2 = [*turn1, {"role": "assistant", "content": answer.text}, {"role": "user", "content": "more"}]
     text2 = render(tokenizer, turn2)
     stitched = run(cache.prompt_ids(turn2, text2, None))
-    rest = text2[len(text1) + len(answer.text.strip()):]
+    rest = text2[len(text1) + len(answer.text.strip()) :]
     assert rest.startswith("<|eot_id|><|start_header_id|>user")
     assert stitched.token_ids == prompt1 + generated[:-1] + tokenizer.encode(rest, add_special_tokens=False)
     assert stitched.num_reused_tokens == len(prompt1) + len(generated) - 1
     # re-tokenizing the text would not have given the generated ids back
-    assert tokenizer.encode(text2, add_special_tokens=False)[: stitched.num_reused_tokens] \
+    assert (
+        tokenizer.encode(text2, add_special_tokens=False)[: stitched.num_reused_tokens]
         != stitched.token_ids[: stitched.num_reused_tokens]
+    )
     # another tenant, or an answer the client edited, does not match
     assert run(cache.prompt_ids(turn2, text2, "tenant-b")) is None
     edited = [*turn1, {"role": "assistant", "content": answer.text + "x"}, {"role": "user", "content": "more"}]
@@ -196,8 +214,9 @@ def test_request_cap_limits_the_context():
     with pytest.raises(RequestError) as long_prompt:
         fit_to_context(prompt, None, 1000, 2048, request_limit=30)
     assert (long_prompt.value.param, long_prompt.value.code) == ("prompt", "context_length_exceeded")
-    assert long_prompt.value.message == ("This request's max_model_len is 30 tokens; the prompt has 30 tokens. "
-                                         "Shorten the prompt.")
+    assert long_prompt.value.message == (
+        "This request's max_model_len is 30 tokens; the prompt has 30 tokens. Shorten the prompt."
+    )
     with pytest.raises(RequestError) as too_big:
         fit_to_context(prompt, None, 1000, 2048, request_limit=4096)
     assert (too_big.value.param, too_big.value.status) == ("max_model_len", 400)

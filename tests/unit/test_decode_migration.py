@@ -18,17 +18,21 @@ from workers.engine import LLMEngine, SamplingParams
 from workers.protocol import GenerateRequest, PrefillResult, TokenChunk
 
 
-@pytest.mark.parametrize("sampling", [
-    pytest.param({"temperature": 0.0}, id="greedy"),
-    pytest.param({"temperature": 0.9, "top_p": 0.95, "seed": 5}, id="seeded"),
-])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        pytest.param({"temperature": 0.0}, id="greedy"),
+        pytest.param({"temperature": 0.9, "top_p": 0.95, "seed": 5}, id="seeded"),
+    ],
+)
 def test_a_continuation_samples_the_same_tokens(tiny_llama, sampling):
     engine = LLMEngine(tiny_llama, load_progress=False, num_kv_blocks=128)
     prompt = random_prompts((23,), seed=4)[0]
     whole = engine.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True, **sampling))[0].token_ids
     head = engine.generate([prompt], SamplingParams(max_tokens=15, ignore_eos=True, **sampling))[0].token_ids
-    tail = engine.generate([prompt + head], SamplingParams(max_tokens=25, ignore_eos=True,
-                                                           output_position_offset=15, **sampling))[0].token_ids
+    tail = engine.generate(
+        [prompt + head], SamplingParams(max_tokens=25, ignore_eos=True, output_position_offset=15, **sampling)
+    )[0].token_ids
     assert head + tail == whole
     if "seed" in sampling:  # without the offset the draws restart: the test would notice
         unshifted = engine.generate([prompt + head], SamplingParams(max_tokens=25, ignore_eos=True, **sampling))
@@ -69,8 +73,7 @@ class _Stream:
     async def _run(self):
         for i, token in enumerate(self.tokens):
             last = i == len(self.tokens) - 1 and not self.die
-            yield TokenChunk(self.request_id, (token,), finish_reason="length" if last else None,
-                             num_cached_tokens=99)
+            yield TokenChunk(self.request_id, (token,), finish_reason="length" if last else None, num_cached_tokens=99)
         if self.die:
             raise ray.exceptions.ActorDiedError()
 
@@ -96,8 +99,13 @@ class FakePools:
     async def _prefill(self, choice):
         self.calls.append(("prefill", choice))
         produced = len(choice.prompt_token_ids) - 3  # the original prompt has 3 tokens
-        return PrefillResult(choice.request_id, self.script[produced], choice.prompt_token_ids, None,
-                             num_cached_tokens=len(choice.prompt_token_ids) - 1)
+        return PrefillResult(
+            choice.request_id,
+            self.script[produced],
+            choice.prompt_token_ids,
+            None,
+            num_cached_tokens=len(choice.prompt_token_ids) - 1,
+        )
 
     def _decode(self, choice, result):
         attempt = sum(1 for kind, _ in self.calls if kind == "decode")
@@ -105,7 +113,7 @@ class FakePools:
         start = len(choice.prompt_token_ids) - 3 + 1  # after the tokens out so far and prefill's one
         end = start + choice.sampling["max_tokens"] - 1  # the rest of this choice's budget
         die = self.die_after[attempt] if attempt < len(self.die_after) else None
-        tokens = self.script[start:end] if die is None else self.script[start:start + die]
+        tokens = self.script[start:end] if die is None else self.script[start : start + die]
         return _Stream(choice.request_id, tokens, die is not None)
 
 
@@ -133,8 +141,14 @@ CHOICE = GenerateRequest("cmpl-x-0", (1, 2, 3), {"max_tokens": 20, "seed": 1}, N
 
 def make(die_after, live=2, max_migrations=2) -> tuple[WorkerCalls, FakePools]:
     pools = FakePools(SCRIPT, die_after)
-    calls = WorkerCalls(Mode.DISAGGREGATED, prefill=pools.prefill, decode=pools.decode, index=FakeIndex(live),
-                        rehash=lambda ids, salt: ("h",) * (len(ids) // 2), max_migrations=max_migrations)
+    calls = WorkerCalls(
+        Mode.DISAGGREGATED,
+        prefill=pools.prefill,
+        decode=pools.decode,
+        index=FakeIndex(live),
+        rehash=lambda ids, salt: ("h",) * (len(ids) // 2),
+        max_migrations=max_migrations,
+    )
     return calls, pools
 
 

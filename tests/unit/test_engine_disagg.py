@@ -18,9 +18,18 @@ def copy_blocks(src: LLMEngine, src_ids: list[int], dst: LLMEngine, dst_ids: lis
 
 
 def prefill(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams):
-    engine.add_request(request_id, prompt, SamplingParams(
-        max_tokens=1, temperature=params.temperature, seed=params.seed, top_k=params.top_k, detokenize=False,
-    ), hold_kv=True)
+    engine.add_request(
+        request_id,
+        prompt,
+        SamplingParams(
+            max_tokens=1,
+            temperature=params.temperature,
+            seed=params.seed,
+            top_k=params.top_k,
+            detokenize=False,
+        ),
+        hold_kv=True,
+    )
     outs = []
     while engine.has_unfinished():
         outs += engine.step()
@@ -72,7 +81,7 @@ def test_decode_reuses_its_own_prefix_cache_and_moves_only_missing_blocks(pair, 
         if rid == "b":
             assert res.num_cached_blocks == 4 and res.num_cached_tokens == 64
             assert len(res.missing_block_ids) == 2
-        copy_blocks(p, src_ids[res.num_cached_blocks:], d, res.missing_block_ids)
+        copy_blocks(p, src_ids[res.num_cached_blocks :], d, res.missing_block_ids)
         p.release_kv(rid)
         d.commit_remote_kv(rid)
         assert run_decode(d)[rid] == hf_greedy(tiny_llama, tuple(prompt))

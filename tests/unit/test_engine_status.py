@@ -116,12 +116,16 @@ def _to_held(e):
     e.step()
 
 
-@pytest.mark.parametrize(("into", "status", "blocks"), [
-    (_to_waiting, RequestStatus.WAITING, 0),
-    (_to_running, RequestStatus.RUNNING, 3),
-    (_to_awaiting, RequestStatus.AWAITING_REMOTE_KV, 3),
-    (_to_held, RequestStatus.HELD_FOR_DECODE, 3),
-], ids=["waiting", "running", "awaiting_remote_kv", "held_for_decode"])
+@pytest.mark.parametrize(
+    ("into", "status", "blocks"),
+    [
+        (_to_waiting, RequestStatus.WAITING, 0),
+        (_to_running, RequestStatus.RUNNING, 3),
+        (_to_awaiting, RequestStatus.AWAITING_REMOTE_KV, 3),
+        (_to_held, RequestStatus.HELD_FOR_DECODE, 3),
+    ],
+    ids=["waiting", "running", "awaiting_remote_kv", "held_for_decode"],
+)
 def test_abort_from_every_status_frees_its_blocks(engine, into, status, blocks):
     into(engine)
     assert engine.status("x") is status and engine.stats().num_free_blocks == NUM_BLOCKS - blocks
@@ -176,9 +180,19 @@ def test_stats_is_a_frozen_snapshot(engine):
     before = engine.stats()
     engine.add_request("s", PROMPT, greedy(2))
     assert before.num_waiting == 0 and engine.stats().num_waiting == 1
-    assert before == EngineStats(num_blocks=NUM_BLOCKS, num_free_blocks=NUM_BLOCKS, num_cached_blocks=0,
-                                 num_waiting=0, num_running=0, num_awaiting_kv=0, num_held=0, preemptions=0,
-                                 evictions=0, prefix_queries=0, prefix_hits=0)
+    assert before == EngineStats(
+        num_blocks=NUM_BLOCKS,
+        num_free_blocks=NUM_BLOCKS,
+        num_cached_blocks=0,
+        num_waiting=0,
+        num_running=0,
+        num_awaiting_kv=0,
+        num_held=0,
+        preemptions=0,
+        evictions=0,
+        prefix_queries=0,
+        prefix_hits=0,
+    )
     assert before.usage == 0.0
     with pytest.raises(dataclasses.FrozenInstanceError):
         before.num_waiting = 3

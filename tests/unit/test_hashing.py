@@ -9,7 +9,8 @@ def test_hash_matches_the_documented_formula():
     tokens = list(range(16))
     expected = hashlib.sha256(
         ROOT_PARENT_HASH
-        + (5).to_bytes(4, "little") + b"model"
+        + (5).to_bytes(4, "little")
+        + b"model"
         + (0).to_bytes(4, "little")
         + b"".join(t.to_bytes(4, "little", signed=True) for t in tokens)
     ).digest()[:16]
@@ -31,9 +32,7 @@ def test_salt_and_model_key_separate_chains():
     assert hash_prompt_blocks(tokens, 16, "m", cache_salt="tenant-a") != plain
     assert hash_prompt_blocks(tokens, 16, "m2") != plain
     # length prefixes: moving bytes between key and salt must change the hash
-    assert hash_block(ROOT_PARENT_HASH, tokens[:16], "ab", "c") != hash_block(
-        ROOT_PARENT_HASH, tokens[:16], "a", "bc"
-    )
+    assert hash_block(ROOT_PARENT_HASH, tokens[:16], "ab", "c") != hash_block(ROOT_PARENT_HASH, tokens[:16], "a", "bc")
 
 
 def test_rejects_token_ids_outside_int32():

@@ -29,23 +29,32 @@ def test_config_rejects_what_cannot_work() -> None:
 
 
 def test_password_is_redacted_in_messages() -> None:
-    assert IndexConfig(redis_url="redis://:pw@h:6380/2", model_key="m").redis_url_redacted == (
-        "redis://:***@h:6380/2")
+    assert IndexConfig(redis_url="redis://:pw@h:6380/2", model_key="m").redis_url_redacted == ("redis://:***@h:6380/2")
     assert IndexConfig(redis_url="rediss://u:pw@h:6380/0", model_key="m").redis_url_redacted == (
-        "rediss://u:***@h:6380/0")
-    assert IndexConfig(redis_url="redis://h:6380/0", model_key="m").redis_url_redacted == (
-        "redis://h:6380/0")
+        "rediss://u:***@h:6380/0"
+    )
+    assert IndexConfig(redis_url="redis://h:6380/0", model_key="m").redis_url_redacted == ("redis://h:6380/0")
 
 
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("block_size", 32, "block_size 32 on this worker but 16 in the pool: start every worker "
-                           "with the same --block-size"),
-        ("kv_cache_dtype", "fp8", "kv_cache_dtype fp8 on this worker but bfloat16 in the pool: "
-                                  "start every worker with the same --kv-cache-dtype"),
-        ("hash_algorithm_version", 2, "hash_algorithm_version 2 on this worker but 1 in the pool: "
-                                      "run the same pdserve version on every worker"),
+        (
+            "block_size",
+            32,
+            "block_size 32 on this worker but 16 in the pool: start every worker with the same --block-size",
+        ),
+        (
+            "kv_cache_dtype",
+            "fp8",
+            "kv_cache_dtype fp8 on this worker but bfloat16 in the pool: "
+            "start every worker with the same --kv-cache-dtype",
+        ),
+        (
+            "hash_algorithm_version",
+            2,
+            "hash_algorithm_version 2 on this worker but 1 in the pool: run the same pdserve version on every worker",
+        ),
     ],
 )
 def test_compat_names_the_differing_value(field: str, value: object, message: str) -> None:
@@ -59,7 +68,6 @@ def test_compat_names_the_differing_value(field: str, value: object, message: st
 
 
 def test_worker_record_round_trips_through_redis_fields() -> None:
-    record = WorkerRecord("p0", "prefill", "10.0.0.1:9000", "00ff", 1000, 250, 3, 1, 16,
-                          "bfloat16", 1, 1700000000.25)
+    record = WorkerRecord("p0", "prefill", "10.0.0.1:9000", "00ff", 1000, 250, 3, 1, 16, "bfloat16", 1, 1700000000.25)
     assert WorkerRecord.from_fields("p0", record.to_fields()) == record
     assert record.kv_cache_usage == 0.75

@@ -16,10 +16,17 @@ from workers.models.tiny import make_tiny_model
 
 # Llama-3-8B's published shape: 32 layers x 8 KV heads x 128 dims, bf16 -> 128 KiB per token.
 LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "intermediate_size": 14336, "max_position_embeddings": 8192, "rope_theta": 500000.0,
-    "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5,
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+    "torch_dtype": "bfloat16",
+    "rms_norm_eps": 1e-5,
 }
 
 
@@ -63,16 +70,34 @@ def test_sliding_window_caps_blocks_per_sequence(tmp_path):
 
 
 def test_cli_prints_the_table_and_exit_code(llama3_8b, capsys):
-    assert main(["kv-plan", "--model", llama3_8b, "--gpu-mem", "80", "--context", "8192",
-                 "--concurrency", "64"]) == 1  # does not fit one replica in bf16
+    assert (
+        main(["kv-plan", "--model", llama3_8b, "--gpu-mem", "80", "--context", "8192", "--concurrency", "64"]) == 1
+    )  # does not fit one replica in bf16
     out = capsys.readouterr().out
     assert "32 layers x 8 KV heads x head_dim 128" in out and "131,072" in out
     assert "need 2 replicas with kv_cache_dtype=auto" in out
-    assert main(["kv-plan", "--model", llama3_8b, "--gpu-mem", "80", "--context", "8192",
-                 "--concurrency", "64", "--kv-cache-dtype", "int8"]) == 0
+    assert (
+        main(
+            [
+                "kv-plan",
+                "--model",
+                llama3_8b,
+                "--gpu-mem",
+                "80",
+                "--context",
+                "8192",
+                "--concurrency",
+                "64",
+                "--kv-cache-dtype",
+                "int8",
+            ]
+        )
+        == 0
+    )
     assert "fit in one replica with kv_cache_dtype=int8" in capsys.readouterr().out
-    assert main(["kv-plan", "--model", llama3_8b, "--gpu-mem", "10", "--context", "8192",
-                 "--concurrency", "1"]) == 1  # weights alone exceed 90 % of 10 GiB
+    assert (
+        main(["kv-plan", "--model", llama3_8b, "--gpu-mem", "10", "--context", "8192", "--concurrency", "1"]) == 1
+    )  # weights alone exceed 90 % of 10 GiB
     out = capsys.readouterr().out
     assert "does not fit" in out and "leave no room for a KV block" in out
 
@@ -80,12 +105,24 @@ def test_cli_prints_the_table_and_exit_code(llama3_8b, capsys):
 def test_quantized_plan_names_its_scales_and_refuses_blocks_wider_than_a_head(llama3_8b, capsys):
     model = ModelConfig.from_dir(llama3_8b)
     # head_dim 128: the V extra row holds 128 bytes per head, one scale per token of a block
-    assert plan_kv(model, 80, 8192, 1, kv_cache_dtype="int8", block_size=128).bytes_per_block == \
-        32 * 2 * 129 * 8 * 128
+    assert plan_kv(model, 80, 8192, 1, kv_cache_dtype="int8", block_size=128).bytes_per_block == 32 * 2 * 129 * 8 * 128
     with pytest.raises(ValueError, match="block_size 256 must be at most head_dim 128"):
         plan_kv(model, 80, 8192, 1, kv_cache_dtype="fp8", block_size=256)
     plan_kv(model, 80, 8192, 1, kv_cache_dtype="auto", block_size=256)  # full precision: any size
-    main(["kv-plan", "--model", llama3_8b, "--gpu-mem", "80", "--context", "8192", "--concurrency", "1",
-          "--kv-cache-dtype", "int8"])
+    main(
+        [
+            "kv-plan",
+            "--model",
+            llama3_8b,
+            "--gpu-mem",
+            "80",
+            "--context",
+            "8192",
+            "--concurrency",
+            "1",
+            "--kv-cache-dtype",
+            "int8",
+        ]
+    )
     out = capsys.readouterr().out
     assert "int8/fp8 scales: K per channel with an fp8 offset (asymmetric), V per token" in out

@@ -51,16 +51,19 @@ def perplexity(model_dir: str, kind: str) -> float:
 
 def test_int8_greedy_agreement_floor(smollm2_dir):
     same, before = agreement(greedy_tokens(smollm2_dir, "auto"), greedy_tokens(smollm2_dir, "int8"), NEW_TOKENS)
-    print(f"\nSmolLM2 int8 KV: {same:.1%} of {PROMPTS} chat prompts identical over {NEW_TOKENS} tokens, "
-          f"{before:.1%} of tokens before the first divergence")
+    print(
+        f"\nSmolLM2 int8 KV: {same:.1%} of {PROMPTS} chat prompts identical over {NEW_TOKENS} tokens, "
+        f"{before:.1%} of tokens before the first divergence"
+    )
     # measured: 8/8 identical, 100 % of tokens (the previous per-block scales: 5/8, 89.5 %)
     assert same >= 7 / 8 and before >= 0.9
 
 
 def test_int8_perplexity_within_half_a_percent(smollm2_dir):
     auto, int8 = perplexity(smollm2_dir, "auto"), perplexity(smollm2_dir, "int8")
-    print(f"\nSmolLM2 perplexity, {WINDOWS} x {WINDOW} tokens: auto {auto:.4f}, int8 {int8:.4f} "
-          f"({int8 / auto - 1:+.3%})")
+    print(
+        f"\nSmolLM2 perplexity, {WINDOWS} x {WINDOW} tokens: auto {auto:.4f}, int8 {int8:.4f} ({int8 / auto - 1:+.3%})"
+    )
     assert abs(int8 / auto - 1) < 0.005  # measured -0.03 %
 
 

@@ -72,9 +72,11 @@ def agreement(model_dir: str, kv_cache_dtype: str, **engine_kwargs) -> Agreement
 
 
 def report(arch: str, kind: str, a: Agreement) -> None:
-    print(f"\n{arch} {kind} KV vs full precision: {a.prompts:.1%} of {NUM_PROMPTS} prompts identical over "
-          f"{MAX_NEW_TOKENS} tokens; {a.tokens:.1%} of tokens before the first divergence; "
-          f"max |logit diff| {a.max_logit_diff:.2e}")
+    print(
+        f"\n{arch} {kind} KV vs full precision: {a.prompts:.1%} of {NUM_PROMPTS} prompts identical over "
+        f"{MAX_NEW_TOKENS} tokens; {a.tokens:.1%} of tokens before the first divergence; "
+        f"max |logit diff| {a.max_logit_diff:.2e}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +85,17 @@ def tiny_wide_heads(tmp_path_factory) -> str:
     session's tiny models have head_dim 16 (symmetric per-channel K)."""
     from workers.models.tiny import make_tiny_model
 
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-wide") / "llama64", arch="llama",
-                               hidden_size=128, num_heads=2, num_kv_heads=1, head_dim=64, seed=0))
+    return str(
+        make_tiny_model(
+            tmp_path_factory.mktemp("tiny-wide") / "llama64",
+            arch="llama",
+            hidden_size=128,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=64,
+            seed=0,
+        )
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "llama-head64"])
@@ -120,8 +131,9 @@ def write_tokens(kv: PagedKVCache, table: list[int], k: torch.Tensor, v: torch.T
 
 def quant_cache(model_dir: str, kind: str) -> tuple[ModelConfig, PagedKVCache]:
     cfg = ModelConfig.from_dir(model_dir)
-    return cfg, PagedKVCache(cfg, num_blocks=8, block_size=16, kv_cache_dtype=kind, model_dtype=torch.float32,
-                             device=torch.device("cpu"))
+    return cfg, PagedKVCache(
+        cfg, num_blocks=8, block_size=16, kv_cache_dtype=kind, model_dtype=torch.float32, device=torch.device("cpu")
+    )
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
@@ -230,8 +242,10 @@ def test_int8_transfer_moves_at_most_55_percent(tiny_llama):
     bf16 = KVLayout(full.kv_layout.num_layers, 16, full.kv_layout.num_kv_heads, full.kv_layout.head_dim, "bfloat16")
     ratio_fp32 = sent["int8"] / sent["auto"]
     ratio_bf16 = quant.kv_layout.bytes_per_block / bf16.bytes_per_block
-    print(f"\nint8 transfer of a 200-token prompt: {sent['int8']} B vs {sent['auto']} B fp32 "
-          f"({ratio_fp32:.1%}); vs a bf16 cache {ratio_bf16:.1%}")
+    print(
+        f"\nint8 transfer of a 200-token prompt: {sent['int8']} B vs {sent['auto']} B fp32 "
+        f"({ratio_fp32:.1%}); vs a bf16 cache {ratio_bf16:.1%}"
+    )
     assert ratio_fp32 <= 0.55 and ratio_bf16 <= 0.55
 
 

@@ -5,12 +5,21 @@ from deploy.ops import metrics
 from deploy.ops.metrics import IngressMetrics, WorkerMetrics
 
 DESIGN_METRICS = {
-    "pdserve_time_to_first_token_seconds", "pdserve_inter_token_latency_seconds",
-    "pdserve_e2e_request_latency_seconds", "pdserve_request_queue_time_seconds",
-    "pdserve_kv_cache_usage_perc", "pdserve_num_requests_running", "pdserve_num_requests_waiting",
-    "pdserve_prefix_cache_queries_total", "pdserve_prefix_cache_hits_total",
-    "pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_seconds", "pdserve_kv_transfer_failures_total",
-    "pdserve_recomputed_prefills_total", "pdserve_preemptions_total", "pdserve_decode_migrations_total",
+    "pdserve_time_to_first_token_seconds",
+    "pdserve_inter_token_latency_seconds",
+    "pdserve_e2e_request_latency_seconds",
+    "pdserve_request_queue_time_seconds",
+    "pdserve_kv_cache_usage_perc",
+    "pdserve_num_requests_running",
+    "pdserve_num_requests_waiting",
+    "pdserve_prefix_cache_queries_total",
+    "pdserve_prefix_cache_hits_total",
+    "pdserve_kv_transfer_bytes_total",
+    "pdserve_kv_transfer_seconds",
+    "pdserve_kv_transfer_failures_total",
+    "pdserve_recomputed_prefills_total",
+    "pdserve_preemptions_total",
+    "pdserve_decode_migrations_total",
 }
 
 

@@ -49,10 +49,14 @@ def test_unsupported_quantization_type_is_named(tmp_path):
     assert "Q8_K" not in dequantizable_types()  # the gguf package stores Q8_K but cannot dequantize it
     block_values, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_K]
     raw = np.zeros((2, block_bytes), np.uint8)  # two rows of one 256-value block
-    path = write_gguf(tmp_path / "q8k.gguf", "llama", {
-        "token_embd.weight": (raw, gguf.GGMLQuantizationType.Q8_K),
-        "output_norm.weight": (np.ones(block_values, np.float32), None),
-    })
+    path = write_gguf(
+        tmp_path / "q8k.gguf",
+        "llama",
+        {
+            "token_embd.weight": (raw, gguf.GGMLQuantizationType.Q8_K),
+            "output_norm.weight": (np.ones(block_values, np.float32), None),
+        },
+    )
     with pytest.raises(UnsupportedGGUFError) as err:
         source.resolve_model(path)  # refused before any conversion starts
     assert "Q8_K" in str(err.value) and "Q4_1" in str(err.value)
@@ -70,11 +74,14 @@ def _non_gguf_file(directory: Path) -> Path:
     return directory / "model.bin"
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda d: d / "missing", "not found: give a Hugging Face model directory, a .gguf file, or one of smollm2"),
-    (lambda d: d, "has no config.json"),
-    (_non_gguf_file, "is a file but not a .gguf"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: d / "missing", "not found: give a Hugging Face model directory, a .gguf file, or one of smollm2"),
+        (lambda d: d, "has no config.json"),
+        (_non_gguf_file, "is a file but not a .gguf"),
+    ],
+)
 def test_model_argument_errors_say_what_to_pass(tmp_path, make, message):
     with pytest.raises(ValueError, match=message):
         source.resolve_model(make(tmp_path))

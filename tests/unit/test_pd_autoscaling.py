@@ -22,9 +22,17 @@ from deploy.pools.autoscaling import (
 )
 from deploy.pools.autoscaling_signals import SignalReader
 
-CONFIG = PolicyConfig(max_total_replicas=4, prefill=PoolBounds(1, 3), decode=PoolBounds(1, 3),
-                      ttft_target_s=1.0, tpot_target_s=0.05, prefill_tokens_per_s=1000.0,
-                      upscale_delay_s=4.0, downscale_delay_s=20.0, cooldown_s=10.0)
+CONFIG = PolicyConfig(
+    max_total_replicas=4,
+    prefill=PoolBounds(1, 3),
+    decode=PoolBounds(1, 3),
+    ttft_target_s=1.0,
+    tpot_target_s=0.05,
+    prefill_tokens_per_s=1000.0,
+    upscale_delay_s=4.0,
+    downscale_delay_s=20.0,
+    cooldown_s=10.0,
+)
 
 
 def prefill(replicas=2, queued=0, rate=0.0, per_replica=1000.0, ready=None, held=0.0) -> PrefillSignals:
@@ -67,8 +75,13 @@ def test_a_prefill_queue_behind_a_saturated_decode_pool_is_not_prefills_need():
     assert prefill_need(blocked, CONFIG) == pytest.approx(60.0)
     assert prefill_need(blocked, CONFIG, decode_saturated=True) == pytest.approx(0.5)
     d = decode(replicas=1, running=90, waiting=10, kv=0.86, tpot=0.38)
-    decision = decide(prefill(replicas=3, queued=30000, rate=400.0, held=0.7), d, CONFIG,
-                      PolicyState(pending=(1, 3), pending_since=0.0), 20.0)
+    decision = decide(
+        prefill(replicas=3, queued=30000, rate=400.0, held=0.7),
+        d,
+        CONFIG,
+        PolicyState(pending=(1, 3), pending_since=0.0),
+        20.0,
+    )
     assert (decision.prefill, decision.decode, decision.changed) == (1, 3, True)
     # a prefill pool with its KV free is not waiting on decode: its own queue still counts
     free = prefill(queued=30000, rate=400.0, held=0.1)
@@ -86,9 +99,18 @@ def test_decode_need_follows_tpot_kv_and_waiting_sequences():
 
 
 # ------------------------------------------------------------------ dead band, bounds, budget
-@pytest.mark.parametrize("need, wanted", [
-    (0.0, 1), (0.69, 1), (0.71, 2), (2.0, 2), (2.1, 2), (2.11, 3), (9.0, 3),
-])
+@pytest.mark.parametrize(
+    "need, wanted",
+    [
+        (0.0, 1),
+        (0.69, 1),
+        (0.71, 2),
+        (2.0, 2),
+        (2.1, 2),
+        (2.11, 3),
+        (9.0, 3),
+    ],
+)
 def test_follow_keeps_a_dead_band_and_the_bounds(need, wanted):
     # from 2: down once 1 replica would run at <= 70 % of its target (need <= 0.7), up past 2.1;
     # within [1, 3]
@@ -146,8 +168,9 @@ def test_noise_inside_the_dead_band_never_changes_anything():
     state, t = PolicyState(), 0.0
     for i in range(200):  # need wobbles between 1.5 and 2.1 around a count of 2
         queued = 750 + (300 if i % 2 else 0)
-        decision = decide(prefill(queued=queued), decode(running=4, tpot=0.05 * (1.5 + 0.6 * (i % 2)) / 2),
-                          CONFIG, state, t)
+        decision = decide(
+            prefill(queued=queued), decode(running=4, tpot=0.05 * (1.5 + 0.6 * (i % 2)) / 2), CONFIG, state, t
+        )
         assert not decision.changed and decision.held is None
         state, t = decision.state, t + 2.0
 
@@ -163,10 +186,14 @@ def test_a_flapping_proposal_restarts_its_delay():
 
 # ------------------------------------------------------------------ a load that shifts
 def test_shifting_load_moves_replicas_between_the_pools_and_back():
-    prompt_heavy = (lambda n: prefill(replicas=n[0], queued=4000, rate=2000.0),
-                    lambda n: decode(replicas=n[1], running=4, tpot=0.01, kv=0.1))
-    output_heavy = (lambda n: prefill(replicas=n[0], queued=0, rate=100.0),
-                    lambda n: decode(replicas=n[1], running=48, tpot=0.12, kv=0.7))
+    prompt_heavy = (
+        lambda n: prefill(replicas=n[0], queued=4000, rate=2000.0),
+        lambda n: decode(replicas=n[1], running=4, tpot=0.01, kv=0.1),
+    )
+    output_heavy = (
+        lambda n: prefill(replicas=n[0], queued=0, rate=100.0),
+        lambda n: decode(replicas=n[1], running=48, tpot=0.12, kv=0.7),
+    )
     counts, state, t, seen = (2, 2), PolicyState(), 0.0, []
     for phase in (prompt_heavy, output_heavy, prompt_heavy):
         for _ in range(30):  # 60 s per phase, a decision every 2 s
@@ -176,8 +203,14 @@ def test_shifting_load_moves_replicas_between_the_pools_and_back():
                 counts = (decision.prefill, decision.decode)
                 seen.append(counts)
         seen.append(("end of phase", counts))
-    assert seen == [(3, 1), ("end of phase", (3, 1)), (1, 3), ("end of phase", (1, 3)), (3, 1),
-                    ("end of phase", (3, 1))]
+    assert seen == [
+        (3, 1),
+        ("end of phase", (3, 1)),
+        (1, 3),
+        ("end of phase", (1, 3)),
+        (3, 1),
+        ("end of phase", (3, 1)),
+    ]
 
 
 # ------------------------------------------------------------------ the operator's line
@@ -188,30 +221,49 @@ def test_describe_names_the_change_and_its_signals():
     assert describe(decision, p, d, CONFIG) == (
         "prefill 2 -> 3, decode 2 -> 1 (budget 4) | prefill: 2500 queued prompt tokens, 1800 tok/s, "
         "1000 tok/s per replica, need 5.00 | decode: 3 running, 0 waiting, KV 20%, TPOT 12 ms "
-        "(target 50 ms), need 0.50")
+        "(target 50 ms), need 0.50"
+    )
 
 
 # ------------------------------------------------------------------ signals from stats
 def _replica(wid, **kw):
-    base = {"worker_id": wid, "healthy": True, "requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0,
-            "generated_tokens": 0, "num_running": 0, "num_waiting": 0, "num_held": 0, "kv_usage": 0.0,
-            "total_blocks": 100}
+    base = {
+        "worker_id": wid,
+        "healthy": True,
+        "requests": 0,
+        "prompt_tokens": 0,
+        "cached_prompt_tokens": 0,
+        "generated_tokens": 0,
+        "num_running": 0,
+        "num_waiting": 0,
+        "num_held": 0,
+        "kv_usage": 0.0,
+        "total_blocks": 100,
+    }
     return {**base, **kw}
 
 
 def test_signals_come_from_two_samples_of_the_replicas_stats():
     reader = SignalReader()
-    p0 = [_replica("p1", requests=10, prompt_tokens=20000, num_waiting=2, num_running=1, num_held=1,
-                   total_blocks=500)]
+    p0 = [_replica("p1", requests=10, prompt_tokens=20000, num_waiting=2, num_running=1, num_held=1, total_blocks=500)]
     d0 = [_replica("d1", generated_tokens=1000, num_running=8, kv_usage=0.5)]
     first_p, first_d = reader.read(100.0, p0, d0, 1, 1)
     assert first_p.queued_prompt_tokens == 3 * 2000 and first_p.tokens_per_s_per_replica is None
     assert first_p.held_kv_fraction == pytest.approx(2000 / (500 * 16))  # one held 2000-token prompt
     assert first_d.tpot_s is None  # no interval yet
-    p1 = [_replica("p1", requests=14, prompt_tokens=28000, cached_prompt_tokens=0, num_waiting=1, num_running=1,
-                   num_held=2, total_blocks=500)]
-    d1 = [_replica("d1", generated_tokens=1400, num_running=8, kv_usage=0.6),
-          _replica("d2", healthy=False)]
+    p1 = [
+        _replica(
+            "p1",
+            requests=14,
+            prompt_tokens=28000,
+            cached_prompt_tokens=0,
+            num_waiting=1,
+            num_running=1,
+            num_held=2,
+            total_blocks=500,
+        )
+    ]
+    d1 = [_replica("d1", generated_tokens=1400, num_running=8, kv_usage=0.6), _replica("d2", healthy=False)]
     p, d = reader.read(102.0, p1, d1, 1, 2)
     assert p.tokens_per_s_per_replica == pytest.approx(4000.0)  # busy all along: 8000 tokens in 2 s
     assert p.prompt_tokens_per_s == pytest.approx(4000.0)
@@ -228,16 +280,19 @@ def test_args_take_the_shorthand_and_check_budget_and_bounds(tmp_path):
     base = {"model": str(tmp_path), "prefill": {"replicas": 2}, "decode": {"replicas": 2}}
     short = PDServeArgs.model_validate({**base, "autoscaling": "pd"})
     assert short.autoscaling_budget == 4 and short.autoscaling_bounds("prefill") == (1, 3)
-    full = PDServeArgs.model_validate({**base, "autoscaling": {
-        "policy": "pd", "max_total_replicas": 6, "decode": {"min_replicas": 2, "max_replicas": 3}}})
+    full = PDServeArgs.model_validate(
+        {
+            **base,
+            "autoscaling": {"policy": "pd", "max_total_replicas": 6, "decode": {"min_replicas": 2, "max_replicas": 3}},
+        }
+    )
     assert full.autoscaling_bounds("prefill") == (1, 4) and full.autoscaling_bounds("decode") == (2, 3)
     with pytest.raises(ValidationError, match="exceeds autoscaling.max_total_replicas 3"):
         PDServeArgs.model_validate({**base, "autoscaling": {"max_total_replicas": 3}})
     with pytest.raises(ValidationError, match="the only policy is 'pd'"):
         PDServeArgs.model_validate({**base, "autoscaling": "queue"})
     with pytest.raises(ValidationError, match="remove decode.autoscaling_config"):
-        PDServeArgs.model_validate({**base, "decode": {"autoscaling_config": {"max_replicas": 2}},
-                                    "autoscaling": "pd"})
+        PDServeArgs.model_validate({**base, "decode": {"autoscaling_config": {"max_replicas": 2}}, "autoscaling": "pd"})
     with pytest.raises(ValidationError, match="use mode disaggregated"):
         PDServeArgs.model_validate({**base, "mode": "colocated", "autoscaling": "pd"})
 
@@ -245,12 +300,22 @@ def test_args_take_the_shorthand_and_check_budget_and_bounds(tmp_path):
 def test_status_table_shows_targets_signals_and_changes():
     from deploy.ops.status_table import _autoscaling_lines
 
-    state = {"budget": 4, "bounds": {"prefill": [1, 3], "decode": [1, 3]}, "targets": {"prefill": 3, "decode": 1},
-             "ttft_target_s": 1.0, "tpot_target_s": 0.05, "error": None,
-             "last": {"prefill": {"queued_prompt_tokens": 2500}, "prefill_need": 2.5,
-                      "decode": {"running_seqs": 3, "waiting_seqs": 0, "kv_usage": 0.25, "tpot_s": 0.012},
-                      "decode_need": 0.7, "held": "cooldown (10 s after the last change)"},
-             "decisions": [{"time": 90.0, "line": "prefill 2 -> 3, decode 2 -> 1 (budget 4) | ..."}]}
+    state = {
+        "budget": 4,
+        "bounds": {"prefill": [1, 3], "decode": [1, 3]},
+        "targets": {"prefill": 3, "decode": 1},
+        "ttft_target_s": 1.0,
+        "tpot_target_s": 0.05,
+        "error": None,
+        "last": {
+            "prefill": {"queued_prompt_tokens": 2500},
+            "prefill_need": 2.5,
+            "decode": {"running_seqs": 3, "waiting_seqs": 0, "kv_usage": 0.25, "tpot_s": 0.012},
+            "decode_need": 0.7,
+            "held": "cooldown (10 s after the last change)",
+        },
+        "decisions": [{"time": 90.0, "line": "prefill 2 -> 3, decode 2 -> 1 (budget 4) | ..."}],
+    }
     assert _autoscaling_lines(state, 100.0) == [
         "autoscaling (pd): budget 4 replicas; prefill 3 (bounds 1..3), decode 1 (bounds 1..3); "
         "targets TTFT 1000 ms, TPOT 50 ms",

@@ -21,11 +21,14 @@ def test_autoscaling_config_replaces_a_fixed_replica_count():
     assert options(PoolArgs(replicas=2))["num_replicas"] == 2 and "autoscaling_config" not in options(PoolArgs())
 
 
-@pytest.mark.parametrize("config, message", [
-    ({"min_replicas": 0, "max_replicas": 2}, "min_replicas must be >= 1"),
-    ({"min_replicas": 3, "max_replicas": 2}, "max_replicas"),
-    ({"max_replica": 2}, "max_replica"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"min_replicas": 0, "max_replicas": 2}, "min_replicas must be >= 1"),
+        ({"min_replicas": 3, "max_replicas": 2}, "max_replicas"),
+        ({"max_replica": 2}, "max_replica"),
+    ],
+)
 def test_bad_autoscaling_configs_are_refused_by_name(config, message):
     with pytest.raises(ValidationError, match=message):
         PoolArgs(autoscaling_config=config)

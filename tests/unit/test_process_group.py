@@ -21,8 +21,9 @@ def _two_ranks(timeout_s: float = 30.0):
 
     def rank(r: int) -> None:
         store = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False)
-        groups[r] = new_process_group(dist.PrefixStore("t", store), r, 2, "gloo",
-                                      datetime.timedelta(seconds=timeout_s), bind_host="127.0.0.1")
+        groups[r] = new_process_group(
+            dist.PrefixStore("t", store), r, 2, "gloo", datetime.timedelta(seconds=timeout_s), bind_host="127.0.0.1"
+        )
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
     for t in threads:

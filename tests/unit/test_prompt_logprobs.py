@@ -63,7 +63,8 @@ def test_prompt_logprobs_equal_transformers_with_small_chunks(tiny_model_dirs, a
 def test_prompt_logprobs_zero_gives_the_tokens_only(tiny_llama):
     prompt = random_prompts((40,), seed=6)[0]
     out = engine(tiny_llama, max_num_batched_tokens=16).generate(
-        [prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+        [prompt], SamplingParams(max_tokens=1, prompt_logprobs=0)
+    )[0]
     assert_matches_hf(tiny_llama, prompt, out.prompt_logprobs, top=0)
     plain = engine(tiny_llama).generate([prompt], SamplingParams(max_tokens=1))[0]
     assert plain.prompt_logprobs is None
@@ -87,8 +88,7 @@ def test_prompt_logprobs_survive_preemption(tiny_llama):
     # and recomputed; the prompt logprobs stay complete and exact.
     eng = engine(tiny_llama, num_kv_blocks=12, max_num_batched_tokens=32)
     prompts = random_prompts((60, 60, 60), seed=8)
-    outs = eng.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
-                                                prompt_logprobs=2))
+    outs = eng.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, prompt_logprobs=2))
     assert eng.stats().preemptions > 0
     for prompt, out in zip(prompts, outs):
         assert_matches_hf(tiny_llama, prompt, out.prompt_logprobs, top=2)

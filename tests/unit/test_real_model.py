@@ -13,10 +13,13 @@ NEW_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
 
 
-@pytest.mark.parametrize("engine_kwargs", [
-    pytest.param({}, id="default"),
-    pytest.param({"max_num_batched_tokens": 32, "num_kv_blocks": 14}, id="chunked-32-preempting"),
-])
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        pytest.param({}, id="default"),
+        pytest.param({"max_num_batched_tokens": 32, "num_kv_blocks": 14}, id="chunked-32-preempting"),
+    ],
+)
 def test_engine_equals_transformers_on_chat_prompts(smollm2_dir, engine_kwargs):
     prompts = [chat_prompt_ids(smollm2_dir, q) for q in CHAT_QUESTIONS]
     engine = LLMEngine(smollm2_dir, load_progress=False, **{"num_kv_blocks": 256, **engine_kwargs})

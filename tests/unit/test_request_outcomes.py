@@ -48,20 +48,23 @@ class _RayTaskErrorLike(Exception):
         self.cause = cause
 
 
-@pytest.mark.parametrize("exc, expected", [
-    (asyncio.CancelledError(), True),
-    (GeneratorExit(), True),
-    (TaskCancelledError(), True),
-    (RequestCancelledError("req-1"), True),
-    (ClientDisconnect(), True),
-    (ExceptionGroup("tg", [TaskCancelledError()]), True),  # what BaseHTTPMiddleware's task group raised
-    (BaseExceptionGroup("tg", [asyncio.CancelledError(), TaskCancelledError()]), True),
-    (_RayTaskErrorLike(TaskCancelledError()), True),  # a callee's cancellation, as Ray wraps it
-    (ExceptionGroup("tg", [TaskCancelledError(), ValueError("boom")]), False),
-    (RuntimeError("worker died"), False),
-    (_RayTaskErrorLike(RuntimeError("boom")), False),
-    (None, False),
-])
+@pytest.mark.parametrize(
+    "exc, expected",
+    [
+        (asyncio.CancelledError(), True),
+        (GeneratorExit(), True),
+        (TaskCancelledError(), True),
+        (RequestCancelledError("req-1"), True),
+        (ClientDisconnect(), True),
+        (ExceptionGroup("tg", [TaskCancelledError()]), True),  # what BaseHTTPMiddleware's task group raised
+        (BaseExceptionGroup("tg", [asyncio.CancelledError(), TaskCancelledError()]), True),
+        (_RayTaskErrorLike(TaskCancelledError()), True),  # a callee's cancellation, as Ray wraps it
+        (ExceptionGroup("tg", [TaskCancelledError(), ValueError("boom")]), False),
+        (RuntimeError("worker died"), False),
+        (_RayTaskErrorLike(RuntimeError("boom")), False),
+        (None, False),
+    ],
+)
 def test_is_cancellation(exc, expected):
     assert is_cancellation(exc) is expected
 
@@ -200,6 +203,7 @@ def _app() -> FastAPI:
             for i in range(1000):
                 yield f"data: {i}\n\n"
                 await asyncio.sleep(0.005)
+
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     @app.post("/echo")
@@ -214,9 +218,20 @@ def _app() -> FastAPI:
 
 
 def _scope(path: str, headers=((b"content-length", b"0"),)) -> dict:
-    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-            "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-            "root_path": "", "headers": list(headers), "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": list(headers),
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
 
 
 def test_a_cancelled_receive_mid_stream_is_a_disconnect(caplog):
@@ -264,7 +279,7 @@ def test_the_plain_asgi_middleware_keeps_keys_and_the_body_limit(monkeypatch):
     def chunks(total: int):
         body = ('{"a": "' + "y" * (total - 9) + '"}').encode()
         for i in range(0, len(body), 512):
-            yield body[i:i + 512]
+            yield body[i : i + 512]
 
     # no Content-Length (chunked): counted while read, then replayed to the route
     json_auth = {**auth, "Content-Type": "application/json"}

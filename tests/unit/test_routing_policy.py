@@ -6,8 +6,14 @@ from deploy.pools.routers import demote_failing, power_of_two, rank_by_prefix, r
 
 
 def test_longest_prefix_wins_when_balanced():
-    ranks, by_prefix = rank_by_prefix(["a", "b", "c"], {"a": 1, "b": 9, "c": 0}, {"a": 2, "b": 3, "c": 0},
-                                      min_match_blocks=2, imbalance_threshold=4, rng=random.Random(0))
+    ranks, by_prefix = rank_by_prefix(
+        ["a", "b", "c"],
+        {"a": 1, "b": 9, "c": 0},
+        {"a": 2, "b": 3, "c": 0},
+        min_match_blocks=2,
+        imbalance_threshold=4,
+        rng=random.Random(0),
+    )
     assert by_prefix and ranks[0] == ["b"]
     assert sorted(r for rank in ranks for r in rank) == ["a", "b", "c"]
 
@@ -34,8 +40,7 @@ def test_decode_prefers_prefix_holder_that_fits_then_free_blocks():
 
 
 def test_a_replica_whose_sends_fail_is_tried_last_even_with_the_prefix():
-    ranks, by_prefix = rank_by_prefix(["a", "b", "c"], {"a": 9}, {"a": 0, "b": 0, "c": 0}, 2, 8,
-                                      rng=random.Random(0))
+    ranks, by_prefix = rank_by_prefix(["a", "b", "c"], {"a": 9}, {"a": 0, "b": 0, "c": 0}, 2, 8, rng=random.Random(0))
     assert by_prefix and ranks[0] == ["a"]
     demoted = demote_failing(ranks, {"a"})
     assert demoted[-1] == ["a"] and "a" not in sum(demoted[:-1], [])

@@ -17,14 +17,17 @@ def logits() -> torch.Tensor:
     return torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 4
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1.0, top_p=5e-324),  # below fp32's smallest number
-    SamplingParams(temperature=1.0, top_p=1e-45),
-    SamplingParams(temperature=1e-300),  # logits / temperature overflow to +-inf
-    SamplingParams(temperature=1e-300, top_p=0.5, min_p=0.9),
-    SamplingParams(temperature=5e-324, top_k=3),
-    SamplingParams(temperature=1.0, min_p=1.0),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, top_p=5e-324),  # below fp32's smallest number
+        SamplingParams(temperature=1.0, top_p=1e-45),
+        SamplingParams(temperature=1e-300),  # logits / temperature overflow to +-inf
+        SamplingParams(temperature=1e-300, top_p=0.5, min_p=0.9),
+        SamplingParams(temperature=5e-324, top_k=3),
+        SamplingParams(temperature=1.0, min_p=1.0),
+    ],
+)
 def test_extreme_accepted_parameters_give_the_most_likely_token(logits, params):
     generator = torch.Generator().manual_seed(1)
     assert _sample_row(logits, params, generator) == int(logits.argmax())

@@ -19,8 +19,9 @@ BLOCKS_PER_SEQ = WINDOW // 16 + 1  # the window's keys span at most this many 16
 
 @pytest.fixture(scope="module")
 def windowed_model(tmp_path_factory) -> str:
-    return str(make_tiny_model(tmp_path_factory.mktemp("swa") / "mistral", arch="mistral", seed=1,
-                               sliding_window=WINDOW))
+    return str(
+        make_tiny_model(tmp_path_factory.mktemp("swa") / "mistral", arch="mistral", seed=1, sliding_window=WINDOW)
+    )
 
 
 def hf_reference(model_dir: str, prompt: list[int]) -> list[int]:
@@ -53,8 +54,10 @@ def test_matches_transformers_past_three_windows(windowed_model, engine_kwargs):
     if "kv_cache_dtype" in engine_kwargs:
         # Quantized windowed blocks: greedy follows the full-precision run for most of 232 tokens.
         full = make(windowed_model).generate(prompts, GREEDY)
-        agreed = [next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), NEW_TOKENS)
-                  for a, b in zip(outs, full)]
+        agreed = [
+            next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), NEW_TOKENS)
+            for a, b in zip(outs, full)
+        ]
         print(f"\nint8 windowed: tokens before the first divergence {agreed} of {NEW_TOKENS}")
         assert sum(agreed) >= 0.5 * NEW_TOKENS * len(prompts)
     eng.check_idle()

@@ -24,25 +24,47 @@ from workers.worker_stats import PairStats, WorkerStats, percentiles
 NO_LATENCY = {"p50": None, "p90": None, "p99": None}
 
 
-def status_at(t: float, *, tokens: int = 0, finished: int = 0, failed: int = 0, refused: int = 0,
-              total: int | None = None, decode_bytes: dict[str, int] | None = None, aborted: int | None = None) -> dict:
-    requests = {"started": finished + failed, "finished": finished, "failed": failed, "active": 0,
-                "completion_tokens": tokens, "ttft_s": dict(NO_LATENCY), "itl_s": dict(NO_LATENCY)}
+def status_at(
+    t: float,
+    *,
+    tokens: int = 0,
+    finished: int = 0,
+    failed: int = 0,
+    refused: int = 0,
+    total: int | None = None,
+    decode_bytes: dict[str, int] | None = None,
+    aborted: int | None = None,
+) -> dict:
+    requests = {
+        "started": finished + failed,
+        "finished": finished,
+        "failed": failed,
+        "active": 0,
+        "completion_tokens": tokens,
+        "ttft_s": dict(NO_LATENCY),
+        "itl_s": dict(NO_LATENCY),
+    }
     if aborted is not None:
         requests["aborted"] = aborted
     http = {"refused": refused, "client_errors": 0, "total": finished + refused if total is None else total}
-    decode = [{"worker_id": w, "healthy": True, "transfer_bytes": b, "kv_usage": 0.5}
-              for w, b in (decode_bytes or {}).items()]
-    return {"time": t, "requests": requests, "http": http,
-            "pools": {"prefill": [{"worker_id": "p1", "healthy": True, "kv_usage": 0.25}], "decode": decode}}
+    decode = [
+        {"worker_id": w, "healthy": True, "transfer_bytes": b, "kv_usage": 0.5} for w, b in (decode_bytes or {}).items()
+    ]
+    return {
+        "time": t,
+        "requests": requests,
+        "http": http,
+        "pools": {"prefill": [{"worker_id": "p1", "healthy": True, "kv_usage": 0.25}], "decode": decode},
+    }
 
 
 # ---------------------------------------------------------------- samples and rates
 def test_a_sample_carries_the_rates_since_the_previous_one():
     first, bytes1 = condense(status_at(100.0, decode_bytes={"d1": 1000}), None, {})
     assert first["t"] == 100.0 and first["output_tokens_per_s"] is None and first["transfer_bytes_per_s"] is None
-    second, bytes2 = condense(status_at(102.0, tokens=40, finished=4, failed=1, refused=2,
-                                        decode_bytes={"d1": 5000}), first, bytes1)
+    second, bytes2 = condense(
+        status_at(102.0, tokens=40, finished=4, failed=1, refused=2, decode_bytes={"d1": 5000}), first, bytes1
+    )
     assert second["output_tokens_per_s"] == 20.0
     assert second["requests_per_s"] == 2.0
     assert second["failed_per_s"] == 0.5
@@ -75,20 +97,19 @@ def test_the_ring_keeps_the_window_and_drops_out_of_order_samples():
 
 def test_rates_over_the_last_minute_come_from_the_oldest_sample_in_it():
     history = StatusHistory(interval_s=2.0)
-    history.record(status_at(0.0, tokens=0, decode_bytes={"d1": 0}))     # outside the minute
+    history.record(status_at(0.0, tokens=0, decode_bytes={"d1": 0}))  # outside the minute
     history.record(status_at(50.0, tokens=100, finished=10, failed=0, refused=0, total=10, decode_bytes={"d1": 0}))
-    history.record(status_at(80.0, tokens=400, finished=25, failed=5, refused=5, total=30,
-                             decode_bytes={"d1": 3000}))
+    history.record(status_at(80.0, tokens=400, finished=25, failed=5, refused=5, total=30, decode_bytes={"d1": 3000}))
     now = status_at(100.0, tokens=700, finished=40, failed=10, refused=10, total=50, decode_bytes={"d1": 3000})
     rates = history.rates(now)
-    assert rates["window_s"] == 50.0                      # from the sample at t=50
-    assert rates["output_tokens_per_s"] == 12.0           # 600 tokens / 50 s
+    assert rates["window_s"] == 50.0  # from the sample at t=50
+    assert rates["output_tokens_per_s"] == 12.0  # 600 tokens / 50 s
     assert rates["requests_per_s"] == 0.6
     assert rates["failed_per_s"] == 0.2
     assert rates["refused_per_s"] == 0.2
     assert rates["error_fraction"] == pytest.approx(10 / 40)  # 10 failed of 30 finished + 10 failed
-    assert rates["refusal_fraction"] == 0.25                  # 10 refused of 40 answers
-    assert rates["transfer_bytes_per_s"] == 100.0             # 3000 bytes between t=50 and t=80
+    assert rates["refusal_fraction"] == 0.25  # 10 refused of 40 answers
+    assert rates["transfer_bytes_per_s"] == 100.0  # 3000 bytes between t=50 and t=80
     assert rates["aborted_per_s"] is None
 
 
@@ -147,9 +168,11 @@ def test_completion_answers_are_counted_by_http_status():
         if body.get("full"):
             raise RequestError("the server is at capacity", None, status=503, error_type="server_overloaded")
         if body.get("stream"):
+
             async def events():
                 yield "data: 1\n\n"
                 yield "data: [DONE]\n\n"
+
             return StreamingResponse(events(), media_type="text/event-stream")
         return {"ok": True}
 
@@ -175,8 +198,14 @@ def test_429_is_a_refusal_and_503_is_not_a_server_error():
     counts = ResponseCounts()
     for status in (200, 200, 429, 503, 404, 500):
         counts.add(status)
-    assert counts.snapshot() == {"responses": {"200": 2, "404": 1, "429": 1, "500": 1, "503": 1}, "total": 6,
-                                 "ok": 2, "refused": 2, "client_errors": 1, "server_errors": 1}
+    assert counts.snapshot() == {
+        "responses": {"200": 2, "404": 1, "429": 1, "500": 1, "503": 1},
+        "total": 6,
+        "ok": 2,
+        "refused": 2,
+        "client_errors": 1,
+        "server_errors": 1,
+    }
 
 
 # ---------------------------------------------------------------- pairs
@@ -187,10 +216,18 @@ def test_pair_counters_on_the_decode_side():
     stats.peer("p1").failed(recomputed=True)
     stats.peer("p2").recomputed_prefills += 1
     pairs = stats.pairs()
-    assert pairs["p1"] == {"transfers": 5, "transfer_bytes": 5000, "transfer_seconds": pytest.approx(1.1),
-                           "transfer_failures": 1, "recomputed_prefills": 1, "pair_groups": 0,
-                           "pair_groups_since_failure": 0,
-                           "transfer_p50_s": 0.030, "transfer_p99_s": 1.0, "transfer_samples": 5}
+    assert pairs["p1"] == {
+        "transfers": 5,
+        "transfer_bytes": 5000,
+        "transfer_seconds": pytest.approx(1.1),
+        "transfer_failures": 1,
+        "recomputed_prefills": 1,
+        "pair_groups": 0,
+        "pair_groups_since_failure": 0,
+        "transfer_p50_s": 0.030,
+        "transfer_p99_s": 1.0,
+        "transfer_samples": 5,
+    }
     assert pairs["p2"]["transfers"] == 0 and pairs["p2"]["transfer_p50_s"] is None
     assert pairs["p2"]["recomputed_prefills"] == 1
     assert "peers" not in stats.counters() and stats.counters()["role"] == "decode"
@@ -218,8 +255,19 @@ def test_a_pair_counts_the_groups_it_created():
 
 
 def test_worker_snapshot_includes_its_pairs():
-    state = EngineStats(num_blocks=8, num_free_blocks=6, num_cached_blocks=1, num_waiting=0, num_running=1,
-                        num_awaiting_kv=0, num_held=0, preemptions=0, evictions=0, prefix_queries=3, prefix_hits=1)
+    state = EngineStats(
+        num_blocks=8,
+        num_free_blocks=6,
+        num_cached_blocks=1,
+        num_waiting=0,
+        num_running=1,
+        num_awaiting_kv=0,
+        num_held=0,
+        preemptions=0,
+        evictions=0,
+        prefix_queries=3,
+        prefix_hits=1,
+    )
     engine = SimpleNamespace(stats=lambda: state)
     stats = WorkerStats("decode")
     stats.transfers += 1
@@ -231,8 +279,16 @@ def test_worker_snapshot_includes_its_pairs():
 
 
 def test_the_status_merges_every_decode_replicas_pairs():
-    pair = {"transfers": 2, "transfer_bytes": 10, "transfer_seconds": 0.2, "transfer_failures": 0,
-            "recomputed_prefills": 0, "transfer_p50_s": 0.1, "transfer_p99_s": 0.1, "transfer_samples": 2}
+    pair = {
+        "transfers": 2,
+        "transfer_bytes": 10,
+        "transfer_seconds": 0.2,
+        "transfer_failures": 0,
+        "recomputed_prefills": 0,
+        "transfer_p50_s": 0.1,
+        "transfer_p99_s": 0.1,
+        "transfer_samples": 2,
+    }
     pools = {
         "prefill": [{"worker_id": "p1", "healthy": True}, {"worker_id": "p2", "healthy": False}],
         "decode": [
@@ -243,7 +299,10 @@ def test_the_status_merges_every_decode_replicas_pairs():
     }
     rows = pair_table(pools)
     assert [(r["prefill"], r["decode"], r["transfers"], r["prefill_live"]) for r in rows] == [
-        ("p1", "d1", 7, True), ("p1", "d2", 2, True), ("p2", "d2", 1, False)]
+        ("p1", "d1", 7, True),
+        ("p1", "d2", 2, True),
+        ("p2", "d2", 1, False),
+    ]
     assert pair_table({"colocated": [{"worker_id": "c1", "healthy": True, "pairs": {}}]}) == []
 
 
@@ -252,8 +311,9 @@ def test_extend_status_adds_pairs_http_and_rates():
     history.record(status_at(0.0))
     ingress = SimpleNamespace(history=history, stats=SimpleNamespace(aborted=3))
     status = status_at(10.0, tokens=50, finished=5)
-    status["pools"]["decode"] = [{"worker_id": "d1", "healthy": True, "transfer_bytes": 0,
-                                  "pairs": {"p1": {"transfers": 1}}}]
+    status["pools"]["decode"] = [
+        {"worker_id": "d1", "healthy": True, "transfer_bytes": 0, "pairs": {"p1": {"transfers": 1}}}
+    ]
     out = extend_status(status, ingress)
     assert out["pairs"] == [{"prefill": "p1", "decode": "d1", "prefill_live": True, "transfers": 1}]
     assert out["throughput"]["output_tokens_per_s"] == 5.0
@@ -264,26 +324,74 @@ def test_extend_status_adds_pairs_http_and_rates():
 
 # ---------------------------------------------------------------- pdserve status
 def full_status() -> dict:
-    replica = {"healthy": True, "kv_usage": 0.125, "free_blocks": 224, "total_blocks": 256, "num_running": 1,
-               "num_waiting": 0, "requests": 4, "prompt_tokens": 100, "cached_prompt_tokens": 25,
-               "transfer_bytes": 3 * 2**20, "transfer_failures": 0, "recomputed_prefills": 1}
+    replica = {
+        "healthy": True,
+        "kv_usage": 0.125,
+        "free_blocks": 224,
+        "total_blocks": 256,
+        "num_running": 1,
+        "num_waiting": 0,
+        "requests": 4,
+        "prompt_tokens": 100,
+        "cached_prompt_tokens": 25,
+        "transfer_bytes": 3 * 2**20,
+        "transfer_failures": 0,
+        "recomputed_prefills": 1,
+    }
     latency = {"p50": 0.012, "p90": 0.02, "p99": 0.03}
     return {
-        "model": "llama", "mode": "disaggregated", "block_size": 16,
-        "pools": {"prefill": [{**replica, "worker_id": "pre1", "node_ip": "10.0.0.11"}],
-                  "decode": [{**replica, "worker_id": "dec1"},
-                             {"worker_id": "dec2", "healthy": False, "error": "gone"}]},
-        "pairs": [{"prefill": "pre1", "decode": "dec1", "prefill_live": True, "transfers": 4,
-                   "transfer_bytes": 3 * 2**20, "transfer_p50_s": 0.004, "transfer_p99_s": 0.0125,
-                   "transfer_failures": 1, "recomputed_prefills": 2},
-                  {"prefill": "old", "decode": "dec1", "prefill_live": False, "transfers": 1,
-                   "transfer_bytes": 0, "transfer_p50_s": None, "transfer_p99_s": None,
-                   "transfer_failures": 0, "recomputed_prefills": 0}],
-        "requests": {"finished": 4, "active": 0, "failed": 1, "aborted": 2, "cluster_prefix_hit_rate": 0.25,
-                     "ttft_s": latency, "itl_s": latency, "e2e_s": latency, "window_s": 300.0},
+        "model": "llama",
+        "mode": "disaggregated",
+        "block_size": 16,
+        "pools": {
+            "prefill": [{**replica, "worker_id": "pre1", "node_ip": "10.0.0.11"}],
+            "decode": [{**replica, "worker_id": "dec1"}, {"worker_id": "dec2", "healthy": False, "error": "gone"}],
+        },
+        "pairs": [
+            {
+                "prefill": "pre1",
+                "decode": "dec1",
+                "prefill_live": True,
+                "transfers": 4,
+                "transfer_bytes": 3 * 2**20,
+                "transfer_p50_s": 0.004,
+                "transfer_p99_s": 0.0125,
+                "transfer_failures": 1,
+                "recomputed_prefills": 2,
+            },
+            {
+                "prefill": "old",
+                "decode": "dec1",
+                "prefill_live": False,
+                "transfers": 1,
+                "transfer_bytes": 0,
+                "transfer_p50_s": None,
+                "transfer_p99_s": None,
+                "transfer_failures": 0,
+                "recomputed_prefills": 0,
+            },
+        ],
+        "requests": {
+            "finished": 4,
+            "active": 0,
+            "failed": 1,
+            "aborted": 2,
+            "cluster_prefix_hit_rate": 0.25,
+            "ttft_s": latency,
+            "itl_s": latency,
+            "e2e_s": latency,
+            "window_s": 300.0,
+        },
         "http": {"ok": 4, "refused": 1, "client_errors": 2, "server_errors": 0, "total": 7},
-        "throughput": {"window_s": 60.0, "output_tokens_per_s": 12.5, "requests_per_s": 0.25,
-                       "failed_per_s": 0.0, "refused_per_s": 0.02, "aborted_per_s": 0.03, "error_fraction": 0.0},
+        "throughput": {
+            "window_s": 60.0,
+            "output_tokens_per_s": 12.5,
+            "requests_per_s": 0.25,
+            "failed_per_s": 0.0,
+            "refused_per_s": 0.02,
+            "aborted_per_s": 0.03,
+            "error_fraction": 0.0,
+        },
         "index": {"configured": True, "healthy": True, "live_workers": 2},
         "conversations": None,
     }

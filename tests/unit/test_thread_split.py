@@ -9,8 +9,15 @@ from deploy.ops.cli import _threads_per_replica
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = dict(threads_per_replica=None, ray_address=None, gpus_per_replica=0.0, mode="disaggregated",
-                prefill=1, decode=1, colocated=1)
+    base = dict(
+        threads_per_replica=None,
+        ray_address=None,
+        gpus_per_replica=0.0,
+        mode="disaggregated",
+        prefill=1,
+        decode=1,
+        colocated=1,
+    )
     return argparse.Namespace(**{**base, **kw})
 
 

@@ -27,8 +27,7 @@ _ARCH_OPTIONS = {"llama": {}, "mistral": {"sliding_window": 64}, "qwen2": {}, "q
 
 
 def _load(path: Path):
-    model, info = AutoModelForCausalLM.from_pretrained(
-        path, output_loading_info=True, **{_DTYPE_KWARG: torch.float32})
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **{_DTYPE_KWARG: torch.float32})
     assert {key: value for key, value in info.items() if value} == {}, info
     return model.eval()
 
@@ -43,22 +42,32 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    return {arch: make_tiny_model(tmp_path_factory.mktemp(arch), arch=arch, **options)
-            for arch, options in _ARCH_OPTIONS.items()}
+    return {
+        arch: make_tiny_model(tmp_path_factory.mktemp(arch), arch=arch, **options)
+        for arch, options in _ARCH_OPTIONS.items()
+    }
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_each_arch_loads_with_exact_keys_and_generates(models, arch):
     model = _load(models[arch])
     spec = TinyModelSpec(arch=arch, **_ARCH_OPTIONS[arch])
-    assert type(model).__name__ == {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+    assert (
+        type(model).__name__
+        == {
+            "llama": "LlamaForCausalLM",
+            "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
+        }[arch]
+    )
     assert set(_tensors(models[arch])) == set(model.state_dict())
     assert sum(p.numel() for p in model.parameters()) == spec.num_parameters
     tokenizer = AutoTokenizer.from_pretrained(models[arch])
     prompt = tokenizer("The lighthouse keeper", return_tensors="pt").input_ids
-    out = model.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                         pad_token_id=tokenizer.pad_token_id)
+    out = model.generate(
+        prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id
+    )
     assert out.shape == (1, prompt.shape[1] + 8)
 
 
@@ -84,11 +93,14 @@ def test_generation_config_and_special_ids(models):
     assert len(tokenizer) == tokenizer_vocab_size(1024) <= 1024
 
 
-@pytest.mark.parametrize("text", [
-    "Hello, world! def f(x): return x ** 2  # 42",
-    "Grüße aus München — crème brûlée, naïve façade, Dvořák",
-    "日本語のテキスト、中文文本，한국어 🦀🚀👨‍👩‍👧 ∑ x² ≈ ∞",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello, world! def f(x): return x ** 2  # 42",
+        "Grüße aus München — crème brûlée, naïve façade, Dvořák",
+        "日本語のテキスト、中文文本，한국어 🦀🚀👨‍👩‍👧 ∑ x² ≈ ∞",
+    ],
+)
 def test_tokenizer_round_trips_text(models, text):
     tokenizer = AutoTokenizer.from_pretrained(models["llama"])
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -108,8 +120,12 @@ def test_tokenizer_splits_some_multibyte_characters(models):
 
 def test_chat_template_writes_llama3_headers(models):
     tokenizer = AutoTokenizer.from_pretrained(models["qwen3"])
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi! "},
-                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": " Hi! "},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+    ]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == (
         "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
@@ -176,15 +192,20 @@ def test_greedy_choices_are_not_near_ties(models):
     assert gaps[len(gaps) // 2] > 1e-2 and gaps[len(gaps) // 10] > 1e-3
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"vocab_size": 100}, "vocab_size 100 is too small"),
-    ({"num_heads": 4, "num_kv_heads": 3}, "not a multiple of num_kv_heads"),
-    ({"arch": "qwen2", "head_dim": 32}, "qwen2 configs have no head_dim"),
-    ({"arch": "gpt2"}, "arch 'gpt2' is not supported"),
-    ({"sliding_window": 16}, "sliding_window is not supported for llama"),
-    ({"rope_scaling": Llama3RopeScaling(original_max_position_embeddings=4096)},
-     "original_max_position_embeddings 4096 must be below max_position_embeddings 2048"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"vocab_size": 100}, "vocab_size 100 is too small"),
+        ({"num_heads": 4, "num_kv_heads": 3}, "not a multiple of num_kv_heads"),
+        ({"arch": "qwen2", "head_dim": 32}, "qwen2 configs have no head_dim"),
+        ({"arch": "gpt2"}, "arch 'gpt2' is not supported"),
+        ({"sliding_window": 16}, "sliding_window is not supported for llama"),
+        (
+            {"rope_scaling": Llama3RopeScaling(original_max_position_embeddings=4096)},
+            "original_max_position_embeddings 4096 must be below max_position_embeddings 2048",
+        ),
+    ],
+)
 def test_spec_rejects_bad_configs_with_actionable_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TinyModelSpec(**kwargs)

@@ -16,8 +16,10 @@ LAYOUT = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=2, dtype=
 
 def caches(num_blocks: int, offset: float = 0.0) -> list[torch.Tensor]:
     numel = 2 * num_blocks * 4 * 2 * 2
-    return [torch.arange(numel, dtype=torch.float32).view(2, num_blocks, 4, 2, 2) + 1000 * layer + offset
-            for layer in range(3)]
+    return [
+        torch.arange(numel, dtype=torch.float32).view(2, num_blocks, 4, 2, 2) + 1000 * layer + offset
+        for layer in range(3)
+    ]
 
 
 def test_gather_then_scatter_moves_exactly_the_named_blocks():
@@ -38,8 +40,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-@pytest.mark.parametrize("dtype,dims", [(torch.bfloat16, (1, 1, 3)), (torch.float16, (2, 1, 2)),
-                                         (torch.float32, (16, 2, 8))])
+@pytest.mark.parametrize(
+    "dtype,dims", [(torch.bfloat16, (1, 1, 3)), (torch.float16, (2, 1, 2)), (torch.float32, (16, 2, 8))]
+)
 def test_scatter_is_bit_exact_for_any_row_width(dtype, dims):
     # rows of 6, 8 and 1024 bytes: the byte-wide fallback, int64 and complex128 views
     src = [torch.randn(2, 6, *dims).to(dtype) for _ in range(2)]

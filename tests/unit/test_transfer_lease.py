@@ -136,9 +136,11 @@ def test_concurrent_claims_and_sweeps_release_each_lease_exactly_once(clock):
     for rid in ids:
         table.grant(rid, 1.0 if int(rid[1:]) % 2 else 50.0, count)
     clock.now = 110.0
-    threads = [threading.Thread(target=lambda: [table.claim(r) for r in ids]),
-               threading.Thread(target=table.sweep),
-               threading.Thread(target=lambda: [table.release(r) for r in reversed(ids)])]
+    threads = [
+        threading.Thread(target=lambda: [table.claim(r) for r in ids]),
+        threading.Thread(target=table.sweep),
+        threading.Thread(target=lambda: [table.release(r) for r in reversed(ids)]),
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -25,8 +25,7 @@ from workers.transfer import control
 
 LAYOUT = KVLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype="float32")
 ADDRESS = TransferAddress("10.0.0.5", 41234, "prefill-0", "node-a", "cuda", 3, "GPU-1234", 41235, 2**61 + 7)
-HANDLE = KVHandle("req-1", "prefill-0", ADDRESS, (4, 9, 2), 40, LAYOUT,
-                  1_700_000_000.5)
+HANDLE = KVHandle("req-1", "prefill-0", ADDRESS, (4, 9, 2), 40, LAYOUT, 1_700_000_000.5)
 
 
 MESSAGES = [
@@ -34,15 +33,31 @@ MESSAGES = [
     ADDRESS,
     HANDLE,
     TransferRequest("req-1", "decode-3", 17, (9, 2), LAYOUT, "gloo", 12345),
-    PrefillResult("req-1", 42, (1, 2, 3), HANDLE, 16, None, -0.25, ((42, -0.25), (7, -1.5)),
-                  {"prefill_queue_s": 0.01, "prefill_s": 0.2}),
+    PrefillResult(
+        "req-1",
+        42,
+        (1, 2, 3),
+        HANDLE,
+        16,
+        None,
+        -0.25,
+        ((42, -0.25), (7, -1.5)),
+        {"prefill_queue_s": 0.01, "prefill_s": 0.2},
+    ),
     PrefillResult("req-2", 2, (5,), None, 0, "stop"),
     TransferStats("req-1", "prefill-0", "gloo", 17, 2, 16384, 0.01, True),
-    GenerateRequest("req-1", (1, 2, 3), {"max_tokens": 8, "temperature": 0.0, "stop": ["x"]}, "salt",
-                    ("00ff", "a1b2"), 1_700_000_000.25),
+    GenerateRequest(
+        "req-1",
+        (1, 2, 3),
+        {"max_tokens": 8, "temperature": 0.0, "stop": ["x"]},
+        "salt",
+        ("00ff", "a1b2"),
+        1_700_000_000.25,
+    ),
     TokenLogprobs(5, -0.5, ((5, -0.5), (6, -2.0))),
-    TokenChunk("req-1", (5, 6), (TokenLogprobs(5, -0.5), TokenLogprobs(6, -0.25, ((6, -0.25),))), "stop", 16,
-               {"decode_s": 0.5}),
+    TokenChunk(
+        "req-1", (5, 6), (TokenLogprobs(5, -0.5), TokenLogprobs(6, -0.25, ((6, -0.25),))), "stop", 16, {"decode_s": 0.5}
+    ),
     control.LeaseCall("req-1", 10.0),
     control.Hello("decode-3"),
     control.ControlReply(False, 2**61 + 7, "prefill-0", "no live lease", 0.0, {"num_held": 3, "pools": [1, 2]}),
@@ -50,8 +65,11 @@ MESSAGES = [
 
 
 def _message_classes(module) -> set[type]:
-    return {obj for obj in vars(module).values()
-            if dataclasses.is_dataclass(obj) and isinstance(obj, type) and obj.__module__ == module.__name__}
+    return {
+        obj
+        for obj in vars(module).values()
+        if dataclasses.is_dataclass(obj) and isinstance(obj, type) and obj.__module__ == module.__name__
+    }
 
 
 def test_every_message_class_is_covered():

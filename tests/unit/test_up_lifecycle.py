@@ -144,8 +144,14 @@ def test_sigint_to_the_launchers_group_leaves_redis_up_until_stop():
         cluster.stop()
         print("stopped", flush=True)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         pid_text, url = proc.stdout.readline().split()
         redis_pid = int(pid_text)
@@ -236,8 +242,14 @@ def test_first_interrupt_asks_for_a_stop_a_second_one_exits_at_once():
         print("stopping", flush=True)
         time.sleep(60)  # a slow stop: the second Ctrl-C must not wait for it
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"
         os.killpg(proc.pid, signal.SIGINT)

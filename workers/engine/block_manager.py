@@ -62,9 +62,7 @@ class BlockStats:
 
 
 class BlockManager:
-    def __init__(
-        self, num_blocks: int, block_size: int, model_key: str, enable_prefix_caching: bool = True
-    ) -> None:
+    def __init__(self, num_blocks: int, block_size: int, model_key: str, enable_prefix_caching: bool = True) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -133,9 +131,7 @@ class BlockManager:
         return CachedPrefix(tuple(hits), len(hits) * self.block_size)
 
     # ------------------------------------------------------------- allocation
-    def allocate_slots(
-        self, seq: Sequence, num_new_tokens: int, cached: CachedPrefix = CachedPrefix()
-    ) -> bool:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: CachedPrefix = CachedPrefix()) -> bool:
         """Make ``seq.block_table`` cover its computed tokens, ``cached`` and ``num_new_tokens``.
 
         Either every block is taken or nothing changes (returns False): the scheduler then
@@ -183,9 +179,7 @@ class BlockManager:
             stored.append(hashes[i])
             first = i if first < 0 else first
         if stored:
-            self.stats.events.append(
-                BlockStored(tuple(stored), hashes[first - 1] if first > 0 else None)
-            )
+            self.stats.events.append(BlockStored(tuple(stored), hashes[first - 1] if first > 0 else None))
         seq.num_cached_blocks = num_computed_full
 
     def free(self, seq: Sequence) -> None:
@@ -234,8 +228,7 @@ class BlockManager:
         leaked = [b.block_id for b in self.blocks if b.ref_count != 0]
         if leaked or len(self._free) != self.num_blocks:
             raise AssertionError(
-                f"block accounting: {len(self._free)} free of {self.num_blocks}, "
-                f"referenced while idle: {leaked[:16]}"
+                f"block accounting: {len(self._free)} free of {self.num_blocks}, referenced while idle: {leaked[:16]}"
             )
 
     # --------------------------------------------------------------- internal

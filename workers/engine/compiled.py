@@ -88,8 +88,13 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
 class CompiledDecode:
     """Bucketed compiled forward for decode-only steps (see the module docstring)."""
 
-    def __init__(self, model: LlamaForCausalLM, max_num_seqs: int, device: torch.device,
-                 batch_sizes: tuple[int, ...] | None = None) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        max_num_seqs: int,
+        device: torch.device,
+        batch_sizes: tuple[int, ...] | None = None,
+    ) -> None:
         import torch._inductor.config as inductor_config
 
         self.model = model
@@ -140,7 +145,11 @@ class CompiledDecode:
             bar.set_postfix_str(f"batch {size}")
             t = time.monotonic()
             self.run([0] * size, [0] * size, make_attention(size))
-            logger.info("compiled decode step %d/%d (batch %d) in %.1f s", i, len(self.buckets), size,
-                        time.monotonic() - t)
-        logger.info("decode steps compiled for batches %s in %.1f s", ",".join(map(str, self.buckets)),
-                    time.monotonic() - started)
+            logger.info(
+                "compiled decode step %d/%d (batch %d) in %.1f s", i, len(self.buckets), size, time.monotonic() - t
+            )
+        logger.info(
+            "decode steps compiled for batches %s in %.1f s",
+            ",".join(map(str, self.buckets)),
+            time.monotonic() - started,
+        )

@@ -34,8 +34,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         buckets, max_seqs = self.compile_batch_sizes, self.max_num_seqs
         checks = {
-            "block_size": (self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
-                           "must be a positive power of two (16 is the default)"),
+            "block_size": (
+                self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+                "must be a positive power of two (16 is the default)",
+            ),
             "num_kv_blocks": (self.num_kv_blocks is None or self.num_kv_blocks > 0, "must be positive"),
             "max_num_batched_tokens": (self.max_num_batched_tokens > 0, "must be positive"),
             "max_num_seqs": (self.max_num_seqs > 0, "must be positive"),
@@ -43,8 +45,10 @@ class EngineConfig:
             "kv_cache_memory_gib": (self.kv_cache_memory_gib > 0, "must be positive"),
             "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
             "kv_cache_dtype": (self.kv_cache_dtype in KV_CACHE_DTYPES, f"must be one of {KV_CACHE_DTYPES}"),
-            "compile_batch_sizes": (buckets is None or (len(buckets) > 0 and all(0 < b <= max_seqs for b in buckets)),
-                                    "must be batch sizes in [1, max_num_seqs]"),
+            "compile_batch_sizes": (
+                buckets is None or (len(buckets) > 0 and all(0 < b <= max_seqs for b in buckets)),
+                "must be batch sizes in [1, max_num_seqs]",
+            ),
         }
         for name, (ok, problem) in checks.items():
             if not ok:

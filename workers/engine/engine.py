@@ -72,20 +72,23 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
-
 class LLMEngine:
-    def __init__(self, model_dir: str | os.PathLike | None = None, *, config: EngineConfig | None = None,
-                 **kwargs) -> None:
+    def __init__(
+        self, model_dir: str | os.PathLike | None = None, *, config: EngineConfig | None = None, **kwargs
+    ) -> None:
         """``LLMEngine(config=EngineConfig(...))``, or ``LLMEngine(model_dir, **fields)`` with
         ``EngineConfig``'s other fields as keywords (``block_size=16``, ``num_kv_blocks=...``)."""
         if config is None:
             if model_dir is None:
-                raise TypeError("LLMEngine needs a model directory: LLMEngine(model_dir, ...) or "
-                                "LLMEngine(config=EngineConfig(model_dir=...))")
+                raise TypeError(
+                    "LLMEngine needs a model directory: LLMEngine(model_dir, ...) or "
+                    "LLMEngine(config=EngineConfig(model_dir=...))"
+                )
             config = EngineConfig(model_dir=str(model_dir), **kwargs)
         elif model_dir is not None or kwargs:
-            raise TypeError("LLMEngine takes config=EngineConfig(...) alone, or model_dir and "
-                            "EngineConfig fields, not both")
+            raise TypeError(
+                "LLMEngine takes config=EngineConfig(...) alone, or model_dir and EngineConfig fields, not both"
+            )
         self.config = cfg = config
         self.device = torch.device(cfg.device)
         self.model_config = ModelConfig.from_dir(cfg.model_dir)
@@ -111,14 +114,18 @@ class LLMEngine:
             logger.info("KV cache holds %d tokens: max_model_len lowered from %d", capacity, max_len)
             max_len = capacity
         self.max_model_len = max_len
-        self.kv = PagedKVCache(self.model_config, num_blocks, cfg.block_size, cfg.kv_cache_dtype, self.dtype,
-                               self.device)
+        self.kv = PagedKVCache(
+            self.model_config, num_blocks, cfg.block_size, cfg.kv_cache_dtype, self.dtype, self.device
+        )
         self.kv_caches = self.kv.layers  # what the transfer layer moves blocks of
         self.block_manager = BlockManager(num_blocks, cfg.block_size, self.model_key, cfg.enable_prefix_caching)
         # The scheduler owns the request table and every status change (RequestStatus).
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, max_chunk)
-        compiled = None if cfg.enforce_eager else CompiledDecode(self.model, cfg.max_num_seqs, self.device,
-                                                                 cfg.compile_batch_sizes)
+        compiled = (
+            None
+            if cfg.enforce_eager
+            else CompiledDecode(self.model, cfg.max_num_seqs, self.device, cfg.compile_batch_sizes)
+        )
         self.runner = ModelRunner(self.model, self.kv, self.sliding_window, compiled, cfg.load_progress)
         self.tokenizer = _load_tokenizer(cfg.model_dir)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) or frozenset(
@@ -151,12 +158,17 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         sched, bm = self.scheduler, self.block_manager
         return EngineStats(
-            num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks, num_cached_blocks=bm.num_cached_blocks,
-            num_waiting=sched.count(RequestStatus.WAITING), num_running=sched.count(RequestStatus.RUNNING),
+            num_blocks=bm.num_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            num_cached_blocks=bm.num_cached_blocks,
+            num_waiting=sched.count(RequestStatus.WAITING),
+            num_running=sched.count(RequestStatus.RUNNING),
             num_awaiting_kv=sched.count(RequestStatus.AWAITING_REMOTE_KV),
             num_held=sched.count(RequestStatus.HELD_FOR_DECODE),
-            preemptions=sched.num_preemptions, evictions=bm.stats.evictions,
-            prefix_queries=sched.prefix_queries, prefix_hits=sched.prefix_hits,
+            preemptions=sched.num_preemptions,
+            evictions=bm.stats.evictions,
+            prefix_queries=sched.prefix_queries,
+            prefix_hits=sched.prefix_hits,
         )
 
     def take_events(self) -> list[KVEvent]:
@@ -296,12 +308,13 @@ class LLMEngine:
             )
         generator = None
         if not params.greedy:
-            generator = (
-                torch.Generator(self.device) if params.seed is not None else self._default_generator
-            )
+            generator = torch.Generator(self.device) if params.seed is not None else self._default_generator
         seq = Sequence(
-            request_id=request_id, prompt_token_ids=token_ids, params=params,
-            arrival_time=time.monotonic(), cache_salt=cache_salt,
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            arrival_time=time.monotonic(),
+            cache_salt=cache_salt,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             generator=generator,
             output_token_ids=[] if first_token_id is None else [first_token_id],
@@ -387,8 +400,9 @@ class LLMEngine:
             reason = FinishReason.STOP
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
-        cut = (find_stop_cut(detok.text, len(new_text), params.stop, params.include_stop_str_in_output)
-               if detok else None)
+        cut = (
+            find_stop_cut(detok.text, len(new_text), params.stop, params.include_stop_str_in_output) if detok else None
+        )
         if detok and cut is not None:
             emitted_before = len(detok.text) - len(new_text)
             detok.text = detok.text[:cut]

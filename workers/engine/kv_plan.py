@@ -46,15 +46,24 @@ class KVPlan:
 
 
 def plan_kv(
-    model: ModelConfig, gpu_mem_gib: float, context: int, concurrency: int,
-    kv_cache_dtype: str = "auto", dtype: str | None = None, block_size: int = 16,
+    model: ModelConfig,
+    gpu_mem_gib: float,
+    context: int,
+    concurrency: int,
+    kv_cache_dtype: str = "auto",
+    dtype: str | None = None,
+    block_size: int = 16,
     gpu_memory_utilization: float = 0.9,
 ) -> KVPlan:
     """How the KV cache of one replica with ``gpu_mem_gib`` of accelerator memory is spent."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
-    for name, value in (("gpu_mem", gpu_mem_gib), ("context", context), ("concurrency", concurrency),
-                        ("block_size", block_size)):
+    for name, value in (
+        ("gpu_mem", gpu_mem_gib),
+        ("context", context),
+        ("concurrency", concurrency),
+        ("block_size", block_size),
+    ):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
     torch_dtype = resolve_dtype(model, torch.device("cuda"), dtype)  # what a GPU replica runs
@@ -68,10 +77,17 @@ def plan_kv(
         per_seq = min(per_seq, math.ceil(model.sliding_window / block_size) + 1)
     max_concurrency = num_blocks // per_seq
     return KVPlan(
-        kv_cache_dtype=kv_cache_dtype, model_dtype=model_dtype, block_size=block_size,
-        bytes_per_token=per_block / block_size, bytes_per_block=per_block, weight_bytes=weights,
-        kv_budget_bytes=max(0, budget), num_blocks=num_blocks, blocks_per_sequence=per_seq,
-        max_concurrency=max_concurrency, concurrency=concurrency,
+        kv_cache_dtype=kv_cache_dtype,
+        model_dtype=model_dtype,
+        block_size=block_size,
+        bytes_per_token=per_block / block_size,
+        bytes_per_block=per_block,
+        weight_bytes=weights,
+        kv_budget_bytes=max(0, budget),
+        num_blocks=num_blocks,
+        blocks_per_sequence=per_seq,
+        max_concurrency=max_concurrency,
+        concurrency=concurrency,
         replicas_needed=math.ceil(concurrency / max_concurrency) if max_concurrency else 0,
     )
 
@@ -99,11 +115,16 @@ def format_plan(model: ModelConfig, plans: list[KVPlan], context: int, gpu_mem_g
             f"{name:<16}{plan.bytes_per_token:>12,.0f}{plan.kv_budget_bytes / 2**30:>15.2f}{plan.num_blocks:>14,}"
             f"{plan.tokens:>16,}{plan.blocks_per_sequence:>12,}{plan.max_concurrency:>12,}{replicas:>20}"
         )
-    verdict = (f"{first.concurrency} sequences of {context} tokens fit in one replica with "
-               f"kv_cache_dtype={first.kv_cache_dtype}" if first.fits else
-               f"{first.concurrency} sequences of {context} tokens need {first.replicas_needed or 'more'} "
-               f"replicas with kv_cache_dtype={first.kv_cache_dtype} (one holds {first.max_concurrency})")
+    verdict = (
+        f"{first.concurrency} sequences of {context} tokens fit in one replica with "
+        f"kv_cache_dtype={first.kv_cache_dtype}"
+        if first.fits
+        else f"{first.concurrency} sequences of {context} tokens need {first.replicas_needed or 'more'} "
+        f"replicas with kv_cache_dtype={first.kv_cache_dtype} (one holds {first.max_concurrency})"
+    )
     if not first.num_blocks:
-        verdict = (f"the weights ({first.weight_bytes / 2**30:.2f} GiB) leave no room for a KV block in "
-                   f"{gpu_mem_gib:g} GiB at this utilization: give each replica more memory or use a smaller model")
+        verdict = (
+            f"the weights ({first.weight_bytes / 2**30:.2f} GiB) leave no room for a KV block in "
+            f"{gpu_mem_gib:g} GiB at this utilization: give each replica more memory or use a smaller model"
+        )
     return "\n".join(lines + ["", verdict])

@@ -36,8 +36,14 @@ PromptLogprobs = tuple[Sequence, int, list[TokenLogprob]]
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, sliding_window: int | None = None,
-                 compiled: CompiledDecode | None = None, progress: bool = False) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv: PagedKVCache,
+        sliding_window: int | None = None,
+        compiled: CompiledDecode | None = None,
+        progress: bool = False,
+    ) -> None:
         self.model = model
         self.kv = kv
         self.block_size = kv.block_size
@@ -76,8 +82,9 @@ class ModelRunner:
 
         dev = self.device
         offsets = [p % bs for p in positions]
-        meta = AttentionMetadata(write=self.kv.write_plan(write_blocks, offsets, dev),
-                                 sliding_window=self.sliding_window)
+        meta = AttentionMetadata(
+            write=self.kv.write_plan(write_blocks, offsets, dev), sliding_window=self.sliding_window
+        )
         if out.decodes:
             self._decode_metadata(meta, out.decodes)
         row = len(out.decodes)
@@ -94,8 +101,12 @@ class ModelRunner:
             row += item.num_new_tokens
 
         attn = PagedAttention(self.kv, meta, self.model.attention_scale)
-        if (self.compiled is not None and not out.prefills and not prompt_rows
-                and self.compiled.bucket(len(input_ids)) is not None):
+        if (
+            self.compiled is not None
+            and not out.prefills
+            and not prompt_rows
+            and self.compiled.bucket(len(input_ids)) is not None
+        ):
             logits = self.compiled.run(input_ids, positions, attn)  # every decode row samples
             return logits[torch.tensor(sample_rows, device=dev)], sampled, []
         hidden = self.model(
@@ -103,8 +114,9 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long, device=dev),
             attn,
         )
-        prompt = [(seq, targets.start, self._prompt_logprobs(hidden, seq, targets, row))
-                  for seq, targets, row in prompt_rows]
+        prompt = [
+            (seq, targets.start, self._prompt_logprobs(hidden, seq, targets, row)) for seq, targets, row in prompt_rows
+        ]
         if not sample_rows:
             return hidden.new_empty((0, 0), dtype=torch.float32), sampled, prompt
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
@@ -127,8 +139,9 @@ class ModelRunner:
     def _scratch_attention(self, batch: int) -> PagedAttention:
         """Attention for ``batch`` decodes at position 0 of block 0 (free at start-up: what
         compiling writes there is void), to compile a bucket with."""
-        meta = AttentionMetadata(write=self.kv.write_plan([0] * batch, [0] * batch, self.device),
-                                 sliding_window=self.sliding_window)
+        meta = AttentionMetadata(
+            write=self.kv.write_plan([0] * batch, [0] * batch, self.device), sliding_window=self.sliding_window
+        )
         self._fill_decode_metadata(meta, [1] * batch, [0] * batch, [[0]] * batch)
         return PagedAttention(self.kv, meta, self.model.attention_scale)
 
@@ -139,8 +152,9 @@ class ModelRunner:
         tables = [d.seq.block_table[f : -(-n // bs)] for d, f, n in zip(decodes, firsts, context_lens)]
         self._fill_decode_metadata(meta, context_lens, firsts, tables)
 
-    def _fill_decode_metadata(self, meta: AttentionMetadata, context_lens: list[int], firsts: list[int],
-                              tables: list[list[int]]) -> None:
+    def _fill_decode_metadata(
+        self, meta: AttentionMetadata, context_lens: list[int], firsts: list[int], tables: list[list[int]]
+    ) -> None:
         bs, dev = self.block_size, self.device
         max_blocks = max(len(t) for t in tables)
         padded = [t + [0] * (max_blocks - len(t)) for t in tables]
@@ -159,8 +173,11 @@ class ModelRunner:
     def forward_without_cache(self, token_ids: list[int]) -> torch.Tensor:
         """Logits of the last position from a full recomputation (the benchmark's baseline)."""
         dev = self.device
-        meta = AttentionMetadata(write=None, prefills=[PrefillSpan(0, len(token_ids), len(token_ids), None)],
-                                 sliding_window=self.sliding_window)
+        meta = AttentionMetadata(
+            write=None,
+            prefills=[PrefillSpan(0, len(token_ids), len(token_ids), None)],
+            sliding_window=self.sliding_window,
+        )
         attn = PagedAttention(None, meta, self.model.attention_scale)
         hidden = self.model(
             torch.tensor(token_ids, dtype=torch.long, device=dev),

@@ -54,8 +54,9 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[
     if not top:
         return [TokenLogprob(t, lp) for t, lp in zip(targets, chosen)]
     values, ids = log_probs.topk(top, dim=-1)
-    return [TokenLogprob(t, lp, tuple(zip(i, v)))
-            for t, lp, i, v in zip(targets, chosen, ids.tolist(), values.tolist())]
+    return [
+        TokenLogprob(t, lp, tuple(zip(i, v))) for t, lp, i, v in zip(targets, chosen, ids.tolist(), values.tolist())
+    ]
 
 
 def _position_seed(seed: int, position: int) -> int:

@@ -66,8 +66,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_chunk_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_chunk_tokens: int | None = None,
+    ) -> None:
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_chunk_tokens = max_chunk_tokens or max_num_batched_tokens
@@ -232,8 +237,10 @@ class Scheduler:
         """Set the status; ``source``: the only status the caller's transition starts from."""
         if status not in TRANSITIONS[seq.status] or source not in (None, seq.status):
             expected = f" (this transition starts from {source.value})" if source is not None else ""
-            raise RuntimeError(f"request {seq.request_id!r}: {seq.status.value} -> {status.value} "
-                               f"is not a request transition{expected}")
+            raise RuntimeError(
+                f"request {seq.request_id!r}: {seq.status.value} -> {status.value} "
+                f"is not a request transition{expected}"
+            )
         seq.status = status
         if status is FINISHED:
             del self.requests[seq.request_id]

@@ -88,8 +88,11 @@ def check_quantized_shape(block_size: int, head_dim: int) -> None:
 
 def scale_granularity(block_size: int, head_dim: int) -> str:
     """One line describing the scales a quantized block of this shape keeps."""
-    k = ("K per channel with an fp8 offset (asymmetric)" if k_offsets_fit(block_size, head_dim)
-         else "K per channel (symmetric)")
+    k = (
+        "K per channel with an fp8 offset (asymmetric)"
+        if k_offsets_fit(block_size, head_dim)
+        else "K per channel (symmetric)"
+    )
     return f"{k}, V per token (Hadamard-rotated); one extra row per {block_size}-token block"
 
 
@@ -211,8 +214,9 @@ class KVWritePlan:
     blocks: BlockWrites | None = None  # a quantized cache's; a full-precision one needs slots only
 
     @classmethod
-    def build(cls, block_ids: list[int], offsets: list[int], rows: int, device: torch.device,
-              quantized: bool) -> KVWritePlan:
+    def build(
+        cls, block_ids: list[int], offsets: list[int], rows: int, device: torch.device, quantized: bool
+    ) -> KVWritePlan:
         def tensor(values, dtype=torch.long):
             return torch.tensor(values, dtype=dtype, device=device)
 
@@ -237,8 +241,13 @@ class PagedKVCache:
     """The cache tensors of every layer and the only code that reads or writes their contents."""
 
     def __init__(
-        self, model: ModelConfig, num_blocks: int, block_size: int, kv_cache_dtype: str,
-        model_dtype: torch.dtype, device: torch.device,
+        self,
+        model: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        kv_cache_dtype: str,
+        model_dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         self.kv_cache_dtype = kv_cache_dtype
         self.dtype = kv_storage_dtype(kv_cache_dtype, model_dtype)
@@ -260,14 +269,20 @@ class PagedKVCache:
         shape = (2, num_blocks, self.rows, self.num_kv_heads, self.head_dim)
         self.layers = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(model.num_layers)]
         total = sum(c.numel() * c.element_size() for c in self.layers)
-        logger.info("KV cache: %d blocks x %d tokens (%s), %.1f MiB on %s", num_blocks, block_size,
-                    kv_cache_dtype if self.quantized else str(self.dtype).removeprefix("torch."),
-                    total / 2**20, device)
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%s), %.1f MiB on %s",
+            num_blocks,
+            block_size,
+            kv_cache_dtype if self.quantized else str(self.dtype).removeprefix("torch."),
+            total / 2**20,
+            device,
+        )
 
     @property
     def layout(self) -> KVLayout:
-        return KVLayout(len(self.layers), self.block_size, self.num_kv_heads, self.head_dim,
-                        str(self.dtype).removeprefix("torch."))
+        return KVLayout(
+            len(self.layers), self.block_size, self.num_kv_heads, self.head_dim, str(self.dtype).removeprefix("torch.")
+        )
 
     @property
     def granularity(self) -> str:
@@ -289,7 +304,9 @@ class PagedKVCache:
         return offsets, base - K_STEP_CODES * steps
 
     def _k_offsets_scales(
-        self, k_meta: torch.Tensor, v_meta: torch.Tensor,
+        self,
+        k_meta: torch.Tensor,
+        v_meta: torch.Tensor,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Per-channel K offsets and scales (float32 ``[..., H, D]``; no offsets for symmetric K),
         by table lookups: what a read needs, in few operations."""
@@ -300,8 +317,9 @@ class PagedKVCache:
         packed = v_meta[..., self.block_size + 1 : self.block_size + 1 + self.head_dim // 2]
         return offsets, _lookup(_table(k_meta.device, "steps"), packed).flatten(-2).mul_(base)
 
-    def _store_k_params(self, k_meta: torch.Tensor, v_meta: torch.Tensor, offsets: torch.Tensor,
-                        codes: torch.Tensor) -> None:
+    def _store_k_params(
+        self, k_meta: torch.Tensor, v_meta: torch.Tensor, offsets: torch.Tensor, codes: torch.Tensor
+    ) -> None:
         """Write K's parameters into the extra rows (uint8 views, in place); ``codes`` must be
         representable (``_k_codes``)."""
         if not self.k_offsets:
@@ -322,8 +340,9 @@ class PagedKVCache:
             return codes
         base = codes.amax(-1, keepdim=True)
         kept_any = keep.any(-1, keepdim=True)
-        aligned = old_base + K_STEP_CODES * torch.div(base - old_base + K_STEP_CODES - 1, K_STEP_CODES,
-                                                      rounding_mode="floor")
+        aligned = old_base + K_STEP_CODES * torch.div(
+            base - old_base + K_STEP_CODES - 1, K_STEP_CODES, rounding_mode="floor"
+        )
         base = torch.where(kept_any, torch.maximum(aligned, old_base), base)
         steps = torch.div(base - codes, K_STEP_CODES, rounding_mode="floor").clamp_(0, K_MAX_STEP)
         return base - K_STEP_CODES * steps
@@ -354,8 +373,9 @@ class PagedKVCache:
         # index op supports (CPU has no index_copy_ for float8), as 16-byte rows where possible.
         raw = self.layers[layer].view(torch.uint8)
         wide = as_wide_rows(raw)
-        blocks = wide.index_select(1, writes.ids).view(torch.uint8).view(
-            2, -1, self.rows, self.num_kv_heads, self.head_dim)  # [2, U, rows, H, D], a copy
+        blocks = (
+            wide.index_select(1, writes.ids).view(torch.uint8).view(2, -1, self.rows, self.num_kv_heads, self.head_dim)
+        )  # [2, U, rows, H, D], a copy
         bs = self.block_size
         tb, off = writes.token_block, writes.offsets
         k_meta, v_meta = blocks[0, :, bs], blocks[1, :, bs]  # [U, H, D] views into the copy

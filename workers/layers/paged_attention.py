@@ -62,10 +62,16 @@ class AttentionMetadata:
     use_flash_attn: bool = False
 
 
-def flash_attn_usable(device: torch.device, block_size: int, kv: PagedKVCache | None = None,
-                      sliding_window: int | None = None) -> bool:
-    return (flash_attn_with_kvcache is not None and device.type == "cuda" and block_size % 256 == 0
-            and (kv is None or not kv.quantized) and sliding_window is None)
+def flash_attn_usable(
+    device: torch.device, block_size: int, kv: PagedKVCache | None = None, sliding_window: int | None = None
+) -> bool:
+    return (
+        flash_attn_with_kvcache is not None
+        and device.type == "cuda"
+        and block_size % 256 == 0
+        and (kv is None or not kv.quantized)
+        and sliding_window is None
+    )
 
 
 def attention_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -116,7 +122,11 @@ class PagedAttention:
                 else:
                     pos = torch.arange(span.num_tokens, device=q.device)
                     o = F.scaled_dot_product_attention(
-                        qs, ks, vs, attn_mask=attention_mask(pos, pos, window), scale=self.scale,
+                        qs,
+                        ks,
+                        vs,
+                        attn_mask=attention_mask(pos, pos, window),
+                        scale=self.scale,
                         enable_gqa=True,
                     )
             else:
@@ -128,10 +138,16 @@ class PagedAttention:
                 vs = kv[1, :length].transpose(0, 1).unsqueeze(0)
                 query_pos = torch.arange(span.context_len - span.num_tokens, span.context_len, device=q.device)
                 key_pos = torch.arange(span.first_key_pos, span.context_len, device=q.device)
-                o = self.cache.unrotate_values(F.scaled_dot_product_attention(
-                    qs, ks, vs, attn_mask=attention_mask(query_pos, key_pos, window), scale=self.scale,
-                    enable_gqa=True,
-                ))
+                o = self.cache.unrotate_values(
+                    F.scaled_dot_product_attention(
+                        qs,
+                        ks,
+                        vs,
+                        attn_mask=attention_mask(query_pos, key_pos, window),
+                        scale=self.scale,
+                        enable_gqa=True,
+                    )
+                )
             out[rows] = o.squeeze(0).transpose(0, 1)
         return out
 
@@ -143,10 +159,13 @@ class PagedAttention:
         if meta.use_flash_attn:
             layer_cache = cache.layers[layer]
             o = flash_attn_with_kvcache(
-                q.unsqueeze(1), layer_cache[0], layer_cache[1],
+                q.unsqueeze(1),
+                layer_cache[0],
+                layer_cache[1],
                 cache_seqlens=lens.to(torch.int32),
                 block_table=tables.to(torch.int32),
-                softmax_scale=self.scale, causal=True,
+                softmax_scale=self.scale,
+                causal=True,
             )
             return o.squeeze(1)
         kv = cache.gather(layer, tables, rotated_values=True).transpose(2, 3)  # [2, B, Hkv, L, D]

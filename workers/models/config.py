@@ -106,7 +106,8 @@ class ModelConfig:
         if sliding_window and len(layer_types) > 1:
             # e.g. Qwen2 with 0 < max_window_layers < num_hidden_layers: a window on some layers only.
             raise UnsupportedModelError(
-                f"layer_types mixes {sorted(layer_types)}: a sliding window on some layers only is not supported")
+                f"layer_types mixes {sorted(layer_types)}: a sliding window on some layers only is not supported"
+            )
         eos = generation.get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(

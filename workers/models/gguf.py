@@ -80,8 +80,9 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
     if arch is None:
         raise UnsupportedGGUFError(f"{path} has no general.architecture field: not a model GGUF")
     types = tuple(sorted({t.tensor_type.name for t in reader.tensors}))
-    return GGUFInfo(architecture=arch, tensor_types=types, num_tensors=len(reader.tensors),
-                    name=_field_text(reader, "general.name"))
+    return GGUFInfo(
+        architecture=arch, tensor_types=types, num_tensors=len(reader.tensors), name=_field_text(reader, "general.name")
+    )
 
 
 def check_supported(path: str | Path) -> GGUFInfo:
@@ -89,12 +90,14 @@ def check_supported(path: str | Path) -> GGUFInfo:
     if info.architecture not in GGUF_ARCHITECTURES:
         raise UnsupportedGGUFError(
             f"{Path(path).name}: GGUF architecture {info.architecture!r} is not supported; "
-            f"pdserve serves {', '.join(sorted(GGUF_ARCHITECTURES))}")
+            f"pdserve serves {', '.join(sorted(GGUF_ARCHITECTURES))}"
+        )
     unknown = sorted(set(info.tensor_types) - dequantizable_types())
     if unknown:
         raise UnsupportedGGUFError(
             f"{Path(path).name}: quantization type(s) {', '.join(unknown)} cannot be dequantized by the "
-            f"installed gguf package; supported: {', '.join(sorted(dequantizable_types()))}")
+            f"installed gguf package; supported: {', '.join(sorted(dequantizable_types()))}"
+        )
     return info
 
 
@@ -114,8 +117,9 @@ def is_converted(out_dir: str | Path) -> bool:
     return (out / MARKER).is_file() and (out / "config.json").is_file()
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, source: dict | None = None,
-                 progress: bool = True) -> Path:
+def convert_gguf(
+    gguf_path: str | Path, out_dir: str | Path, *, source: dict | None = None, progress: bool = True
+) -> Path:
     """Write ``out_dir`` (config.json, model.safetensors, tokenizer, chat template, generation
     config) from ``gguf_path``; return at once when it is already there."""
     gguf_path, out = Path(gguf_path).resolve(), Path(out_dir)
@@ -125,14 +129,20 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, source: dict | N
     with _locked(out.parent / f".{out.name}.lock"):
         if is_converted(out):  # another process finished it while we waited
             return out
-        logger.info("converting %s (%s, %s) into %s", gguf_path.name, info.architecture,
-                    "/".join(info.tensor_types), out)
+        logger.info(
+            "converting %s (%s, %s) into %s", gguf_path.name, info.architecture, "/".join(info.tensor_types), out
+        )
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:
             _write_hf_dir(gguf_path, info, tmp, progress)
-            marker = {"weights": "converted", "format": "gguf", "gguf": gguf_path.name,
-                      "architecture": info.architecture, "tensor_types": list(info.tensor_types),
-                      **(source or {})}
+            marker = {
+                "weights": "converted",
+                "format": "gguf",
+                "gguf": gguf_path.name,
+                "architecture": info.architecture,
+                "tensor_types": list(info.tensor_types),
+                **(source or {}),
+            }
             (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
             if out.exists():
                 shutil.rmtree(out)  # a directory without a marker is an interrupted older layout
@@ -165,8 +175,11 @@ def _write_hf_dir(gguf_path: Path, info: GGUFInfo, out: Path, progress: bool) ->
     config.save_pretrained(out)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(out)
-    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                     pad_token_id=getattr(config, "pad_token_id", None)).save_pretrained(out)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=getattr(config, "pad_token_id", None),
+    ).save_pretrained(out)
 
 
 def describe_model(model_dir: str | Path) -> str:

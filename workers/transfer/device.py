@@ -13,8 +13,7 @@ def nccl_available() -> bool:
     return hasattr(dist, "ProcessGroupNCCL") and torch.cuda.is_available()
 
 
-def device_address(host: str, port: int, worker_id: str, node_id: str,
-                   device: torch.device) -> TransferAddress:
+def device_address(host: str, port: int, worker_id: str, node_id: str, device: torch.device) -> TransferAddress:
     """The address a prefill worker advertises, with the identity of the GPU it sends from."""
     if device.type != "cuda":
         return TransferAddress(host, port, worker_id, node_id, "cpu", 0, "")
@@ -31,8 +30,7 @@ def same_gpu(local: TransferAddress, peer: TransferAddress) -> bool:
     return local.device_index == peer.device_index
 
 
-def resolve_transport(requested: Transport, local: TransferAddress,
-                      peer: TransferAddress) -> Transport:
+def resolve_transport(requested: Transport, local: TransferAddress, peer: TransferAddress) -> Transport:
     """The concrete transport for one pair; the decode side decides and the request carries it.
 
     Both ranks must hold tensors of the same kind: gloo moves CPU tensors, NCCL CUDA tensors.

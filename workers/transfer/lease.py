@@ -128,8 +128,7 @@ class LeaseTable:
         """Sweep every ``interval_s`` on a daemon thread until ``close()``."""
         if self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._run, args=(interval_s,),
-                                        name="kv-lease-sweeper", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), name="kv-lease-sweeper", daemon=True)
         self._thread.start()
 
     def close(self) -> None:

@@ -18,8 +18,7 @@ from workers.protocol import KVLayout
 from workers.transfer.buffers import buffer_shape, gather_blocks
 
 
-def put_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
-               layout: KVLayout) -> Any:
+def put_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], layout: KVLayout) -> Any:
     """Gather the blocks into one host buffer and put it in the object store; returns the ref.
 
     The buffer is stored as a flat uint8 numpy array, which Ray stores and maps without pickling
@@ -27,15 +26,13 @@ def put_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
     """
     import ray
 
-    gathered = torch.empty(buffer_shape(layout, len(block_ids)), dtype=kv_caches[0].dtype,
-                           device=kv_caches[0].device)
+    gathered = torch.empty(buffer_shape(layout, len(block_ids)), dtype=kv_caches[0].dtype, device=kv_caches[0].device)
     gather_blocks(kv_caches, block_ids, gathered)
     host = gathered.cpu() if gathered.is_cuda else gathered
     return ray.put(host.view(-1).view(torch.uint8).numpy())
 
 
-def fetch_blocks(payload: Any, layout: KVLayout, num_blocks: int, dtype: torch.dtype,
-                 deadline: float) -> torch.Tensor:
+def fetch_blocks(payload: Any, layout: KVLayout, num_blocks: int, dtype: torch.dtype, deadline: float) -> torch.Tensor:
     """Resolve what the control plane returned into the transfer buffer, within ``deadline``.
 
     ``payload`` may be the buffer's ref, an object with an ``object_ref`` attribute (the sender's

@@ -51,9 +51,15 @@ def backend_of(transport: Transport) -> str:
     return "nccl" if transport is Transport.NCCL else "gloo"
 
 
-def new_process_group(store: dist.Store, rank: int, world_size: int, backend: str,
-                      timeout: datetime.timedelta, bind_host: str | None = None,
-                      device: torch.device | None = None) -> C10dBackend:
+def new_process_group(
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout: datetime.timedelta,
+    bind_host: str | None = None,
+    device: torch.device | None = None,
+) -> C10dBackend:
     """A process group outside torch.distributed's global state (no ``init_process_group``: pair
     groups come and go while the worker lives), with its own timeout and, for gloo, its sockets
     bound to ``bind_host`` (the node's address: across hosts, never every interface).
@@ -75,15 +81,27 @@ def new_process_group(store: dist.Store, rank: int, world_size: int, backend: st
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host or "")]
         return dist.ProcessGroupGloo(store, rank, world_size, options)
     except AttributeError as exc:
-        raise RuntimeError(f"torch {torch.__version__} changed the private process-group options pdserve uses "
-                           f"(workers/transfer/pair.py:new_process_group): {exc}") from exc
+        raise RuntimeError(
+            f"torch {torch.__version__} changed the private process-group options pdserve uses "
+            f"(workers/transfer/pair.py:new_process_group): {exc}"
+        ) from exc
 
 
 class PairGroup:
     """One live process group with one peer, plus the scratch buffers its transfers reuse."""
 
-    def __init__(self, pg, store, *, peer_id: str, epoch: int, transport: Transport, rank: int,
-                 device: torch.device, buffer_cache_bytes: int) -> None:
+    def __init__(
+        self,
+        pg,
+        store,
+        *,
+        peer_id: str,
+        epoch: int,
+        transport: Transport,
+        rank: int,
+        device: torch.device,
+        buffer_cache_bytes: int,
+    ) -> None:
         self.pg = pg
         self._store = store  # NCCL creates communicators lazily through it: keep it alive
         self.peer_id = peer_id
@@ -100,23 +118,45 @@ class PairGroup:
         return backend_of(self.transport)
 
     @classmethod
-    def create(cls, *, store_host: str, store_port: int, bind_host: str, peer_id: str,
-               decode_worker_id: str, epoch: int, rank: int, transport: Transport,
-               device: torch.device, deadline: float, buffer_cache_bytes: int) -> PairGroup:
+    def create(
+        cls,
+        *,
+        store_host: str,
+        store_port: int,
+        bind_host: str,
+        peer_id: str,
+        decode_worker_id: str,
+        epoch: int,
+        rank: int,
+        transport: Transport,
+        device: torch.device,
+        deadline: float,
+        buffer_cache_bytes: int,
+    ) -> PairGroup:
         """Rendezvous with the peer, which must be calling ``create`` with the other rank now."""
         # Each group gets its own store connection: a blocked rendezvous for one peer then cannot
         # hold up the store client that another pair's rendezvous is using.
-        store = dist.TCPStore(store_host, store_port, is_master=False,
-                              timeout=_td(remaining_s(deadline)), wait_for_workers=False)
+        store = dist.TCPStore(
+            store_host, store_port, is_master=False, timeout=_td(remaining_s(deadline)), wait_for_workers=False
+        )
         prefixed = dist.PrefixStore(f"pair/{decode_worker_id}/{epoch}", store)
         if transport is Transport.NCCL:
             # On a timeout, abort the communicator but keep the worker alive (the default mode
             # kills the process); read by each ProcessGroupNCCL when it is constructed.
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        pg = new_process_group(prefixed, rank, 2, backend_of(transport), _td(remaining_s(deadline)),
-                               bind_host=bind_host, device=device)
-        group = cls(pg, store, peer_id=peer_id, epoch=epoch, transport=transport, rank=rank,
-                    device=device, buffer_cache_bytes=buffer_cache_bytes)
+        pg = new_process_group(
+            prefixed, rank, 2, backend_of(transport), _td(remaining_s(deadline)), bind_host=bind_host, device=device
+        )
+        group = cls(
+            pg,
+            store,
+            peer_id=peer_id,
+            epoch=epoch,
+            transport=transport,
+            rank=rank,
+            device=device,
+            buffer_cache_bytes=buffer_cache_bytes,
+        )
         if transport is Transport.NCCL:
             group._warm_up_nccl(deadline)  # NCCL connects on first use: do it inside this deadline
         return group
@@ -145,8 +185,9 @@ class PairGroup:
             self._scratch = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         return self._scratch[:nbytes].view(dtype).view(shape)
 
-    def send(self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], layout: KVLayout,
-             tag: int, deadline: float) -> int:
+    def send(
+        self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], layout: KVLayout, tag: int, deadline: float
+    ) -> int:
         """Gather ``block_ids`` of all layers and send them as one message; returns bytes sent."""
         dtype = kv_caches[0].dtype
         if self.transport is Transport.GLOO:
@@ -168,8 +209,9 @@ class PairGroup:
                 torch.cuda.current_stream(self.device).synchronize()
             return staged.nbytes
 
-    def recv(self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], layout: KVLayout,
-             tag: int, deadline: float) -> int:
+    def recv(
+        self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], layout: KVLayout, tag: int, deadline: float
+    ) -> int:
         """Receive one message and scatter it into ``block_ids``; returns bytes received.
 
         Returns only once the blocks are written (device synchronized), so the caller may
@@ -187,8 +229,7 @@ class PairGroup:
                 self._wait(self.pg.recv([_wire(host)], PREFILL_RANK, tag), deadline)
                 staged = host.to(self.device, non_blocking=True)
             else:
-                staged = torch.empty(buffer_shape(layout, len(block_ids)), dtype=dtype,
-                                     device=self.device)
+                staged = torch.empty(buffer_shape(layout, len(block_ids)), dtype=dtype, device=self.device)
                 # wait() makes the current stream wait for the recv kernel, then the scatter.
                 self._wait(self.pg.recv([_wire(staged)], PREFILL_RANK, tag), deadline)
             scatter_blocks(staged, kv_caches, block_ids)

@@ -54,49 +54,63 @@ class KVTransferServer:
     arrives or the deadline passes, so call them from a thread, never inside ``async def``.
     """
 
-    def __init__(self, worker_id: str, config: TransferConfig | None = None,
-                 device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, worker_id: str, config: TransferConfig | None = None, device: str | torch.device = "cpu"
+    ) -> None:
         self.worker_id = worker_id
         self.config = config or TransferConfig()
         self.device = torch.device(device)
         # Hosted for the worker's life; decode workers find it through the KVHandle's address.
         self._store: dist.TCPStore | None = dist.TCPStore(
-            self.config.host, self.config.port, is_master=True, wait_for_workers=False,
+            self.config.host,
+            self.config.port,
+            is_master=True,
+            wait_for_workers=False,
             timeout=datetime.timedelta(seconds=self.config.connect_timeout_s),
         )
         self.address: TransferAddress = device_address(
-            self.config.host, self._store.port, worker_id, self.config.node_id, self.device)
+            self.config.host, self._store.port, worker_id, self.config.node_id, self.device
+        )
         self._pairs = PairSlots()
-        logger.info("KV transfer server %s listening on %s:%d", worker_id, self.config.host,
-                    self._store.port)
+        logger.info("KV transfer server %s listening on %s:%d", worker_id, self.config.host, self._store.port)
 
     def _slot(self, decode_worker_id: str) -> PairSlot:
         return self._pairs.get(decode_worker_id)
 
-    def _group_for(self, slot: PairSlot, decode_worker_id: str, epoch: int, transport: Transport,
-                   deadline: float) -> tuple[PairGroup, bool]:
+    def _group_for(
+        self, slot: PairSlot, decode_worker_id: str, epoch: int, transport: Transport, deadline: float
+    ) -> tuple[PairGroup, bool]:
         """The live group for ``epoch``, creating it if the epoch is new. Caller holds slot.lock."""
         group = slot.group
         if group is not None and group.epoch == epoch:
             if group.transport is not transport:
-                raise ValueError(f"pair epoch {epoch} uses {group.transport.value}, "
-                                 f"request asks for {transport.value}")
+                raise ValueError(f"pair epoch {epoch} uses {group.transport.value}, request asks for {transport.value}")
             return group, False
         if epoch <= slot.last_epoch:
             raise KVTransferError(
                 f"epoch {epoch} of decode worker {decode_worker_id} is spent (newest "
                 f"{slot.last_epoch}); the decode side must start a new epoch",
-                peer_id=decode_worker_id)
+                peer_id=decode_worker_id,
+            )
         slot.tear_down(f"decode worker {decode_worker_id} started epoch {epoch}")
         slot.last_epoch = epoch
         group = PairGroup.create(
-            store_host=self.config.host, store_port=self.address.port, bind_host=self.config.host,
-            peer_id=decode_worker_id, decode_worker_id=decode_worker_id, epoch=epoch,
-            rank=PREFILL_RANK, transport=transport, device=self.device, deadline=deadline,
-            buffer_cache_bytes=self.config.buffer_cache_bytes)
+            store_host=self.config.host,
+            store_port=self.address.port,
+            bind_host=self.config.host,
+            peer_id=decode_worker_id,
+            decode_worker_id=decode_worker_id,
+            epoch=epoch,
+            rank=PREFILL_RANK,
+            transport=transport,
+            device=self.device,
+            deadline=deadline,
+            buffer_cache_bytes=self.config.buffer_cache_bytes,
+        )
         slot.group = group
-        logger.info("pair group %s -> %s epoch %d created (%s)", self.worker_id,
-                    decode_worker_id, epoch, transport.value)
+        logger.info(
+            "pair group %s -> %s epoch %d created (%s)", self.worker_id, decode_worker_id, epoch, transport.value
+        )
         return group, True
 
     def _check_device(self, transport: Transport, kv_caches: Sequence[torch.Tensor]) -> None:
@@ -107,28 +121,36 @@ class KVTransferServer:
         if wanted is not None and wanted != actual.type:
             raise ValueError(f"transport {transport.value} moves {wanted} tensors; KV cache is on {actual}")
 
-    def connect(self, decode_worker_id: str, epoch: int, transport: str | Transport = Transport.GLOO,
-                timeout_s: float | None = None) -> None:
+    def connect(
+        self,
+        decode_worker_id: str,
+        epoch: int,
+        transport: str | Transport = Transport.GLOO,
+        timeout_s: float | None = None,
+    ) -> None:
         """Create the pair group now; the decode side must be in ``KVTransferClient.connect``."""
         transport = Transport(transport)
         deadline = time.monotonic() + (timeout_s or self.config.connect_timeout_s)
         slot = self._slot(decode_worker_id)
         if not acquire(slot.lock, deadline):
-            raise KVTransferError(f"pair with {decode_worker_id} stayed busy past the deadline",
-                                  peer_id=decode_worker_id)
+            raise KVTransferError(
+                f"pair with {decode_worker_id} stayed busy past the deadline", peer_id=decode_worker_id
+            )
         try:
             self._group_for(slot, decode_worker_id, epoch, transport, deadline)
         except KVTransferError:
             raise
         except Exception as exc:
             slot.tear_down(f"connect failed: {exc}")
-            raise KVTransferError(f"pair group with {decode_worker_id} epoch {epoch} failed: {exc}",
-                                  peer_id=decode_worker_id) from exc
+            raise KVTransferError(
+                f"pair group with {decode_worker_id} epoch {epoch} failed: {exc}", peer_id=decode_worker_id
+            ) from exc
         finally:
             slot.lock.release()
 
-    def send(self, request: TransferRequest, kv_caches: Sequence[torch.Tensor],
-             timeout_s: float | None = None) -> SendResult:
+    def send(
+        self, request: TransferRequest, kv_caches: Sequence[torch.Tensor], timeout_s: float | None = None
+    ) -> SendResult:
         """Send ``request.src_block_ids`` of all layers to the decode worker, as one message.
 
         Raises ValueError for a bad request (nothing sent, pair kept) and KVTransferError when
@@ -144,9 +166,16 @@ class KVTransferServer:
         self._check_device(transport, kv_caches)
 
         def stats(epoch: int, nbytes: int, created: bool) -> TransferStats:
-            return TransferStats(request.request_id, peer, transport.value, epoch,
-                                 len(request.src_block_ids), nbytes, time.monotonic() - start,
-                                 created)
+            return TransferStats(
+                request.request_id,
+                peer,
+                transport.value,
+                epoch,
+                len(request.src_block_ids),
+                nbytes,
+                time.monotonic() - start,
+                created,
+            )
 
         if transport is Transport.OBJECT_STORE:
             ref = object_store.put_blocks(kv_caches, request.src_block_ids, layout)
@@ -154,8 +183,9 @@ class KVTransferServer:
 
         slot = self._slot(peer)
         if not acquire(slot.lock, deadline):
-            raise KVTransferError(f"pair with {peer} stayed busy past the deadline",
-                                  peer_id=peer, request_id=request.request_id)
+            raise KVTransferError(
+                f"pair with {peer} stayed busy past the deadline", peer_id=peer, request_id=request.request_id
+            )
         try:
             group, created = self._group_for(slot, peer, request.epoch, transport, deadline)
             nbytes = group.send(kv_caches, request.src_block_ids, layout, request.tag, deadline)
@@ -164,10 +194,12 @@ class KVTransferServer:
             raise
         except Exception as exc:
             slot.tear_down(f"send of {request.request_id} failed")
-            logger.warning("KV send %s -> %s failed after %.2fs: %s", request.request_id, peer,
-                           time.monotonic() - start, exc)
-            raise KVTransferError(f"sending {request.request_id} to {peer} failed: {exc}",
-                                  peer_id=peer, request_id=request.request_id) from exc
+            logger.warning(
+                "KV send %s -> %s failed after %.2fs: %s", request.request_id, peer, time.monotonic() - start, exc
+            )
+            raise KVTransferError(
+                f"sending {request.request_id} to {peer} failed: {exc}", peer_id=peer, request_id=request.request_id
+            ) from exc
         finally:
             slot.lock.release()
 
