@@ -170,6 +170,11 @@ class PDServeArgs(BaseModel):
         "(answer included), so the earlier turns' KV blocks are hits",
     )
     redis_url: str | None = Field(default=None, description="Redis for the prefix index; None: route by load")
+    model_key: str | None = Field(
+        default=None,
+        description="namespaces block hashes and the index; build_app derives it once from the model and passes "
+        "it to every replica (leave unset unless two model copies must share a cache)",
+    )
     transport: str = Field(default="auto", description="auto, gloo, nccl, gloo_staged")
     transfer_timeout_s: float = Field(default=30.0, gt=0)
     max_migrations: int = Field(
@@ -311,6 +316,7 @@ class PDServeArgs(BaseModel):
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
             enforce_eager=self.enforce_eager,
+            model_key=self.model_key,
         )
 
 

@@ -97,10 +97,12 @@ def make_app(args: dict[str, Any] | PDServeArgs, access_log: bool | None = None)
     parsed = args if isinstance(args, PDServeArgs) else PDServeArgs.model_validate(args)
     check_redis_url_for_cluster(parsed.redis_url)  # a loopback Redis on a multi-node cluster fails here
     logs = serve_logging(parsed.log_level, access_log)
+    if parsed.model_key is None:  # derived here, once: every replica and router gets the same key
+        parsed = parsed.model_copy(update={"model_key": EngineConfig(model_dir=parsed.model).resolved_model_key})
     raw = parsed.model_dump(mode="json")
     router_kwargs = {
         "redis_url": parsed.redis_url,
-        "model_key": EngineConfig(model_dir=parsed.model).resolved_model_key,
+        "model_key": parsed.model_key,
         "min_match_blocks": parsed.min_prefix_match_blocks,
         "imbalance_threshold": parsed.prefix_imbalance_threshold,
         "block_size": parsed.block_size,

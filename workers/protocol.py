@@ -12,11 +12,19 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import TypeAdapter
+from pydantic import BeforeValidator, PlainSerializer, TypeAdapter
 
 M = TypeVar("M")
+
+# A block hash (16 bytes, kvstore.hashing): bytes in every message, hex only in JSON (and, in
+# kvstore, in Redis keys, the one place a string is needed).
+HashBytes = Annotated[
+    bytes,
+    BeforeValidator(lambda v: bytes.fromhex(v) if isinstance(v, str) else v),
+    PlainSerializer(lambda b: b.hex(), return_type=str, when_used="json"),
+]
 
 # Element sizes of the KV dtypes a worker may run with, by torch's short dtype name.
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -215,16 +223,16 @@ class TransferStats:
 class GenerateRequest:
     """Ingress -> worker: one sequence to generate (one choice of an OpenAI request).
 
-    ``sampling`` holds ``SamplingParams`` fields as plain data. ``block_hashes`` (hex) are the
-    prompt's chained block hashes, computed once by the ingress for routing (the routers look
-    them up in the prefix index as bytes).
+    ``sampling`` holds ``SamplingParams`` fields as plain data. ``block_hashes`` are the
+    prompt's chained block hashes, computed once by the ingress for routing, as the bytes the
+    prefix index takes (the routers pass them on as they are).
     """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: dict[str, Any]
     cache_salt: str | None = None
-    block_hashes: tuple[str, ...] = ()
+    block_hashes: tuple[HashBytes, ...] = ()
     arrival_time: float = 0.0  # wall clock at the ingress, for queue-time metrics
 
 

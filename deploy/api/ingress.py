@@ -61,7 +61,8 @@ class OpenAIIngress:
         self.args = PDServeArgs.model_validate(args)
         self.tokenizer = AutoTokenizer.from_pretrained(self.args.model)
         self.model_config = ModelConfig.from_dir(self.args.model)
-        self.model_key = EngineConfig(model_dir=self.args.model).resolved_model_key
+        # build_app set it once for the whole app; derived here only for an ingress built otherwise
+        self.model_key = self.args.model_key or EngineConfig(model_dir=self.args.model).resolved_model_key
         self.max_model_len = self.args.max_model_len or self.model_config.max_position_embeddings
         self.model_weights = describe_model(self.args.model)  # "RANDOM weights ..." for test models
         self.index = None
@@ -113,8 +114,8 @@ class OpenAIIngress:
             store = LocalConversationStore()
         return ConversationCache(self.tokenizer, self.model_key, store)
 
-    def _block_hashes(self, token_ids, cache_salt: str | None) -> tuple[str, ...]:
-        return tuple(h.hex() for h in hash_prompt_blocks(token_ids, self.args.block_size, self.model_key, cache_salt))
+    def _block_hashes(self, token_ids, cache_salt: str | None) -> tuple[bytes, ...]:
+        return tuple(hash_prompt_blocks(token_ids, self.args.block_size, self.model_key, cache_salt))
 
     # ------------------------------------------------------------------ routes
     @app.get("/health")

@@ -141,7 +141,7 @@ class _IndexRouter(FIFOMixin, RequestRouter):
 
             self._index = PrefixIndex(IndexConfig(redis_url=self._redis_url, model_key=self._model_key))
             await self._index.start()
-        return await self._index.longest_prefix([bytes.fromhex(h) for h in hashes], role=self._role)
+        return await self._index.longest_prefix(list(hashes), role=self._role)
 
     def _queue_lens(self, replicas: Sequence[RunningReplica]) -> dict[RunningReplica, int]:
         return {r: queue_len(r.routing_stats, self._in_flight.get(r.replica_id.unique_id, 0)) for r in replicas}

@@ -61,7 +61,7 @@ def continuation(
     choice: GenerateRequest,
     produced: Sequence[int],
     attempt: int,
-    rehash: Callable[[Sequence[int], str | None], tuple[str, ...]],
+    rehash: Callable[[Sequence[int], str | None], tuple[bytes, ...]],
 ) -> GenerateRequest:
     """The request that resumes ``choice`` after ``produced`` tokens went to the client: those
     tokens are its forced prefix, it asks for what is left, and its sampling positions continue
@@ -87,7 +87,7 @@ class WorkerCalls:
         decode=None,
         colocated=None,
         index=None,
-        rehash: Callable[[Sequence[int], str | None], tuple[str, ...]] | None = None,
+        rehash: Callable[[Sequence[int], str | None], tuple[bytes, ...]] | None = None,
         max_migrations: int = 0,
         on_migration: Callable[[], None] | None = None,
         control: ControlClient | None = None,
@@ -231,7 +231,7 @@ class WorkerCalls:
         of a conversation it generated), or None."""
         if self.index is None or len(choice.block_hashes) < 2:
             return None
-        matches = await self.index.longest_prefix([bytes.fromhex(h) for h in choice.block_hashes], role="decode")
+        matches = await self.index.longest_prefix(list(choice.block_hashes), role="decode")
         if not matches:
             return None
         replica, blocks = max(matches.items(), key=lambda kv: kv[1])

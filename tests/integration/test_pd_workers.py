@@ -20,7 +20,7 @@ from workers.transfer import TransferConfig
 
 def request(rid: str, prompt: list[int], max_tokens: int = 64, **sampling) -> GenerateRequest:
     params = {"max_tokens": max_tokens, "temperature": 0.0, **sampling}
-    hashes = tuple(h.hex() for h in hash_prompt_blocks(prompt, 16, "m"))
+    hashes = tuple(hash_prompt_blocks(prompt, 16, "m"))
     return GenerateRequest(rid, tuple(prompt), params, None, hashes, time.time())
 
 

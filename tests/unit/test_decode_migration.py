@@ -41,12 +41,12 @@ def test_a_continuation_samples_the_same_tokens(tiny_llama, sampling):
 
 
 def test_continuation_request():
-    choice = GenerateRequest("cmpl-1-0", (1, 2, 3), {"max_tokens": 10, "seed": 3}, "salt", ("aa",), 5.0)
+    choice = GenerateRequest("cmpl-1-0", (1, 2, 3), {"max_tokens": 10, "seed": 3}, "salt", (b"aa",), 5.0)
     seen = []
-    nxt = continuation(choice, [7, 8], 1, lambda ids, salt: seen.append((tuple(ids), salt)) or ("bb", "cc"))
+    nxt = continuation(choice, [7, 8], 1, lambda ids, salt: seen.append((tuple(ids), salt)) or (b"bb", b"cc"))
     assert nxt.request_id == "cmpl-1-0~m1" and nxt.prompt_token_ids == (1, 2, 3, 7, 8)
     assert nxt.sampling == {"max_tokens": 8, "seed": 3, "output_position_offset": 2}
-    assert nxt.block_hashes == ("bb", "cc") and seen == [((1, 2, 3, 7, 8), "salt")]
+    assert nxt.block_hashes == (b"bb", b"cc") and seen == [((1, 2, 3, 7, 8), "salt")]
     assert (nxt.cache_salt, nxt.arrival_time) == ("salt", 5.0)
     again = continuation(nxt, [9], 2, lambda ids, salt: ())
     assert again.sampling["output_position_offset"] == 3 and again.sampling["max_tokens"] == 7
@@ -146,7 +146,7 @@ def make(die_after, live=2, max_migrations=2) -> tuple[WorkerCalls, FakePools]:
         prefill=pools.prefill,
         decode=pools.decode,
         index=FakeIndex(live),
-        rehash=lambda ids, salt: ("h",) * (len(ids) // 2),
+        rehash=lambda ids, salt: (b"h",) * (len(ids) // 2),
         max_migrations=max_migrations,
     )
     return calls, pools
@@ -161,7 +161,7 @@ def test_a_lost_decode_replica_is_resumed_without_a_gap_or_duplicate():
     assert [p.prompt_token_ids for p in prefills] == [(1, 2, 3), (1, 2, 3, *SCRIPT[:5]), (1, 2, 3, *SCRIPT[:12])]
     assert [p.sampling.get("output_position_offset", 0) for p in prefills] == [0, 5, 12]
     assert [p.sampling["max_tokens"] for p in prefills] == [20, 15, 8]
-    assert prefills[2].request_id == "cmpl-x-0~m2" and prefills[2].block_hashes == ("h",) * 7
+    assert prefills[2].request_id == "cmpl-x-0~m2" and prefills[2].block_hashes == (b"h",) * 7
     assert chunks[0].num_cached_tokens == 2 and all(c.num_cached_tokens == 0 for c in chunks[6:])
 
 

@@ -51,7 +51,7 @@ MESSAGES = [
         (1, 2, 3),
         {"max_tokens": 8, "temperature": 0.0, "stop": ["x"]},
         "salt",
-        ("00ff", "a1b2"),
+        (bytes.fromhex("00ff" * 8), bytes(range(16))),  # block hashes: bytes, hex in JSON
         1_700_000_000.25,
     ),
     TokenLogprobs(5, -0.5, ((5, -0.5), (6, -2.0))),

@@ -1,7 +1,8 @@
 """Attention over the paged KV cache.
 
 A step's tokens are laid out decodes first (one query token each), then prefill chunks. Each
-layer writes its new K/V into the cache through ``slot_mapping`` and then attends:
+layer writes its new K/V into the cache through the step's ``KVWritePlan`` (its slots, and for a
+quantized cache its blocks) and then attends:
 
 - decodes, batched: the block tables are gathered into a padded ``[B, H, L, D]`` view and one
   ``scaled_dot_product_attention`` call runs with a key-length mask;
