@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from workers.protocol import KV_CACHE_DTYPES, Transport
+from workers.protocol import KVCacheDType, Transport
 
 
 class Mode(str, enum.Enum):
@@ -124,7 +124,6 @@ class AutoscalingArgs(BaseModel):
 
 POOL_TRANSPORTS = tuple(t.value for t in Transport if t is not Transport.OBJECT_STORE)
 _CHOICES = {
-    "kv_cache_dtype": KV_CACHE_DTYPES,
     # object_store is a library-level transport (Ray actors passing a buffer's ref); the pools'
     # control path is direct, not a Ray call (workers/transfer/control.py)
     "transport": POOL_TRANSPORTS,
@@ -148,8 +147,8 @@ class PDServeArgs(BaseModel):
     device: str = Field(default="auto", description="auto (cuda when the replica has a GPU), cpu, cuda")
     dtype: str | None = Field(default=None, description="auto, float32, bfloat16, float16")
     block_size: int = Field(default=16, description="tokens per KV block; must match across pools")
-    kv_cache_dtype: str = Field(
-        default="auto",
+    kv_cache_dtype: KVCacheDType = Field(
+        default=KVCacheDType.AUTO,
         description="auto (the model dtype), int8 or fp8 (per-block-per-head scales); must match across pools",
     )
     num_kv_blocks: int | None = Field(default=None, ge=1, description="KV blocks per replica (default: from memory)")
@@ -214,7 +213,7 @@ class PDServeArgs(BaseModel):
             raise ValueError(f"block_size {v} must be a power of two (16 is the default)")
         return v
 
-    @field_validator("kv_cache_dtype", "transport", "prefill_routing")
+    @field_validator("transport", "prefill_routing")
     @classmethod
     def _one_of(cls, v: str, info: ValidationInfo) -> str:
         name = str(info.field_name)  # a field validator's info always names its field

@@ -15,6 +15,8 @@ _REMEDY = {
     "model_key": "start every worker with the same --model (and revision)",
     "block_size": "start every worker with the same --block-size",
     "kv_cache_dtype": "start every worker with the same --kv-cache-dtype",
+    "kv_storage_dtype": "start every worker with the same --dtype (with --kv-cache-dtype auto the KV cache "
+    "stores the model's dtype)",
     "hash_algorithm_version": "run the same pdserve version on every worker",
 }
 
@@ -33,8 +35,9 @@ class IncompatibleWorkerError(RuntimeError):
 class PoolCompat:
     model_key: str
     block_size: int
-    kv_cache_dtype: str
+    kv_cache_dtype: str  # the option: auto, int8 or fp8
     hash_algorithm_version: int
+    kv_storage_dtype: str = ""  # what the cache stores (float32, bfloat16, int8, float8_e4m3fn, ...)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

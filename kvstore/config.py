@@ -87,7 +87,8 @@ class WorkerSpec:
     address: str  # how peers reach it (replica id, host:port, ...)
     total_blocks: int
     block_size: int
-    kv_cache_dtype: str
+    kv_cache_dtype: str  # the option (auto, int8, fp8)
+    kv_storage_dtype: str = ""  # what the cache stores: the pool's workers must agree on both
 
     def __post_init__(self) -> None:
         if not self.worker_id:

@@ -242,7 +242,9 @@ class IndexPublisher:
     async def _register(self) -> None:
         """Check compatibility, write a fresh record and republish every held block."""
         spec = self.worker
-        compat = PoolCompat(self.config.model_key, spec.block_size, spec.kv_cache_dtype, HASH_ALGORITHM_VERSION)
+        compat = PoolCompat(
+            self.config.model_key, spec.block_size, spec.kv_cache_dtype, HASH_ALGORITHM_VERSION, spec.kv_storage_dtype
+        )
         pool = await self.link.call(
             lambda: self.link.client.set(self.keys.compat, compat.to_json(), nx=True, get=True, px=self.config.ttl_ms),
             self.config.write_timeout_s,

@@ -53,7 +53,35 @@ class Transport(str, enum.Enum):
 
 
 TRANSPORTS = tuple(t.value for t in Transport)
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # the model's dtype | int8 / float8_e4m3fn with block scales
+
+
+class KVCacheDType(str, enum.Enum):
+    """``--kv-cache-dtype``, parsed once where it enters (the CLI, ``PDServeArgs``, ``EngineConfig``).
+
+    AUTO keeps the model's dtype; INT8 and FP8 (float8_e4m3fn) store one byte per value with the
+    block's scales in one extra row (``workers/layers/kv_cache.py``).
+    """
+
+    AUTO = "auto"
+    INT8 = "int8"
+    FP8 = "fp8"
+
+    def __str__(self) -> str:  # the option as written, in messages and f-strings (as StrEnum does)
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def quantized(self) -> bool:
+        return self is not KVCacheDType.AUTO
+
+    def storage(self, model_dtype: str) -> str:
+        """The dtype the cache stores, by torch's short name (``model_dtype`` for AUTO)."""
+        return {KVCacheDType.INT8: "int8", KVCacheDType.FP8: "float8_e4m3fn"}.get(self, model_dtype)
+
+
+KV_CACHE_DTYPES = tuple(d.value for d in KVCacheDType)
 
 
 @functools.cache

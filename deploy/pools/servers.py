@@ -129,7 +129,8 @@ class _WorkerServer:
             address=address,
             total_blocks=engine.num_kv_blocks,
             block_size=engine.config.block_size,
-            kv_cache_dtype=engine.kv_layout.dtype,
+            kv_cache_dtype=engine.config.kv_cache_dtype.value,
+            kv_storage_dtype=engine.kv_layout.dtype,
         )
         self.publisher = IndexPublisher(config, spec)
         await self.publisher.start()  # raises IncompatibleWorkerError for a mismatched pool

@@ -47,8 +47,13 @@ def test_password_is_redacted_in_messages() -> None:
         (
             "kv_cache_dtype",
             "fp8",
-            "kv_cache_dtype fp8 on this worker but bfloat16 in the pool: "
-            "start every worker with the same --kv-cache-dtype",
+            "kv_cache_dtype fp8 on this worker but auto in the pool: start every worker with the same --kv-cache-dtype",
+        ),
+        (  # both auto, but the models run in different dtypes: the flag to change is --dtype
+            "kv_storage_dtype",
+            "float32",
+            "kv_storage_dtype float32 on this worker but bfloat16 in the pool: start every worker with the same "
+            "--dtype (with --kv-cache-dtype auto the KV cache stores the model's dtype)",
         ),
         (
             "hash_algorithm_version",
@@ -58,7 +63,9 @@ def test_password_is_redacted_in_messages() -> None:
     ],
 )
 def test_compat_names_the_differing_value(field: str, value: object, message: str) -> None:
-    pool = PoolCompat(model_key="m", block_size=16, kv_cache_dtype="bfloat16", hash_algorithm_version=1)
+    pool = PoolCompat(
+        model_key="m", block_size=16, kv_cache_dtype="auto", hash_algorithm_version=1, kv_storage_dtype="bfloat16"
+    )
     worker = PoolCompat(**{**pool.__dict__, field: value})
     with pytest.raises(IncompatibleWorkerError) as info:
         worker.check_joins(PoolCompat.from_json(pool.to_json()))

@@ -119,3 +119,31 @@ def test_bad_messages_are_rejected():
     data["src_block_ids"] = ["nine"]
     with pytest.raises(ValueError, match="src_block_ids"):
         decode(TransferRequest, json.dumps(data))
+
+
+def test_kv_cache_dtype_is_one_enum_with_its_storage():
+    assert protocol.KV_CACHE_DTYPES == ("auto", "int8", "fp8")
+    auto, int8, fp8 = (protocol.KVCacheDType(v) for v in protocol.KV_CACHE_DTYPES)
+    assert (auto.storage("bfloat16"), int8.storage("bfloat16"), fp8.storage("float32")) == (
+        "bfloat16",
+        "int8",
+        "float8_e4m3fn",
+    )
+    assert not auto.quantized and int8.quantized and fp8.quantized
+    assert f"kv_cache_dtype={fp8}" == "kv_cache_dtype=fp8" and str(int8) == "int8" and int8 == "int8"
+    for kind in (auto, int8, fp8):
+        assert kind.storage("float32") in protocol.DTYPE_SIZES  # every storage is a KVLayout dtype
+
+
+def test_the_edges_parse_the_kv_cache_dtype_once(tiny_llama):
+    from deploy.args import PDServeArgs
+    from workers.engine.config import EngineConfig
+
+    args = PDServeArgs.model_validate({"model": tiny_llama, "kv_cache_dtype": "int8"})
+    assert args.kv_cache_dtype is protocol.KVCacheDType.INT8
+    assert args.model_dump(mode="json")["kv_cache_dtype"] == "int8"  # what Serve's config carries
+    assert EngineConfig(model_dir=tiny_llama, kv_cache_dtype="fp8").kv_cache_dtype is protocol.KVCacheDType.FP8
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        PDServeArgs.model_validate({"model": tiny_llama, "kv_cache_dtype": "int4"})
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='int4' must be one of \('auto', 'int8', 'fp8'\)"):
+        EngineConfig(model_dir=tiny_llama, kv_cache_dtype="int4")

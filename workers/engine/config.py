@@ -6,7 +6,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.protocol import KV_CACHE_DTYPES
+from workers.protocol import KV_CACHE_DTYPES, KVCacheDType
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,7 +20,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     device: str = "cpu"
     dtype: str | None = None  # None/"auto": fp32 on CPU, the checkpoint's half type on CUDA
-    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8" | "fp8" (per-block-per-head scales)
+    kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO  # a plain "auto" / "int8" / "fp8" is parsed here
     kv_cache_memory_gib: float = 1.0  # CPU: memory for the KV cache when num_kv_blocks is None
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the GPU for weights + KV cache
     model_key: str | None = None  # namespaces block hashes; None: derived from the model dir
@@ -32,6 +32,9 @@ class EngineConfig:
     compile_batch_sizes: tuple[int, ...] | None = None  # decode buckets; None: powers of two to max_num_seqs
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES}")
+        object.__setattr__(self, "kv_cache_dtype", KVCacheDType(self.kv_cache_dtype))
         buckets, max_seqs = self.compile_batch_sizes, self.max_num_seqs
         checks = {
             "block_size": (
@@ -44,7 +47,6 @@ class EngineConfig:
             "max_model_len": (self.max_model_len is None or self.max_model_len > 1, "must be > 1"),
             "kv_cache_memory_gib": (self.kv_cache_memory_gib > 0, "must be positive"),
             "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
-            "kv_cache_dtype": (self.kv_cache_dtype in KV_CACHE_DTYPES, f"must be one of {KV_CACHE_DTYPES}"),
             "compile_batch_sizes": (
                 buckets is None or (len(buckets) > 0 and all(0 < b <= max_seqs for b in buckets)),
                 "must be batch sizes in [1, max_num_seqs]",

@@ -18,12 +18,12 @@ import torch
 from workers.layers.kv_cache import bytes_per_block, scale_granularity
 from workers.models.config import ModelConfig
 from workers.models.loader import resolve_dtype
-from workers.protocol import KV_CACHE_DTYPES
+from workers.protocol import KV_CACHE_DTYPES, KVCacheDType
 
 
 @dataclass(frozen=True, slots=True)
 class KVPlan:
-    kv_cache_dtype: str
+    kv_cache_dtype: KVCacheDType
     model_dtype: str
     block_size: int
     bytes_per_token: float  # KV of one token over all layers (scale rows spread over the block)
@@ -58,6 +58,7 @@ def plan_kv(
     """How the KV cache of one replica with ``gpu_mem_gib`` of accelerator memory is spent."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
+    kind = KVCacheDType(kv_cache_dtype)
     for name, value in (
         ("gpu_mem", gpu_mem_gib),
         ("context", context),
@@ -77,7 +78,7 @@ def plan_kv(
         per_seq = min(per_seq, math.ceil(model.sliding_window / block_size) + 1)
     max_concurrency = num_blocks // per_seq
     return KVPlan(
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kind,
         model_dtype=model_dtype,
         block_size=block_size,
         bytes_per_token=per_block / block_size,

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from workers.models.config import ModelConfig
-from workers.protocol import KV_CACHE_DTYPES, SCALE_ROWS, KVLayout
+from workers.protocol import KV_CACHE_DTYPES, SCALE_ROWS, KVCacheDType, KVLayout
 
 if TYPE_CHECKING:  # the engine's config, for an annotation: this module does not import the engine
     from workers.engine.config import EngineConfig
@@ -63,12 +63,17 @@ K_STEP_CODES = 2  # one 4-bit K channel step = 2 scale codes (x 1.19)
 K_MAX_STEP = 15
 
 
-def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    if kv_cache_dtype == "auto":
-        return model_dtype
-    if kv_cache_dtype not in _QUANTIZED:
+def parse_kv_cache_dtype(kv_cache_dtype: str) -> KVCacheDType:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
-    return _QUANTIZED[kv_cache_dtype][0]
+    return KVCacheDType(kv_cache_dtype)
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    kind = parse_kv_cache_dtype(kv_cache_dtype)
+    if not kind.quantized:
+        return model_dtype
+    return _QUANTIZED[kind.value][0]
 
 
 def k_offsets_fit(block_size: int, head_dim: int) -> bool:
@@ -99,9 +104,10 @@ def scale_granularity(block_size: int, head_dim: int) -> str:
 def bytes_per_block(model: ModelConfig, block_size: int, kv_cache_dtype: str, model_dtype: torch.dtype) -> int:
     """Bytes one block takes over all layers, K and V, scale row included."""
     storage = kv_storage_dtype(kv_cache_dtype, model_dtype)
-    if kv_cache_dtype != "auto":
+    quantized = parse_kv_cache_dtype(kv_cache_dtype).quantized
+    if quantized:
         check_quantized_shape(block_size, model.head_dim)
-    rows = block_size + (SCALE_ROWS if kv_cache_dtype != "auto" else 0)
+    rows = block_size + (SCALE_ROWS if quantized else 0)
     element = torch.empty((), dtype=storage).element_size()
     return rows * model.kv_bytes_per_token(element)
 
@@ -249,11 +255,11 @@ class PagedKVCache:
         model_dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype)
         self.dtype = kv_storage_dtype(kv_cache_dtype, model_dtype)
         self.compute_dtype = model_dtype
-        self.quantized = kv_cache_dtype != "auto"
-        self.qmax = _QUANTIZED[kv_cache_dtype][1] if self.quantized else 0.0
+        self.quantized = self.kv_cache_dtype.quantized
+        self.qmax = _QUANTIZED[self.kv_cache_dtype.value][1] if self.quantized else 0.0
         # A value fits a scale when it quantizes within half a step of it (int8 rounds to 127
         # up to 127.5; e4m3 has no value past 448).
         self.fit_limit = self.qmax + 0.5 if self.dtype == torch.int8 else self.qmax
@@ -273,7 +279,7 @@ class PagedKVCache:
             "KV cache: %d blocks x %d tokens (%s), %.1f MiB on %s",
             num_blocks,
             block_size,
-            kv_cache_dtype if self.quantized else str(self.dtype).removeprefix("torch."),
+            self.kv_cache_dtype.value if self.quantized else str(self.dtype).removeprefix("torch."),
             total / 2**20,
             device,
         )
