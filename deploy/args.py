@@ -110,6 +110,11 @@ class AutoscalingArgs(BaseModel):
     upscale_delay_s: float = Field(default=4.0, ge=0, description="a change that grows a pool must hold this long")
     downscale_delay_s: float = Field(default=30.0, ge=0, description="a change that only shrinks must hold this long")
     cooldown_s: float = Field(default=10.0, ge=0, description="no change this soon after the last one")
+    dashboard_url: str | None = Field(
+        default=None,
+        description="the Ray dashboard the autoscaler sets replica counts through (Serve's external-scaler "
+        "REST API); default: port 8265 on the head node",
+    )
 
     @field_validator("policy")
     @classmethod

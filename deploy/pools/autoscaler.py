@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
+import httpx
 from ray import serve
 
 from deploy.args import PDServeArgs
@@ -30,6 +33,8 @@ logger = logging.getLogger("ray.serve.pdserve")  # Serve's handlers; its Logging
 DECISIONS_KEPT = 50
 TIMELINE_S = 600.0  # the targets' timeline covers the last 10 minutes
 STATS_TIMEOUT_S = 5.0
+SCALE_TIMEOUT_S = 10.0
+DEFAULT_DASHBOARD_PORT = 8265
 
 
 def policy_config(args: PDServeArgs) -> PolicyConfig:
@@ -49,19 +54,67 @@ def policy_config(args: PDServeArgs) -> PolicyConfig:
     )
 
 
-async def set_target(app_name: str, deployment: str, num_replicas: int) -> None:
-    """Serve's external-scaler entry point: what ``POST /api/v1/applications/<app>/deployments/
-    <name>/scale`` on the Ray dashboard calls. Raises ExternalScalerDisabledError when the
-    application was deployed without ``external_scaler_enabled``."""
+def dashboard_urls(configured: str | None) -> list[str]:
+    """Where to find the Ray dashboard's REST API: the configured URL, else port 8265 on the head
+    (the GCS's host, from the public runtime context) and on this node (the autoscaler is placed
+    on the head, where a dashboard bound to localhost answers)."""
+    if configured:
+        return [configured.rstrip("/")]
     import ray
-    from ray.serve._private.common import DeploymentID
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
-    controller = await asyncio.to_thread(ray.get_actor, SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-    await controller.update_deployment_replicas.remote(DeploymentID(name=deployment, app_name=app_name), num_replicas)
+    head = ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
+    return list(
+        dict.fromkeys([f"http://{head}:{DEFAULT_DASHBOARD_PORT}", f"http://127.0.0.1:{DEFAULT_DASHBOARD_PORT}"])
+    )
 
 
-@serve.deployment(name="autoscaler", num_replicas=1, ray_actor_options={"num_cpus": 0})
+def ray_auth_headers() -> dict[str, str]:
+    """The bearer token a Ray cluster with token authentication (``RAY_AUTH_MODE=token``, on by
+    default for local clusters since Ray 2.59) wants on dashboard requests, from where Ray's token
+    authentication documents it: ``RAY_AUTH_TOKEN``, else the file ``RAY_AUTH_TOKEN_PATH``
+    names, else ``~/.ray/auth_token``. No token: no header."""
+    token = os.environ.get("RAY_AUTH_TOKEN", "").strip()
+    if not token:
+        path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+        if path.is_file():
+            token = path.read_text().strip()
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+class DashboardScaler:
+    """Serve's external-scaler API, its public entry point: ``POST /api/v1/applications/<app>/
+    deployments/<name>/scale`` on the Ray dashboard (``ScaleDeploymentRequest``). Serve refuses
+    it unless the application was deployed with ``external_scaler_enabled``."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+        self._client = httpx.AsyncClient(timeout=SCALE_TIMEOUT_S, headers=ray_auth_headers())
+
+    async def set_target(self, app_name: str, deployment: str, num_replicas: int) -> None:
+        unreachable = []
+        for url in list(self.urls):
+            try:
+                resp = await self._client.post(
+                    f"{url}/api/v1/applications/{app_name}/deployments/{deployment}/scale",
+                    json={"target_num_replicas": num_replicas},
+                )
+            except httpx.HTTPError as exc:
+                unreachable.append(f"{url} ({type(exc).__name__})")
+                continue
+            if resp.status_code != 200:
+                raise RuntimeError(f"the Ray dashboard at {url} refused to scale {deployment}: {resp.text[:300]}")
+            self.urls = [url] + [u for u in self.urls if u != url]  # ask the one that answered first
+            return
+        raise RuntimeError(
+            f"no Ray dashboard answered at {', '.join(unreachable)}: set autoscaling.dashboard_url to the "
+            "dashboard's address (ray start --head --dashboard-port ...)"
+        )
+
+
+# On the head node: the dashboard (which it calls to set replica counts) listens there.
+@serve.deployment(
+    name="autoscaler", num_replicas=1, ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
+)
 class PDAutoscaler:
     async def __init__(self, args: dict) -> None:  # type: ignore[misc]  # Serve awaits an async constructor
         self.args = PDServeArgs.model_validate(args)
@@ -78,6 +131,7 @@ class PDAutoscaler:
         self.last: dict[str, Any] | None = None
         self.error: str | None = None
         self._task: asyncio.Task | None = None
+        self.scaler = DashboardScaler(dashboard_urls(self.args.autoscaling.dashboard_url))
         self.pool_reader = PoolReader(self.app_name, None, ControlClient("autoscaler"), timeout_s=STATS_TIMEOUT_S)
         self._ensure_running()
         c = self.config
@@ -128,7 +182,7 @@ class PDAutoscaler:
             try:
                 for name, count in (("prefill", decision.prefill), ("decode", decision.decode)):
                     if count != self.targets[name]:
-                        await set_target(self.app_name, name, count)
+                        await self.scaler.set_target(self.app_name, name, count)
                         self.targets[name] = count
                 self.error = None
                 logger.info("autoscaling: %s", line)

@@ -6,7 +6,7 @@ What Ray Serve 2.60 offers, and why pdserve runs its own loop (read in the insta
 ``ray/serve``):
 
 - Replica-reported custom stats work: a deployment method ``record_autoscaling_stats()``
-  returning ``{name: number}`` is polled by the replica (``_private/replica.py``,
+  returning ``{name: number}`` is polled by the replica (Serve's replica code,
   ``_fetch_custom_autoscaling_metrics``) and reaches a policy as ``ctx.aggregated_metrics``;
   but only for a deployment that has an ``autoscaling_config``.
 - Custom policies work per deployment (``autoscaling_config.policy.policy_function``): each sees
@@ -27,9 +27,9 @@ What Ray Serve 2.60 offers, and why pdserve runs its own loop (read in the insta
 So the policy lives here, the pools are deployed with ``external_scaler_enabled``, and a small
 controller deployment (``deploy/pools/autoscaler.py``) reads the replicas' own stats (the ``stats``
 call ``pdserve status`` uses), decides, and sets each pool's target through the external-scaler
-entry point. It calls ``update_deployment_replicas`` itself, the call the REST endpoint makes,
-because the dashboard's HTTP server is optional (``ray.init(include_dashboard=False)`` test
-clusters have none) and its address is not known inside a replica.
+entry point, the dashboard's REST API (``autoscaling.dashboard_url``; by default port 8265 on
+the head, where the autoscaler replica is placed): the only public way to set a replica count
+from inside the cluster, so an application with ``autoscaling: pd`` needs the Ray dashboard.
 
 The policy, per decision:
 

@@ -65,6 +65,7 @@ class ServeCluster:
     http_port: int
     redis: RedisServer
     metrics_port: int
+    dashboard_url: str  # the Ray dashboard (the pd autoscaler scales the pools through its REST API)
 
     @property
     def metrics_url(self) -> str:
@@ -83,11 +84,13 @@ def serve_cluster() -> Iterator[ServeCluster]:
 
     redis_server = RedisServer()
     redis_server.start()
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port, dashboard_port = free_port(), free_port(), free_port()
     try:
         ray.init(
             num_cpus=8,
-            include_dashboard=False,
+            include_dashboard=True,
+            dashboard_host="127.0.0.1",
+            dashboard_port=dashboard_port,
             log_to_driver=False,
             _metrics_export_port=metrics_port,
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
@@ -96,7 +99,7 @@ def serve_cluster() -> Iterator[ServeCluster]:
     except BaseException:
         redis_server.stop()  # never orphan the redis-server when Ray fails to start
         raise
-    yield ServeCluster(port, redis_server, metrics_port)
+    yield ServeCluster(port, redis_server, metrics_port, f"http://127.0.0.1:{dashboard_port}")
     serve.shutdown()
     ray.shutdown()
     redis_server.stop()

@@ -88,7 +88,8 @@ def check_dashboard(base: str) -> None:
 
 
 def test_pd_policy_grows_the_prefill_pool_under_prompt_load_and_logs_it(serve_cluster, tiny_llama):
-    base = deploy(serve_cluster, "pdscale", "/pdscale", app_args(tiny_llama, serve_cluster.redis.url, autoscaling=PD))
+    pd = {**PD, "dashboard_url": serve_cluster.dashboard_url}  # the replica counts are set through its REST API
+    base = deploy(serve_cluster, "pdscale", "/pdscale", app_args(tiny_llama, serve_cluster.redis.url, autoscaling=pd))
     first = status(base)["autoscaling"]
     assert first["targets"] == {"prefill": 1, "decode": 1} and first["budget"] == 3
     assert first["bounds"] == {"prefill": [1, 2], "decode": [1, 2]} and first["error"] is None
