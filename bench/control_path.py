@@ -49,23 +49,10 @@ def child(args: argparse.Namespace) -> None:
     import ray
     from ray import serve
 
+    from bench.compare import bench_model  # the 4 x 256 random llama the serving comparisons use
     from deploy.builder import deploy_and_wait
-    from workers.models.tiny import make_tiny_model
 
-    model = Path(args.model_dir)
-    if not (model / "config.json").is_file():
-        make_tiny_model(
-            model,
-            arch="llama",
-            num_layers=4,
-            hidden_size=256,
-            num_heads=8,
-            num_kv_heads=4,
-            intermediate_size=768,
-            vocab_size=2048,
-            max_position_embeddings=4096,
-            seed=0,
-        )
+    model = bench_model(Path(args.model_dir))
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     port = args.port
     serve.start(http_options={"host": "127.0.0.1", "port": port})
