@@ -122,6 +122,8 @@ class EngineLoop:
                     continue
                 for output in engine.step():
                     self._deliver(output.request_id, output)
+                for failure in engine.take_failures():  # one request failed; the loop goes on
+                    self._deliver(failure.request_id, failure)
                 self._observe()
                 idle_observed = False
         except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish

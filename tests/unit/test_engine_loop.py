@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from tests.unit.engine_helpers import hf_greedy, random_prompts
-from workers.engine import LLMEngine, SamplingParams
+from workers.engine import LLMEngine, RequestFailed, SamplingParams
 from workers.engine_loop import EngineLoop
 
 
@@ -55,3 +55,53 @@ async def test_leaving_a_stream_aborts_and_frees(loop_engine):
 async def test_errors_from_the_engine_reach_the_caller(loop_engine):
     with pytest.raises(ValueError, match="empty"):
         await collect(loop_engine, "bad", [], SamplingParams())
+
+
+async def test_a_request_whose_sampling_fails_fails_alone(loop_engine, tiny_llama, monkeypatch):
+    """One request's sampling raises (seed 13 stands for whatever breaks it): that request's
+    stream ends with RequestFailed, its blocks are freed, and the others in the same batches
+    finish with the reference output; the engine loop stays up."""
+    import workers.engine.sampler as sampler
+
+    real = sampler._sample_row
+
+    def breaks_on_seed_13(logits, params, generator):
+        if params.seed == 13:
+            raise RuntimeError("invalid multinomial distribution")
+        return real(logits, params, generator)
+
+    monkeypatch.setattr(sampler, "_sample_row", breaks_on_seed_13)
+    loop = loop_engine
+    prompts = random_prompts((9, 17, 25), seed=61)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    broken = SamplingParams(max_tokens=12, temperature=0.8, seed=13)
+    results = await asyncio.gather(
+        collect(loop, "a", prompts[0], greedy),
+        collect(loop, "bad", prompts[1], broken),
+        collect(loop, "c", prompts[2], greedy),
+        return_exceptions=True,
+    )
+    assert isinstance(results[1], RequestFailed) and results[1].request_id == "bad"
+    assert "invalid multinomial distribution" in str(results[1])
+    assert results[0] == hf_greedy(tiny_llama, tuple(prompts[0]), 12)
+    assert results[2] == hf_greedy(tiny_llama, tuple(prompts[2]), 12)
+    assert loop.alive
+    await loop.call(lambda e: e.check_idle())  # the failed request's blocks are back
+    assert await collect(loop, "after", prompts[1], greedy) == hf_greedy(tiny_llama, tuple(prompts[1]), 12)
+
+
+def test_offline_generate_raises_the_failed_request_and_leaves_nothing_running(tiny_llama, monkeypatch):
+    import workers.engine.sampler as sampler
+
+    def always_breaks(logits, params, generator):
+        raise RuntimeError("invalid multinomial distribution")
+
+    monkeypatch.setattr(sampler, "_sample_row", always_breaks)
+    engine = LLMEngine(tiny_llama, num_kv_blocks=64, load_progress=False)
+    prompts = random_prompts((9, 17), seed=62)
+    with pytest.raises(RequestFailed, match="invalid multinomial"):
+        engine.generate(prompts, [SamplingParams(max_tokens=4, temperature=0.0), SamplingParams(max_tokens=4, seed=1)])
+    engine.check_idle()
+    assert engine.generate([prompts[0]], SamplingParams(max_tokens=4, temperature=0.0))[0].token_ids == hf_greedy(
+        tiny_llama, tuple(prompts[0]), 4
+    )

@@ -54,6 +54,15 @@ class KVReservation:
         return [self.block_ids[i] for i in self.missing_positions]
 
 
+class RequestFailed(RuntimeError):
+    """One request failed inside the engine (its sampling raised); the engine, and every other
+    request in the batch, go on. ``take_failures()`` hands these out after a step."""
+
+    def __init__(self, request_id: str, cause: BaseException) -> None:
+        super().__init__(f"request {request_id} failed in the engine: {type(cause).__name__}: {cause}")
+        self.request_id = request_id
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
@@ -134,6 +143,7 @@ class LLMEngine:
         # The request table (every request not FINISHED): read here, changed only by the scheduler.
         self._requests = self.scheduler.requests
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._failures: list[RequestFailed] = []  # requests failed in a step (take_failures)
         self._default_generator = torch.Generator(self.device).manual_seed(cfg.seed)
         self._ids = itertools.count()
 
@@ -346,7 +356,10 @@ class LLMEngine:
         if not sampled:
             return []
         seqs = [item.seq for item in sampled]
-        tokens, logprobs = sample(logits, seqs)
+        try:
+            tokens, logprobs = sample(logits, seqs)
+        except Exception:  # noqa: BLE001 - find the request(s) it was, fail those, keep the rest
+            seqs, tokens, logprobs = self._sample_each(logits, seqs)
         outputs = []
         now = time.monotonic()
         for seq, token, logprob in zip(seqs, tokens, logprobs):
@@ -380,9 +393,35 @@ class LLMEngine:
             for output in self.step():
                 if output.finished:
                     final[output.request_id] = output
+            for failure in self.take_failures():
+                for request_id in ids:  # the batch's other requests are not left running
+                    self.abort(request_id)
+                raise failure
         return [final[i] for i in ids]
 
+    def take_failures(self) -> list[RequestFailed]:
+        """The requests that failed since the last call (each already aborted: blocks freed)."""
+        failures, self._failures = self._failures, []
+        return failures
+
     # -------------------------------------------------------------- internal
+    def _sample_each(self, logits: torch.Tensor, seqs: list[Sequence]):
+        """The batch's sampling raised: sample each row alone; a row that raises again fails
+        its request (aborted, reported by ``take_failures``) and the others keep their tokens."""
+        kept, tokens, logprobs = [], [], []
+        for i, seq in enumerate(seqs):
+            try:
+                (token,), (logprob,) = sample(logits[i : i + 1], [seq])
+            except Exception as exc:  # noqa: BLE001 - this request's failure, not the engine's
+                logger.warning("request %s: sampling failed, the request fails: %r", seq.request_id, exc)
+                self.abort(seq.request_id)
+                self._failures.append(RequestFailed(seq.request_id, exc))
+                continue
+            kept.append(seq)
+            tokens.append(token)
+            logprobs.append(logprob)
+        return kept, tokens, logprobs
+
     def _drop_out_of_window(self, seq: Sequence, next_query_pos: int) -> None:
         if self.sliding_window is not None:
             first = first_window_block(next_query_pos, self.sliding_window, self.config.block_size)
