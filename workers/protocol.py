@@ -72,6 +72,13 @@ class KVCacheDType(str, enum.Enum):
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
 
+    @classmethod
+    def parse(cls, value: str) -> KVCacheDType:
+        """``value`` as the enum; ValueError naming the choices for anything else."""
+        if value not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={value!r} must be one of {KV_CACHE_DTYPES}")
+        return cls(value)
+
     @property
     def quantized(self) -> bool:
         return self is not KVCacheDType.AUTO

@@ -14,6 +14,7 @@ from typing import Any
 import ray
 
 from deploy.ops.status_history import RESPONSES, StatusHistory
+from deploy.pools import directory as worker_directory
 
 logger = logging.getLogger("pdserve")
 
@@ -45,8 +46,6 @@ class PoolReader:
         self.timeout_s = timeout_s
 
     async def read(self, deployment: str) -> list[dict[str, Any]]:
-        from deploy.pools import directory as worker_directory
-
         if self.directory is None:
             self.directory = await asyncio.to_thread(worker_directory.find, self.app_name)
         ids, addresses = await asyncio.gather(

@@ -100,10 +100,10 @@ class _WorkerServer:
         )
         return engine
 
-    async def _start_control(self, prefill: PrefillWorker | None = None) -> TransferAddress:
+    async def _start_control(self, prefill: PrefillWorker | None = None) -> None:
         """Open this replica's control server (a prefill worker brings its own, with the lease
         calls) and register it in the application's worker directory, where the cluster status
-        finds it. Returns its address."""
+        finds it."""
         if prefill is None:
             control = ControlServer(self.worker_id, self.node_ip, ControlHandlers())
             await control.start()
@@ -117,7 +117,6 @@ class _WorkerServer:
         context = serve.get_replica_context()
         self.registration = Registration(context.app_name, context.deployment, address)
         self.registration.start()
-        return address
 
     async def _start_publisher(self, engine: LLMEngine, address: str) -> None:
         if not self.args.redis_url:

@@ -6,7 +6,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.protocol import KV_CACHE_DTYPES, KVCacheDType
+from workers.protocol import KVCacheDType
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,9 +32,7 @@ class EngineConfig:
     compile_batch_sizes: tuple[int, ...] | None = None  # decode buckets; None: powers of two to max_num_seqs
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES}")
-        object.__setattr__(self, "kv_cache_dtype", KVCacheDType(self.kv_cache_dtype))
+        object.__setattr__(self, "kv_cache_dtype", KVCacheDType.parse(self.kv_cache_dtype))
         buckets, max_seqs = self.compile_batch_sizes, self.max_num_seqs
         checks = {
             "block_size": (

@@ -18,7 +18,7 @@ import torch
 from workers.layers.kv_cache import bytes_per_block, scale_granularity
 from workers.models.config import ModelConfig
 from workers.models.loader import resolve_dtype
-from workers.protocol import KV_CACHE_DTYPES, KVCacheDType
+from workers.protocol import KVCacheDType
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +56,7 @@ def plan_kv(
     gpu_memory_utilization: float = 0.9,
 ) -> KVPlan:
     """How the KV cache of one replica with ``gpu_mem_gib`` of accelerator memory is spent."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
-    kind = KVCacheDType(kv_cache_dtype)
+    kind = KVCacheDType.parse(kv_cache_dtype)
     for name, value in (
         ("gpu_mem", gpu_mem_gib),
         ("context", context),

@@ -48,14 +48,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from workers.models.config import ModelConfig
-from workers.protocol import KV_CACHE_DTYPES, SCALE_ROWS, KVCacheDType, KVLayout
+from workers.protocol import SCALE_ROWS, KVCacheDType, KVLayout
 
 if TYPE_CHECKING:  # the engine's config, for an annotation: this module does not import the engine
     from workers.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
-_QUANTIZED = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
+_QMAX = {KVCacheDType.INT8.value: 127.0, KVCacheDType.FP8.value: 448.0}  # the largest code of each
 _FP8_MAX = 448.0  # float8_e4m3fn: K offsets
 SCALE_CODE_STEPS = 8  # scale code c: s = 2 ** (c / 8 - 24)
 SCALE_CODE_BIAS = 24
@@ -63,17 +63,11 @@ K_STEP_CODES = 2  # one 4-bit K channel step = 2 scale codes (x 1.19)
 K_MAX_STEP = 15
 
 
-def parse_kv_cache_dtype(kv_cache_dtype: str) -> KVCacheDType:
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
-    return KVCacheDType(kv_cache_dtype)
-
-
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    kind = parse_kv_cache_dtype(kv_cache_dtype)
+    kind = KVCacheDType.parse(kv_cache_dtype)
     if not kind.quantized:
         return model_dtype
-    return _QUANTIZED[kind.value][0]
+    return getattr(torch, kind.storage(str(model_dtype).removeprefix("torch.")))
 
 
 def k_offsets_fit(block_size: int, head_dim: int) -> bool:
@@ -104,7 +98,7 @@ def scale_granularity(block_size: int, head_dim: int) -> str:
 def bytes_per_block(model: ModelConfig, block_size: int, kv_cache_dtype: str, model_dtype: torch.dtype) -> int:
     """Bytes one block takes over all layers, K and V, scale row included."""
     storage = kv_storage_dtype(kv_cache_dtype, model_dtype)
-    quantized = parse_kv_cache_dtype(kv_cache_dtype).quantized
+    quantized = KVCacheDType.parse(kv_cache_dtype).quantized
     if quantized:
         check_quantized_shape(block_size, model.head_dim)
     rows = block_size + (SCALE_ROWS if quantized else 0)
@@ -255,11 +249,11 @@ class PagedKVCache:
         model_dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype)
+        self.kv_cache_dtype = KVCacheDType.parse(kv_cache_dtype)
         self.dtype = kv_storage_dtype(kv_cache_dtype, model_dtype)
         self.compute_dtype = model_dtype
         self.quantized = self.kv_cache_dtype.quantized
-        self.qmax = _QUANTIZED[self.kv_cache_dtype.value][1] if self.quantized else 0.0
+        self.qmax = _QMAX[self.kv_cache_dtype.value] if self.quantized else 0.0
         # A value fits a scale when it quantizes within half a step of it (int8 rounds to 127
         # up to 127.5; e4m3 has no value past 448).
         self.fit_limit = self.qmax + 0.5 if self.dtype == torch.int8 else self.qmax

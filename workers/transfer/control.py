@@ -177,8 +177,8 @@ class ControlServer:
 
         return grpc.unary_unary_rpc_method_handler(call)
 
-    def _reply(self, ok: bool, error: str = "", value: float = 0.0) -> ControlReply:
-        return ControlReply(ok, self.generation, self.worker_id, error, value)
+    def _reply(self, ok: bool, error: str = "", value: float = 0.0, data: dict[str, Any] | None = None) -> ControlReply:
+        return ControlReply(ok, self.generation, self.worker_id, error, value, data)
 
     def _handler(self, name: str) -> Callable:
         handler = getattr(self.handlers, name)
@@ -203,7 +203,7 @@ class ControlServer:
         return self._reply(True)
 
     async def _stats(self, _: Hello) -> ControlReply:
-        return ControlReply(True, self.generation, self.worker_id, data=await self._handler("stats")())
+        return self._reply(True, data=await self._handler("stats")())
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._server is not None:
