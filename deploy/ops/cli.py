@@ -245,33 +245,46 @@ def _add_kv_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         default=0.9,
         help="fraction of --gpu-mem a replica may use for weights and KV (default: 0.9)",
     )
+    parser.add_argument(
+        "--tp",
+        type=_positive_int,
+        default=1,
+        help="tensor-parallel size: GPUs per replica, each with --gpu-mem (default 1); a second table "
+        "compares every size the model's heads allow",
+    )
     parser.set_defaults(handler=_run_kv_plan)
 
 
 def _run_kv_plan(args: argparse.Namespace) -> int:
-    from workers.engine.kv_plan import format_plan, plan_kv
+    from workers.engine.kv_plan import format_plan, format_tp_options, plan_kv, tensor_parallel_sizes
     from workers.models.config import ModelConfig
 
     model = ModelConfig.from_dir(resolve_model_arg(args.model))
     order = [args.kv_cache_dtype] + [d for d in KV_CACHE_DTYPES if d != args.kv_cache_dtype]
+
+    def plan(kind: str, tp: int):
+        return plan_kv(
+            model,
+            args.gpu_mem,
+            args.context,
+            args.concurrency,
+            kind,
+            args.dtype,
+            args.block_size,
+            args.gpu_memory_utilization,
+            tensor_parallel_size=tp,
+        )
+
     try:
-        plans = [
-            plan_kv(
-                model,
-                args.gpu_mem,
-                args.context,
-                args.concurrency,
-                kind,
-                args.dtype,
-                args.block_size,
-                args.gpu_memory_utilization,
-            )
-            for kind in order
-        ]
+        plans = [plan(kind, args.tp) for kind in order]
+        by_tp = [plan(args.kv_cache_dtype, tp) for tp in tensor_parallel_sizes(model, most=max(8, args.tp))]
     except ValueError as exc:
         print(f"pdserve kv-plan: {exc}", file=sys.stderr)
         return 2
     print(format_plan(model, plans, args.context, args.gpu_mem))
+    if len(by_tp) > 1:
+        print()
+        print(format_tp_options(by_tp, args.context))
     return 0 if plans[0].fits else 1
 
 
@@ -331,6 +344,21 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="torch threads per engine replica (default: on a local CPU cluster, this "
         "machine's cores split among the engine replicas; else max(1, floor(cpus-per-replica)))",
+    )
+    parser.add_argument(
+        "--autoscaling",
+        choices=("pd", "queue"),
+        default=None,
+        help="size the pools while serving: pd moves replicas between prefill and decode within "
+        "--max-replicas in all (needs the Ray dashboard, which a local cluster runs); queue gives "
+        "each pool Serve's own queue-length autoscaling between 1 and --max-replicas (default: fixed replicas)",
+    )
+    parser.add_argument(
+        "--max-replicas",
+        type=_positive_int,
+        default=None,
+        help="with --autoscaling: pd's total budget (default: prefill + decode); queue's maximum per "
+        "pool (default: twice the pool's starting replicas)",
     )
     parser.add_argument("--api-key", action="append", default=[], help="accepted Bearer key (repeatable)")
     parser.add_argument(
@@ -515,6 +543,11 @@ def _run_up(args: argparse.Namespace) -> int:
     signals.install()  # before anything slow: a Ctrl-C while starting stops in order too
     model = resolve_model_arg(args.model)
     _say(f"model resolved: {model}")
+    try:  # the flags' own errors before anything starts
+        up_app_args(args, model, args.redis_url)
+    except ValueError as exc:  # pydantic's ValidationError is one
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 2
     local = LocalCluster(
         redis_url=args.redis_url,
         ray_address=args.ray_address,
@@ -543,32 +576,54 @@ def _threads_per_replica(args: argparse.Namespace) -> int | None:
     if args.threads_per_replica is not None or args.ray_address or args.gpus_per_replica:
         return args.threads_per_replica
     engines = args.colocated if args.mode == "colocated" else args.prefill + args.decode
+    if getattr(args, "autoscaling", None):  # the most engine replicas the pools may run at once
+        engines = max(engines, _most_replicas(args))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // engines)
 
 
-def _deploy_and_serve(args: argparse.Namespace, model: str, local, signals: _StopSignals, debug: bool) -> int:
-    import logging
+def _most_replicas(args: argparse.Namespace) -> int:
+    """Engine replicas the pools may run at once under ``--autoscaling``."""
+    if args.autoscaling == "pd":
+        return args.max_replicas or args.prefill + args.decode
+    pools = (args.colocated,) if args.mode == "colocated" else (args.prefill, args.decode)
+    return sum(args.max_replicas or 2 * start for start in pools)
 
-    from ray import serve
 
-    from deploy.args import PDServeArgs, PoolArgs
-    from deploy.builder import make_app, serve_logging
+def _queue_autoscaling(args: argparse.Namespace, start: int) -> dict[str, int] | None:
+    """Serve's autoscaling_config for one pool under ``--autoscaling queue``: from its starting
+    replicas, between 1 and ``--max-replicas`` (Serve's own delays and target)."""
+    if args.autoscaling != "queue":
+        return None
+    most = args.max_replicas or 2 * start
+    if start > most:
+        raise ValueError(f"--max-replicas {most} is below a pool's starting replicas {start}")
+    return {"min_replicas": 1, "max_replicas": most, "initial_replicas": start}
 
-    if not debug:  # Serve's driver-side INFO ("Started Serve in namespace", ...): our lines say it
-        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+
+def up_app_args(args: argparse.Namespace, model: str, redis_url: str | None):
+    """``pdserve up``'s flags as the application's arguments (``PDServeArgs``)."""
+    from deploy.args import AutoscalingArgs, PDServeArgs, PoolArgs
+
+    if args.max_replicas is not None and args.autoscaling is None:
+        raise ValueError("--max-replicas sizes --autoscaling: give --autoscaling pd or queue with it")
     pool = {
         "num_cpus": args.cpus_per_replica,
         "num_gpus": args.gpus_per_replica,
         "num_threads": _threads_per_replica(args),
     }
-    app_args = PDServeArgs(
+
+    def pool_args(start: int) -> PoolArgs:
+        return PoolArgs(**pool, replicas=start, autoscaling_config=_queue_autoscaling(args, start))
+
+    return PDServeArgs(
         model=model,
         served_model_name=args.served_model_name,
         mode=args.mode,
-        prefill=PoolArgs(**pool, replicas=args.prefill),
-        decode=PoolArgs(**pool, replicas=args.decode),
-        colocated=PoolArgs(**pool, replicas=args.colocated),
+        prefill=pool_args(args.prefill),
+        decode=pool_args(args.decode),
+        colocated=pool_args(args.colocated),
+        autoscaling=AutoscalingArgs(max_total_replicas=_most_replicas(args)) if args.autoscaling == "pd" else None,
         device=args.device,
         dtype=args.dtype,
         block_size=args.block_size,
@@ -579,11 +634,23 @@ def _deploy_and_serve(args: argparse.Namespace, model: str, local, signals: _Sto
         conversation_reuse=not args.no_conversation_reuse,
         enforce_eager=not args.compile,
         max_num_seqs=args.max_num_seqs,
-        redis_url=local.redis_url,
+        redis_url=redis_url,
         transport=args.transport,
         api_keys=tuple(args.api_key),
         log_level=args.log_level,
     )
+
+
+def _deploy_and_serve(args: argparse.Namespace, model: str, local, signals: _StopSignals, debug: bool) -> int:
+    import logging
+
+    from ray import serve
+
+    from deploy.builder import make_app, needs_external_scaler, serve_logging
+
+    if not debug:  # Serve's driver-side INFO ("Started Serve in namespace", ...): our lines say it
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    app_args = up_app_args(args, model, local.redis_url)
     access_log = True if args.access_log else None
     url = f"http://{args.host}:{args.port}"
     probe = _probe_url(args.host, args.port)
@@ -593,13 +660,20 @@ def _deploy_and_serve(args: argparse.Namespace, model: str, local, signals: _Sto
         http_options={"host": args.host, "port": args.port}, logging_config=serve_logging(args.log_level, access_log)
     )
     plan = ", ".join(f"{name} x{count}" for name, count in targets.items())
-    threads = pool["num_threads"]
+    threads = app_args.prefill.num_threads
     engine_threads = (
         f"{threads} torch thread(s) per engine" if threads else "torch threads per engine: max(1, floor(num_cpus))"
     )
     _say(f"deploying {plan} on {url} (replicas load the model; {engine_threads})")
     serve.run_many(
-        [serve.RunTarget(make_app(app_args, access_log), name=UP_APP_NAME, route_prefix="/")],
+        [
+            serve.RunTarget(
+                make_app(app_args, access_log),
+                name=UP_APP_NAME,
+                route_prefix="/",
+                external_scaler_enabled=needs_external_scaler(app_args),
+            )
+        ],
         wait_for_applications_running=False,
     )
     rc = 0
@@ -687,6 +761,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # every argument is bench/serve.py's, --help and a leading option too
+        import importlib
+
+        return importlib.import_module("bench.serve").main(argv[1:])  # bench/ is not type-checked
     args = build_parser().parse_args(argv)
     return args.handler(args)
 

@@ -126,3 +126,35 @@ def test_quantized_plan_names_its_scales_and_refuses_blocks_wider_than_a_head(ll
     )
     out = capsys.readouterr().out
     assert "int8/fp8 scales: K per channel with an fp8 offset (asymmetric), V per token" in out
+
+
+def test_tensor_parallel_divides_weights_and_kv_heads_per_gpu(llama3_8b):
+    model = ModelConfig.from_dir(llama3_8b)
+    one = plan_kv(model, 24, 8192, 64)
+    two = plan_kv(model, 24, 8192, 64, tensor_parallel_size=2)
+    assert two.kv_heads_per_gpu == 4 and two.bytes_per_token * 2 == one.bytes_per_token
+    # every sharded matrix halves; the norms (2 per layer + the final one) stay whole on each GPU
+    norms = (2 * model.num_layers + 1) * model.hidden_size
+    assert (two.weight_bytes // 2 - norms) * 2 == one.weight_bytes // 2 - norms
+    assert two.num_blocks == two.kv_budget_bytes // two.bytes_per_block
+    assert two.gpus_needed == 2 * two.replicas_needed
+    eight = plan_kv(model, 24, 8192, 64, tensor_parallel_size=8)
+    assert eight.kv_heads_per_gpu == 1
+    sixteen = plan_kv(model, 24, 8192, 64, tensor_parallel_size=16)  # more ranks than KV heads: replicated
+    assert sixteen.kv_heads_per_gpu == 1 and sixteen.bytes_per_block == eight.bytes_per_block
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide the model's 32 attention heads"):
+        plan_kv(model, 24, 8192, 64, tensor_parallel_size=3)
+
+
+def test_cli_tp_table_names_the_replicas_and_gpus_a_target_needs(llama3_8b, capsys):
+    argv = ["kv-plan", "--model", llama3_8b, "--gpu-mem", "24", "--context", "8192", "--concurrency", "64"]
+    assert main([*argv, "--tp", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "tensor parallel 2 (4 KV heads per GPU)" in out
+    assert "need 3 replicas of tp 2 (6 GPUs)" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:4].strip() in {"1", "2", "4", "8"}}
+    assert set(rows) == {"1", "2", "4", "8"}
+    fewest = next(line for line in out.splitlines() if line.endswith("<- fewest GPUs"))
+    assert fewest.split()[0] == "4" and fewest.split()[5:7] == ["1", "4"]  # one replica of tp 4: 4 GPUs
+    assert main([*argv, "--tp", "3"]) == 2
+    assert "must divide the model's 32 attention heads" in capsys.readouterr().err

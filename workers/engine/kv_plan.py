@@ -6,10 +6,17 @@ The figures follow the engine's own allocation (``workers.layers.kv_cache.bytes_
 a quantized block carries one extra row of scales (K per channel, V per token: one row of
 ``block_size`` tokens + 1, i.e. 17/16 byte per value at block size 16), and a sliding-window
 sequence never holds more than its window's blocks plus one.
+
+With tensor parallelism (``--tp N``) a replica spans N GPUs of ``gpu_mem`` each, Megatron-style:
+each GPU holds 1/N of the attention and MLP weights, of the embedding and of the LM head (the
+norms whole), and ``num_kv_heads / N`` KV heads of every block (one, replicated, when N exceeds
+the KV heads); block ids are the same on every GPU, so a replica holds as many blocks as one
+GPU's share of memory fits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -35,6 +42,12 @@ class KVPlan:
     max_concurrency: int  # sequences of the planned context that fit at once
     concurrency: int  # what was asked for
     replicas_needed: int  # replicas of this size to hold ``concurrency`` sequences
+    tensor_parallel_size: int = 1  # GPUs per replica; weight and block bytes are per GPU
+    kv_heads_per_gpu: int = 0
+
+    @property
+    def gpus_needed(self) -> int:
+        return self.replicas_needed * self.tensor_parallel_size
 
     @property
     def tokens(self) -> int:
@@ -43,6 +56,31 @@ class KVPlan:
     @property
     def fits(self) -> bool:
         return self.max_concurrency >= self.concurrency
+
+
+def kv_heads_per_rank(model: ModelConfig, tensor_parallel_size: int) -> int:
+    """KV heads each of ``tensor_parallel_size`` ranks holds: an equal share, or one (replicated)
+    when there are more ranks than KV heads. Refuses a size the heads do not divide."""
+    tp = tensor_parallel_size
+    if tp < 1 or model.num_heads % tp:
+        raise ValueError(f"tensor_parallel_size {tp} must divide the model's {model.num_heads} attention heads")
+    if model.num_kv_heads % tp and tp % model.num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size {tp} and the model's {model.num_kv_heads} KV heads: one must divide the other"
+        )
+    return max(1, model.num_kv_heads // tp)
+
+
+def weight_params_per_rank(model: ModelConfig, tensor_parallel_size: int) -> int:
+    """Parameters one rank holds: its shard of every projection, embedding and LM head (its KV
+    heads' K/V projections, replicated ones included), the norms whole."""
+    tp, h, d = tensor_parallel_size, model.hidden_size, model.head_dim
+    kv = kv_heads_per_rank(model, tp) * d
+    q = model.num_heads * d // tp
+    attn = h * q + 2 * h * kv + q * h
+    mlp = 3 * h * math.ceil(model.intermediate_size / tp)
+    embed = math.ceil(model.vocab_size / tp) * h * (1 if model.tie_word_embeddings else 2)
+    return model.num_layers * (attn + mlp + 2 * h) + embed + h
 
 
 def plan_kv(
@@ -54,8 +92,10 @@ def plan_kv(
     dtype: str | None = None,
     block_size: int = 16,
     gpu_memory_utilization: float = 0.9,
+    tensor_parallel_size: int = 1,
 ) -> KVPlan:
-    """How the KV cache of one replica with ``gpu_mem_gib`` of accelerator memory is spent."""
+    """How the KV cache of one replica with ``gpu_mem_gib`` of accelerator memory per GPU (and
+    ``tensor_parallel_size`` GPUs) is spent; byte figures are per GPU."""
     kind = KVCacheDType.parse(kv_cache_dtype)
     for name, value in (
         ("gpu_mem", gpu_mem_gib),
@@ -65,10 +105,12 @@ def plan_kv(
     ):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
+    local_kv_heads = kv_heads_per_rank(model, tensor_parallel_size)
     torch_dtype = resolve_dtype(model, torch.device("cuda"), dtype)  # what a GPU replica runs
     model_dtype = str(torch_dtype).removeprefix("torch.")
-    per_block = bytes_per_block(model, block_size, kv_cache_dtype, torch_dtype)
-    weights = model.num_params * torch.empty((), dtype=torch_dtype).element_size()
+    rank_model = dataclasses.replace(model, num_kv_heads=local_kv_heads)
+    per_block = bytes_per_block(rank_model, block_size, kv_cache_dtype, torch_dtype)
+    weights = weight_params_per_rank(model, tensor_parallel_size) * torch.empty((), dtype=torch_dtype).element_size()
     budget = int(gpu_mem_gib * 2**30 * gpu_memory_utilization) - weights
     num_blocks = max(0, budget // per_block)
     per_seq = math.ceil(context / block_size)
@@ -88,7 +130,46 @@ def plan_kv(
         max_concurrency=max_concurrency,
         concurrency=concurrency,
         replicas_needed=math.ceil(concurrency / max_concurrency) if max_concurrency else 0,
+        tensor_parallel_size=tensor_parallel_size,
+        kv_heads_per_gpu=local_kv_heads,
     )
+
+
+def tensor_parallel_sizes(model: ModelConfig, most: int = 8) -> list[int]:
+    """The sizes up to ``most`` (powers of two) the model's heads allow."""
+    sizes = []
+    for tp in (1, 2, 4, 8, 16):
+        if tp > most:
+            break
+        try:
+            kv_heads_per_rank(model, tp)
+        except ValueError:
+            continue
+        sizes.append(tp)
+    return sizes
+
+
+def format_tp_options(plans: list[KVPlan], context: int) -> str:
+    """One row per tensor-parallel size: per-GPU weights and KV heads, sequences one replica
+    holds, replicas and GPUs the concurrency target needs; the fewest GPUs marked."""
+    fitting = [p for p in plans if p.max_concurrency]
+    best = min(fitting, key=lambda p: (p.gpus_needed, p.tensor_parallel_size), default=None)
+    lines = [
+        f"by tensor-parallel size (kv_cache_dtype={plans[0].kv_cache_dtype}, {plans[0].concurrency} "
+        f"sequences of {context} tokens):",
+        f"{'tp':>4}{'weights/GPU GiB':>17}{'KV heads/GPU':>14}{'blocks':>14}{'max seqs':>12}"
+        f"{'replicas':>10}{'GPUs':>8}",
+    ]
+    for plan in plans:
+        replicas, gpus = (
+            (str(plan.replicas_needed), str(plan.gpus_needed)) if plan.max_concurrency else ("-", "does not fit")
+        )
+        mark = "  <- fewest GPUs" if plan is best else ""
+        lines.append(
+            f"{plan.tensor_parallel_size:>4}{plan.weight_bytes / 2**30:>17.2f}{plan.kv_heads_per_gpu:>14}"
+            f"{plan.num_blocks:>14,}{plan.max_concurrency:>12,}{replicas:>10}{gpus:>8}{mark}"
+        )
+    return "\n".join(lines)
 
 
 def format_plan(model: ModelConfig, plans: list[KVPlan], context: int, gpu_mem_gib: float) -> str:
@@ -97,8 +178,15 @@ def format_plan(model: ModelConfig, plans: list[KVPlan], context: int, gpu_mem_g
     window = f", sliding window {model.sliding_window}" if model.sliding_window else ""
     lines = [
         f"model: {model.architecture}, {model.num_layers} layers x {model.num_kv_heads} KV heads x "
-        f"head_dim {model.head_dim}{window}; weights {first.model_dtype} {first.weight_bytes / 2**30:.2f} GiB",
-        f"replica: {gpu_mem_gib:g} GiB, context {context} tokens, block size {first.block_size}",
+        f"head_dim {model.head_dim}{window}; weights {first.model_dtype} {first.weight_bytes / 2**30:.2f} GiB"
+        + (" per GPU (bytes and blocks below are per GPU)" if first.tensor_parallel_size > 1 else ""),
+        f"replica: {gpu_mem_gib:g} GiB"
+        + (
+            f" per GPU x tensor parallel {first.tensor_parallel_size} ({first.kv_heads_per_gpu} KV heads per GPU)"
+            if first.tensor_parallel_size > 1
+            else ""
+        )
+        + f", context {context} tokens, block size {first.block_size}",
     ]
     if any(plan.kv_cache_dtype != "auto" for plan in plans):
         lines.append(f"int8/fp8 scales: {scale_granularity(first.block_size, model.head_dim)}")
@@ -114,12 +202,14 @@ def format_plan(model: ModelConfig, plans: list[KVPlan], context: int, gpu_mem_g
             f"{name:<16}{plan.bytes_per_token:>12,.0f}{plan.kv_budget_bytes / 2**30:>15.2f}{plan.num_blocks:>14,}"
             f"{plan.tokens:>16,}{plan.blocks_per_sequence:>12,}{plan.max_concurrency:>12,}{replicas:>20}"
         )
+    tp = first.tensor_parallel_size
+    gpus = f" of tp {tp} ({first.gpus_needed} GPUs)" if tp > 1 and first.replicas_needed else ""
     verdict = (
-        f"{first.concurrency} sequences of {context} tokens fit in one replica with "
+        f"{first.concurrency} sequences of {context} tokens fit in one replica{f' of tp {tp}' if tp > 1 else ''} with "
         f"kv_cache_dtype={first.kv_cache_dtype}"
         if first.fits
         else f"{first.concurrency} sequences of {context} tokens need {first.replicas_needed or 'more'} "
-        f"replicas with kv_cache_dtype={first.kv_cache_dtype} (one holds {first.max_concurrency})"
+        f"replicas{gpus} with kv_cache_dtype={first.kv_cache_dtype} (one holds {first.max_concurrency})"
     )
     if not first.num_blocks:
         verdict = (
