@@ -26,6 +26,7 @@ from workers.layers.kv_cache import bytes_per_block, scale_granularity
 from workers.models.config import ModelConfig
 from workers.models.loader import resolve_dtype
 from workers.protocol import KVCacheDType
+from workers.transfer.tp_plan import heads_of_rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,16 +60,13 @@ class KVPlan:
 
 
 def kv_heads_per_rank(model: ModelConfig, tensor_parallel_size: int) -> int:
-    """KV heads each of ``tensor_parallel_size`` ranks holds: an equal share, or one (replicated)
-    when there are more ranks than KV heads. Refuses a size the heads do not divide."""
+    """KV heads each of ``tensor_parallel_size`` ranks holds (``workers/transfer/tp_plan.py``):
+    an equal share, or one (replicated) when there are more ranks than KV heads. Refuses a size
+    the heads do not divide."""
     tp = tensor_parallel_size
     if tp < 1 or model.num_heads % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide the model's {model.num_heads} attention heads")
-    if model.num_kv_heads % tp and tp % model.num_kv_heads:
-        raise ValueError(
-            f"tensor_parallel_size {tp} and the model's {model.num_kv_heads} KV heads: one must divide the other"
-        )
-    return max(1, model.num_kv_heads // tp)
+    return len(heads_of_rank(model.num_kv_heads, tp, 0))
 
 
 def weight_params_per_rank(model: ModelConfig, tensor_parallel_size: int) -> int:
