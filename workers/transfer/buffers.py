@@ -8,6 +8,7 @@ a quantized block travels with its scales.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -70,8 +71,26 @@ def gather_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], o
 def scatter_blocks(buf: torch.Tensor, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> None:
     """Write row ``i`` of every layer of ``buf`` into block ``block_ids[i]``.
 
-    Needs contiguous cache layers (the engine allocates them so).
+    Contiguous cache layers (the engine allocates them so) are written as wide rows; a head slice
+    of them (``head_slice``) element by element.
     """
     index = torch.as_tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
     for layer, cache in enumerate(kv_caches):
-        as_wide_rows(cache).index_copy_(1, index, as_wide_rows(buf[layer]))
+        if cache.is_contiguous():
+            as_wide_rows(cache).index_copy_(1, index, as_wide_rows(buf[layer]))
+        else:
+            cache.index_copy_(1, index, buf[layer])
+
+
+def head_slice(
+    kv_caches: Sequence[torch.Tensor], layout: KVLayout, heads: range | None
+) -> tuple[Sequence[torch.Tensor], KVLayout]:
+    """Views of KV heads ``heads`` (local indices) of every layer, and the layout a transfer of
+    only those heads has on the wire (``workers/transfer/tp_plan.py`` names them); all heads when
+    ``heads`` is None. A quantized block's scale rows are rows of the same heads: they come along."""
+    if heads is None or (heads.start == 0 and heads.stop == layout.num_kv_heads):
+        return kv_caches, layout
+    if heads.step != 1 or not 0 <= heads.start < heads.stop <= layout.num_kv_heads:
+        raise ValueError(f"heads {heads} is not a run of the cache's {layout.num_kv_heads} KV heads")
+    views = [cache[:, :, :, heads.start : heads.stop] for cache in kv_caches]
+    return views, dataclasses.replace(layout, num_kv_heads=len(heads))

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from workers.protocol import KVLayout
-from workers.transfer.buffers import buffer_shape, gather_blocks, scatter_blocks
+from workers.transfer.buffers import buffer_shape, gather_blocks, head_slice, scatter_blocks
 from workers.transfer.config import Transport
 
 if TYPE_CHECKING:
@@ -186,9 +186,17 @@ class PairGroup:
         return self._scratch[:nbytes].view(dtype).view(shape)
 
     def send(
-        self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], layout: KVLayout, tag: int, deadline: float
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        block_ids: Sequence[int],
+        layout: KVLayout,
+        tag: int,
+        deadline: float,
+        heads: range | None = None,
     ) -> int:
-        """Gather ``block_ids`` of all layers and send them as one message; returns bytes sent."""
+        """Gather ``block_ids`` of all layers (only local KV heads ``heads`` when given: a
+        tensor-parallel peer's share) and send them as one message; returns bytes sent."""
+        kv_caches, layout = head_slice(kv_caches, layout, heads)
         dtype = kv_caches[0].dtype
         if self.transport is Transport.GLOO:
             buf = gather_blocks(kv_caches, block_ids, self._host_buffer(layout, len(block_ids), dtype))
@@ -210,13 +218,21 @@ class PairGroup:
             return staged.nbytes
 
     def recv(
-        self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], layout: KVLayout, tag: int, deadline: float
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        block_ids: Sequence[int],
+        layout: KVLayout,
+        tag: int,
+        deadline: float,
+        heads: range | None = None,
     ) -> int:
-        """Receive one message and scatter it into ``block_ids``; returns bytes received.
+        """Receive one message and scatter it into ``block_ids`` (into local KV heads ``heads``
+        only when given); returns bytes received.
 
         Returns only once the blocks are written (device synchronized), so the caller may
         schedule them at once.
         """
+        kv_caches, layout = head_slice(kv_caches, layout, heads)
         dtype = kv_caches[0].dtype
         if self.transport is Transport.GLOO:
             buf = self._host_buffer(layout, len(block_ids), dtype)
