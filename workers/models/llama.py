@@ -4,6 +4,10 @@ Parameter names match Hugging Face checkpoints, so weights load by name. The ari
 transformers' order of operations (RMSNorm in fp32, rotary tables in fp32, SDPA) so that greedy
 decoding matches ``generate`` token for token in fp32.
 
+With tensor parallelism (``TPGroup``, ``workers/models/parallel.py``) each rank holds its query
+and KV heads and its slice of the MLP; the names stay the checkpoint's, so a rank loads its
+slice of each weight by name.
+
 Tokens arrive flattened (``[T]``, no batch dimension): a step mixes decodes and prefill chunks
 of many sequences, and ``PagedAttention`` knows which rows belong to which sequence.
 """
@@ -18,6 +22,13 @@ from torch import nn
 
 from workers.layers.paged_attention import PagedAttention
 from workers.models.config import ModelConfig, RopeConfig
+from workers.models.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+)
 
 
 class RMSNorm(nn.Module):
@@ -81,18 +92,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        d, hidden = cfg.head_dim, cfg.hidden_size
+        kv_heads = tp.kv_heads(cfg.num_kv_heads)  # the KV heads this rank's query heads use
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads // tp.world_size, len(kv_heads), d
+        kv_rows = slice(kv_heads.start * d, kv_heads.stop * d)
+        self.q_proj = ColumnParallelLinear(hidden, cfg.num_heads * d, cfg.qkv_bias, tp)
+        self.k_proj = ColumnParallelLinear(hidden, cfg.num_kv_heads * d, cfg.qkv_bias, tp, kv_rows)
+        self.v_proj = ColumnParallelLinear(hidden, cfg.num_kv_heads * d, cfg.qkv_bias, tp, kv_rows)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, hidden, cfg.o_bias, tp)
         self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        if cfg.qk_norm:  # per head_dim: the same weights on every rank, applied to its heads
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, x, positions, rotary: RotaryEmbedding, attn: PagedAttention) -> torch.Tensor:
         tokens = x.shape[0]
@@ -107,21 +121,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        hidden, inner = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = ColumnParallelLinear(hidden, inner, cfg.mlp_bias, tp)
+        self.up_proj = ColumnParallelLinear(hidden, inner, cfg.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(inner, hidden, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -131,23 +146,25 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
 
 
 class LlamaForCausalLM(nn.Module):
-    """One class for the whole family; the config switches qkv bias, q/k norm and tying."""
+    """One class for the whole family; the config switches qkv bias, q/k norm and tying.
+    ``tp``: this rank's shard of a tensor-parallel model (default: the whole model)."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
+        self.tp = tp or TPGroup()
+        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings, self.tp)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.tp)
 
     @property
     def attention_scale(self) -> float:
@@ -162,5 +179,5 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        return head.logits(hidden).float()

@@ -3,6 +3,9 @@
 Reads ``model.safetensors`` or the shards named by ``model.safetensors.index.json`` (or every
 ``*.safetensors`` in the directory), tensor by tensor, straight into the parameters on the target
 device, with a progress bar. Missing or unexpected weights fail the load with their names.
+
+A tensor-parallel rank reads only its slice of each sharded weight (``get_slice``: the file is
+memory-mapped and only the slice's bytes are read), never the whole checkpoint.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from tqdm.auto import tqdm
 
 from workers.models.config import ModelConfig
 from workers.models.llama import LlamaForCausalLM
+from workers.models.parallel import Shard, TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -53,17 +57,24 @@ def load_model(
     dtype: str | None = None,
     max_positions: int | None = None,
     progress: bool = True,
+    tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
+    """The model (``tp``: this rank's shard of it) with its weights from ``model_dir``."""
     model_dir = Path(model_dir)
     device = torch.device(device)
     cfg = ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(cfg, device, dtype)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
+        model = LlamaForCausalLM(cfg, max_positions, tp)
     model = model.to(torch_dtype).to_empty(device=device)
     model.model.rotary_emb.build(device)  # fp32 tables, computed for real on the device
 
     params = dict(model.named_parameters())
+    shards: dict[str, Shard] = {
+        f"{prefix}.{name}" if prefix else name: shard
+        for prefix, module in model.named_modules()
+        for name, shard in getattr(module, "shards", {}).items()
+    }
     loaded: set[str] = set()
     unexpected: list[str] = []
     files = weight_files(model_dir)
@@ -74,6 +85,7 @@ def load_model(
     # Off a terminal (a Ray replica's output is forwarded line by line) a bar shows only for a load
     # that takes more than a few seconds, and then at most one line per 15 s.
     quiet = {} if sys.stderr.isatty() else {"delay": 5.0, "mininterval": 15.0}
+    progress = progress and (tp is None or tp.rank == 0)  # one bar for a tensor-parallel load
     bar = tqdm(total=total, desc=f"Loading {model_dir.name}", unit="tensor", disable=not progress, **quiet)
     with torch.no_grad():
         for path in files:
@@ -88,13 +100,18 @@ def load_model(
                     if param is None:
                         unexpected.append(name)
                         continue
-                    tensor = f.get_tensor(name)
-                    if tensor.shape != param.shape:
-                        raise ValueError(
-                            f"{path.name}: {name} has shape {tuple(tensor.shape)}, "
-                            f"the config implies {tuple(param.shape)}"
-                        )
-                    param.copy_(tensor.to(torch_dtype))
+                    shard = shards.get(name)
+                    stored = f.get_slice(name)
+                    shape = tuple(stored.get_shape())
+                    expected = shard.full_shape if shard else tuple(param.shape)
+                    if shape != expected:
+                        raise ValueError(f"{path.name}: {name} has shape {shape}, the config implies {expected}")
+                    tensor = stored[shard.index] if shard else f.get_tensor(name)
+                    target: torch.Tensor = param
+                    if tensor.shape != param.shape:  # the last vocabulary shard: padding rows stay zero
+                        param.zero_()
+                        target = param[: tensor.shape[0]]
+                    target.copy_(tensor.to(torch_dtype))
                     loaded.add(name)
     bar.close()
     missing = sorted(set(params) - loaded)
