@@ -30,6 +30,9 @@ class EngineConfig:
     # max_num_seqs, compiled at start-up; workers/engine/compiled.py); True: everything eager.
     enforce_eager: bool = True
     compile_batch_sizes: tuple[int, ...] | None = None  # decode buckets; None: powers of two to max_num_seqs
+    # Ranks the model is split over (workers/engine/tensor_parallel.py): this process is rank 0,
+    # ranks 1..N-1 are processes it starts. 1: the whole model here, no collectives.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_dtype", KVCacheDType.parse(self.kv_cache_dtype))
@@ -49,12 +52,29 @@ class EngineConfig:
                 buckets is None or (len(buckets) > 0 and all(0 < b <= max_seqs for b in buckets)),
                 "must be batch sizes in [1, max_num_seqs]",
             ),
+            "tensor_parallel_size": (self.tensor_parallel_size > 0, "must be positive"),
         }
         for name, (ok, problem) in checks.items():
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} {problem}")
         if not Path(self.model_dir).is_dir():
             raise FileNotFoundError(f"model_dir {self.model_dir!r} is not a directory")
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        from workers.models.config import ModelConfig
+        from workers.models.parallel import tensor_parallel_problem
+
+        tp = self.tensor_parallel_size
+        if not self.enforce_eager:
+            raise ValueError(
+                f"tensor_parallel_size={tp} runs eager only: drop enforce_eager=False (--compile) "
+                "or use tensor_parallel_size=1"
+            )
+        problem = tensor_parallel_problem(ModelConfig.from_dir(self.model_dir), tp)
+        if problem:
+            raise ValueError(f"tensor_parallel_size={tp}: {problem}; choose a size that divides them")
 
     @property
     def resolved_model_key(self) -> str:

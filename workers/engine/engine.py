@@ -5,8 +5,10 @@ Runs in a plain process: no Ray, no Redis. Not thread-safe: one thread drives ``
 Its public surface: ``add_request`` / ``step`` / ``abort`` / ``has_unfinished`` / ``generate``;
 for disaggregation ``reserve_remote_kv`` / ``commit_remote_kv`` (decode side) and
 ``held_block_ids`` / ``release_kv`` (prefill side); ``stats()`` and ``take_events()`` for the
-worker around it. ``scheduler`` and ``block_manager`` are the engine's own: code outside
-``workers/engine`` reads what it needs through ``stats()``.
+worker around it; ``close()`` stops the worker ranks of a tensor-parallel engine
+(``EngineConfig.tensor_parallel_size``, workers/engine/tensor_parallel.py). ``scheduler`` and
+``block_manager`` are the engine's own: code outside ``workers/engine`` reads what it needs
+through ``stats()``.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import FinishReason, RequestStatus, Sequence, TokenLogprob
 from workers.engine.stats import EngineStats
+from workers.engine.tensor_parallel import TensorParallelWorkers, rank_device
 from workers.layers.kv_cache import PagedKVCache, plan_num_blocks
 from workers.models.config import ModelConfig
 from workers.models.loader import load_model, resolve_dtype
+from workers.models.parallel import TPGroup, rank_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +103,11 @@ class LLMEngine:
                 "LLMEngine takes config=EngineConfig(...) alone, or model_dir and EngineConfig fields, not both"
             )
         self.config = cfg = config
-        self.device = torch.device(cfg.device)
+        # Tensor parallel: ranks 1..N-1 start first and load their shards while this one loads
+        # its own; ``close()`` stops them (were __init__ to raise, their finalizer kills them).
+        self.tensor_parallel = TensorParallelWorkers.launch(cfg) if cfg.tensor_parallel_size > 1 else None
+        tp = self.tensor_parallel.tp if self.tensor_parallel else TPGroup()
+        self.device = rank_device(cfg.device, 0) if self.tensor_parallel else torch.device(cfg.device)
         self.model_config = ModelConfig.from_dir(cfg.model_dir)
         self.model_key = cfg.resolved_model_key
         max_len = cfg.max_model_len or self.model_config.max_position_embeddings
@@ -107,8 +115,11 @@ class LLMEngine:
         # A window at least as long as the context never cuts anything: plain causal attention.
         self.sliding_window = window if window and window < max_len else None
         self.dtype = resolve_dtype(self.model_config, self.device, cfg.dtype)
-        self.model = load_model(cfg.model_dir, self.device, cfg.dtype, max_len, cfg.load_progress)
-        num_blocks = plan_num_blocks(cfg, self.model_config, self.dtype, self.device)
+        self.model = load_model(cfg.model_dir, self.device, cfg.dtype, max_len, cfg.load_progress, tp)
+        rank_config = rank_model_config(self.model_config, tp)  # this rank's KV heads: what its cache holds
+        num_blocks = plan_num_blocks(cfg, rank_config, self.dtype, self.device)
+        if self.tensor_parallel:
+            num_blocks = self.tensor_parallel.agree_num_blocks(num_blocks)  # the same block ids on every rank
         capacity = num_blocks * cfg.block_size
         max_chunk = None
         if self.sliding_window is not None:
@@ -123,10 +134,8 @@ class LLMEngine:
             logger.info("KV cache holds %d tokens: max_model_len lowered from %d", capacity, max_len)
             max_len = capacity
         self.max_model_len = max_len
-        self.kv = PagedKVCache(
-            self.model_config, num_blocks, cfg.block_size, cfg.kv_cache_dtype, self.dtype, self.device
-        )
-        self.kv_caches = self.kv.layers  # what the transfer layer moves blocks of
+        self.kv = PagedKVCache(rank_config, num_blocks, cfg.block_size, cfg.kv_cache_dtype, self.dtype, self.device)
+        self.kv_caches = self.kv.layers  # what the transfer layer moves blocks of (rank 0's heads under TP)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, self.model_key, cfg.enable_prefix_caching)
         # The scheduler owns the request table and every status change (RequestStatus).
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, max_chunk)
@@ -136,6 +145,8 @@ class LLMEngine:
             else CompiledDecode(self.model, cfg.max_num_seqs, self.device, cfg.compile_batch_sizes)
         )
         self.runner = ModelRunner(self.model, self.kv, self.sliding_window, compiled, cfg.load_progress)
+        if self.tensor_parallel:
+            self.tensor_parallel.start(self.sliding_window)
         self.tokenizer = _load_tokenizer(cfg.model_dir)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) or frozenset(
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
@@ -150,6 +161,12 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         return cls(config=config)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker ranks, if any, and wait for them to exit. Idempotent;
+        nothing to do for a single-rank engine."""
+        if self.tensor_parallel:
+            self.tensor_parallel.close()
 
     # ------------------------------------------------------------------ API
     @property
@@ -212,6 +229,8 @@ class LLMEngine:
         HELD_FOR_DECODE: its blocks stay referenced until ``release_kv`` while the decode side
         pulls them. ``first_token_id`` continues a request whose first token was sampled
         elsewhere (a decode worker computing the prompt itself when no KV could be pulled)."""
+        if hold_kv:
+            self._check_kv_transfer()
         seq = self._new_sequence(request_id, prompt, params, cache_salt, first_token_id)
         self.scheduler.add(seq, hold_kv=hold_kv)
         self._start_detokenizer(seq)
@@ -259,6 +278,7 @@ class LLMEngine:
         filled by a transfer before ``commit_remote_kv``. Returns None when the blocks are not
         free now (the caller retries later or goes elsewhere); the request is not kept then.
         """
+        self._check_kv_transfer()
         seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt, first_token_id)
         cached = self.block_manager.find_cached_prefix(seq)
         num_prompt = seq.num_prompt_tokens
@@ -294,6 +314,13 @@ class LLMEngine:
             self.scheduler.recompute_remote(seq)
         else:
             self.scheduler.commit_remote(seq)
+
+    def _check_kv_transfer(self) -> None:
+        if self.tensor_parallel:
+            raise NotImplementedError(
+                "KV transfer (disaggregation) with tensor_parallel_size > 1 is not supported yet: "
+                "each rank holds a slice of every block; run the engine alone or with tensor_parallel_size=1"
+            )
 
     def _new_sequence(
         self,
@@ -346,7 +373,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.decodes and not out.prefills:
             return []
-        logits, sampled, prompt = self.runner.execute(out)
+        if self.tensor_parallel:
+            logits, sampled, prompt = self.tensor_parallel.execute(self.runner, out)  # every rank runs it
+        else:
+            logits, sampled, prompt = self.runner.execute(out)
         for seq, first, scored in prompt:
             seq.prompt_logprobs[first + 1 :] = scored  # position p scores entry p + 1
         for item in out.decodes + out.prefills:
