@@ -177,6 +177,13 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         help="run decode steps compiled (torch.compile; graphs for batches up to the number "
         "of prompts, compiled first: minutes on a small CPU the first time, then cached)",
     )
+    parser.add_argument(
+        "--tp",
+        type=_positive_int,
+        default=1,
+        help="tensor-parallel ranks (this process and N-1 it starts; on CUDA one GPU each, on CPU "
+        "the cores split among them); eager only",
+    )
     parser.set_defaults(handler=_run_generate)
 
 
@@ -189,12 +196,17 @@ def _run_generate(args: argparse.Namespace) -> int:
     model = resolve_model_arg(args.model)
     print(f"pdserve generate: {model} ({describe_model(model)})", file=sys.stderr)
     compile_kwargs: dict[str, Any] = {"enforce_eager": False, "max_num_seqs": len(args.prompts)} if args.compile else {}
+    if args.tp > 1 and not args.device.startswith("cuda"):
+        import torch
+
+        torch.set_num_threads(max(1, torch.get_num_threads() // args.tp))  # each rank's share; workers take the same
     engine = LLMEngine(
         model,
         block_size=args.block_size,
         device=args.device,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        tensor_parallel_size=args.tp,
         **compile_kwargs,
     )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
@@ -212,6 +224,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         print(f"--- {prompt!r}\n{out.text!r}  [{len(out.token_ids)} tokens, {out.finish_reason}]")
     total = sum(len(o.token_ids) for o in outputs)
     print(f"{total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tok/s) from {model} on {engine.device}")
+    engine.close()
     return 0
 
 
