@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from tests.unit.engine_helpers import random_prompts
+from tests.unit.engine_helpers import hf_greedy, random_prompts
 from tests.unit.test_engine_parity import GREEDY, assert_matches_hf, make_engine
 from workers.engine import EngineConfig, SamplingParams
 from workers.engine.tensor_parallel import TensorParallelError
@@ -87,6 +87,23 @@ def test_tied_embeddings_over_a_padded_vocabulary(tied_odd_vocab):
     prompts = random_prompts((5, 40, 130), seed=5)
     with tp_engine(tied_odd_vocab, 2) as engine:
         assert_matches_hf(tied_odd_vocab, prompts, engine.generate(prompts, GREEDY))
+        engine.check_idle()
+
+
+def test_sliding_window_past_three_windows(tmp_path_factory):
+    """A windowed model: steps send only the blocks inside each sequence's window (earlier table
+    entries are dropped blocks), chunked prefill reads the cache through them."""
+    window = 64
+    model_dir = str(
+        make_tiny_model(tmp_path_factory.mktemp("tp-swa") / "m", arch="mistral", seed=1, sliding_window=window)
+    )
+    params = SamplingParams(max_tokens=3 * window + 40, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts((5, 40, 150), seed=4)
+    with tp_engine(model_dir, 2, num_kv_blocks=64, max_num_batched_tokens=24) as engine:
+        assert engine.sliding_window == window
+        outs = engine.generate(prompts, params)
+        for prompt, out in zip(prompts, outs, strict=True):
+            assert out.token_ids == hf_greedy(model_dir, tuple(prompt), params.max_tokens)
         engine.check_idle()
 
 

@@ -330,6 +330,8 @@ class TensorParallelWorkers:
     def _guard(self, fn):
         """Run ``fn`` with every worker alive; a failure on the way leaves the ranks out of step:
         remember it, name the dead rank if one is, raise TensorParallelError now and from then on."""
+        if self._closed:
+            raise TensorParallelError("the engine is closed: its tensor-parallel workers are stopped")
         if self._failure is None:
             self._failure = self._dead_workers()
         if self._failure is not None:
