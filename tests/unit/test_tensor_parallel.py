@@ -9,7 +9,9 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -154,6 +156,38 @@ def test_dead_worker_fails_the_engine_clearly(tiny_llama):
     finally:
         engine.close()
     assert_reaped(procs)
+
+
+def test_workers_exit_when_rank_0_dies(tiny_llama):
+    """Rank 0 killed outright (no close()): its workers see the sockets close and exit."""
+    code = (
+        "import sys; from workers.engine import LLMEngine; "
+        f"e = LLMEngine({tiny_llama!r}, load_progress=False, num_kv_blocks=64, tensor_parallel_size=2); "
+        "print(*(p.pid for p in e.tensor_parallel.procs), flush=True); sys.stdin.read()"
+    )
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    try:
+        assert rank0.stdout is not None
+        pids = [int(pid) for pid in rank0.stdout.readline().split()]
+        assert len(pids) == 1 and running(pids[0])
+    finally:
+        rank0.kill()
+        rank0.wait()
+    deadline = time.monotonic() + 60  # a bound against a hang, not a measurement
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(running(pid) for pid in pids), f"worker {pids} outlived rank 0"
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's zombie waits for whoever adopted it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_config_refuses_what_does_not_split(tiny_llama, tmp_path):
