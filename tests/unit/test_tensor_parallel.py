@@ -21,7 +21,7 @@ from torch import nn
 
 from tests.unit.engine_helpers import hf_greedy, random_prompts
 from tests.unit.test_engine_parity import GREEDY, assert_matches_hf, make_engine
-from workers.engine import EngineConfig, SamplingParams
+from workers.engine import EngineConfig, LLMEngine, SamplingParams
 from workers.engine.tensor_parallel import TensorParallelError
 from workers.models.loader import load_model
 from workers.models.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding
@@ -156,6 +156,15 @@ def test_dead_worker_fails_the_engine_clearly(tiny_llama):
     finally:
         engine.close()
     assert_reaped(procs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where a worker cannot take a CUDA device")
+def test_a_worker_failing_to_start_is_named_with_its_error(tiny_llama):
+    """A worker on CUDA without CUDA fails before joining; rank 0 reports it with the last line
+    of its traceback (left in the store) instead of waiting for it."""
+    message = r"worker rank 1 \(pid \d+\) exited with code 1 while starting: \w+Error: .+"
+    with pytest.raises(TensorParallelError, match=message):
+        LLMEngine(tiny_llama, load_progress=False, num_kv_blocks=8, tensor_parallel_size=2, device="cuda")
 
 
 def test_workers_exit_when_rank_0_dies(tiny_llama):
