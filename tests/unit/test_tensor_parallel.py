@@ -46,7 +46,8 @@ def tied_odd_vocab(tmp_path_factory) -> str:
 
 @contextlib.contextmanager
 def tp_engine(model_dir: str, tp: int, **kwargs):
-    """An engine over ``tp`` ranks; on the way out it is closed and every worker must be gone."""
+    """An engine over ``tp`` ranks; on the way out it is closed, and every worker must have
+    exited cleanly (SHUTDOWN, exit code 0) and been reaped."""
     engine = make_engine(model_dir, tensor_parallel_size=tp, **kwargs)
     procs = list(engine.tensor_parallel.procs) if engine.tensor_parallel else []
     assert len(procs) == tp - 1
@@ -55,6 +56,7 @@ def tp_engine(model_dir: str, tp: int, **kwargs):
     finally:
         engine.close()
         assert_reaped(procs)
+        assert [p.returncode for p in procs] == [0] * len(procs)
 
 
 def assert_reaped(procs: list[subprocess.Popen]) -> None:
@@ -73,7 +75,7 @@ def shared_prefix_prompts() -> list[list[int]]:
 @pytest.mark.parametrize(("arch", "tp"), PARITY_CASES)
 def test_greedy_equals_transformers(tiny_model_dirs, arch, tp):
     """Prefix cache on, prefill chunked to 32 tokens a step, and 26 blocks for 8 prompts of up to
-    364 tokens: preemption, recompute and cache hits all happen over the ranks."""
+    412 tokens: preemption, recompute and cache hits all happen over the ranks."""
     model_dir = tiny_model_dirs[arch]
     prompts = shared_prefix_prompts()
     with tp_engine(model_dir, tp, num_kv_blocks=26, max_num_batched_tokens=32) as engine:
