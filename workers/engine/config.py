@@ -30,6 +30,9 @@ class EngineConfig:
     # max_num_seqs, compiled at start-up; workers/engine/compiled.py); True: everything eager.
     enforce_eager: bool = True
     compile_batch_sizes: tuple[int, ...] | None = None  # decode buckets; None: powers of two to max_num_seqs
+    # "sdpa": attention gathers the blocks it reads; "flex": FlexAttention over the physical cache
+    # (full-precision cache only); "auto": the measured choice (workers/engine/model_runner.py)
+    attention_backend: str = "auto"
     # Ranks the model is split over (workers/engine/tensor_parallel.py): this process is rank 0,
     # ranks 1..N-1 are processes it starts. 1: the whole model here, no collectives.
     tensor_parallel_size: int = 1
@@ -48,6 +51,12 @@ class EngineConfig:
             "max_model_len": (self.max_model_len is None or self.max_model_len > 1, "must be > 1"),
             "kv_cache_memory_gib": (self.kv_cache_memory_gib > 0, "must be positive"),
             "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
+            "attention_backend": (
+                self.attention_backend in ("auto", "sdpa", "flex")
+                and not (self.attention_backend == "flex" and self.kv_cache_dtype.quantized),
+                "must be 'auto', 'sdpa' or 'flex' ('flex' needs kv_cache_dtype auto: a quantized cache "
+                "is read through the gather path)",
+            ),
             "compile_batch_sizes": (
                 buckets is None or (len(buckets) > 0 and all(0 < b <= max_seqs for b in buckets)),
                 "must be batch sizes in [1, max_num_seqs]",

@@ -144,7 +144,9 @@ class LLMEngine:
             if cfg.enforce_eager
             else CompiledDecode(self.model, cfg.max_num_seqs, self.device, cfg.compile_batch_sizes)
         )
-        self.runner = ModelRunner(self.model, self.kv, self.sliding_window, compiled, cfg.load_progress)
+        self.runner = ModelRunner(
+            self.model, self.kv, self.sliding_window, compiled, cfg.load_progress, cfg.attention_backend
+        )
         if self.tensor_parallel:
             self.tensor_parallel.start(self.sliding_window)
         self.tokenizer = _load_tokenizer(cfg.model_dir)

@@ -7,6 +7,10 @@ logprobs also sends its chunk's prompt rows through it (in slices, so a long chu
 
 With a sliding window, each sequence's attention reads blocks from ``first_window_block`` on:
 earlier ones are outside every future query's window (and freed).
+
+``attention_backend`` (``EngineConfig.attention_backend``): "sdpa" gathers the blocks a step
+reads (``PagedAttention``), "flex" attends over the physical cache (``FlexPagedAttention``,
+compiled here at start-up), "auto" picks ``auto_attention_backend``'s choice.
 """
 
 from __future__ import annotations
@@ -20,11 +24,15 @@ from workers.engine.scheduler import ScheduledSeq, SchedulerOutput
 from workers.engine.sequence import Sequence, TokenLogprob
 from workers.layers.kv_cache import PagedKVCache
 from workers.layers.paged_attention import (
+    ATTENTION_BACKENDS,
     AttentionMetadata,
+    FlexPagedAttention,
     PagedAttention,
     PrefillSpan,
     attention_mask,
+    check_flex_usable,
     flash_attn_usable,
+    warm_up_flex,
 )
 from workers.models.llama import LlamaForCausalLM
 
@@ -35,6 +43,19 @@ PROMPT_LOGITS_ROWS = 512  # rows of prompt logits computed at once ([rows, vocab
 PromptLogprobs = tuple[Sequence, int, list[TokenLogprob]]
 
 
+# "auto" on a full-precision cache, by device type: chosen by measuring decode steps with both
+# backends (bench/attention.py). Not measured on CUDA: sdpa there until someone does.
+AUTO_BACKEND = {"cpu": "sdpa"}
+
+
+def auto_attention_backend(kv: PagedKVCache) -> str:
+    """What "auto" runs: sdpa for a quantized cache (flex needs full precision), else the
+    measured choice for the device."""
+    if kv.quantized:
+        return "sdpa"
+    return AUTO_BACKEND.get(kv.layers[0].device.type, "sdpa")
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -43,13 +64,27 @@ class ModelRunner:
         sliding_window: int | None = None,
         compiled: CompiledDecode | None = None,
         progress: bool = False,
+        attention_backend: str = "sdpa",
     ) -> None:
         self.model = model
         self.kv = kv
         self.block_size = kv.block_size
         self.sliding_window = sliding_window
         self.device = kv.layers[0].device
-        self.use_flash_attn = flash_attn_usable(self.device, self.block_size, kv, sliding_window)
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={attention_backend!r} must be one of {ATTENTION_BACKENDS}")
+        if attention_backend == "auto":
+            attention_backend = auto_attention_backend(kv)
+        self.attention_backend = attention_backend
+        self._attention: type[PagedAttention] = PagedAttention
+        if attention_backend == "flex":
+            check_flex_usable(kv)
+            self._attention = FlexPagedAttention
+            group = model.config.num_heads // model.config.num_kv_heads
+            warm_up_flex(kv, model.attention_scale, kv.num_kv_heads * group, sliding_window)
+        self.use_flash_attn = attention_backend == "sdpa" and flash_attn_usable(
+            self.device, self.block_size, kv, sliding_window
+        )
         self.compiled = compiled  # decode-only steps of up to its largest bucket run compiled
         if compiled is not None:
             compiled.warm_up(self._scratch_attention, progress)
@@ -100,7 +135,7 @@ class ModelRunner:
             meta.prefills.append(PrefillSpan(row, item.num_new_tokens, context_len, cached_table, first * bs))
             row += item.num_new_tokens
 
-        attn = PagedAttention(self.kv, meta, self.model.attention_scale)
+        attn = self._attention(self.kv, meta, self.model.attention_scale)
         if (
             self.compiled is not None
             and not out.prefills
@@ -143,7 +178,7 @@ class ModelRunner:
             write=self.kv.write_plan([0] * batch, [0] * batch, self.device), sliding_window=self.sliding_window
         )
         self._fill_decode_metadata(meta, [1] * batch, [0] * batch, [[0]] * batch)
-        return PagedAttention(self.kv, meta, self.model.attention_scale)
+        return self._attention(self.kv, meta, self.model.attention_scale)
 
     def _decode_metadata(self, meta: AttentionMetadata, decodes: list[ScheduledSeq]) -> None:
         bs = self.block_size
@@ -162,9 +197,10 @@ class ModelRunner:
         meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
         meta.decode_context_lens = torch.tensor(context_lens, dtype=torch.long, device=dev)
         meta.use_flash_attn = self.use_flash_attn
-        if not self.use_flash_attn:
+        first_pos = torch.tensor(firsts, dtype=torch.long, device=dev) * bs
+        meta.decode_first_pos = first_pos
+        if not self.use_flash_attn and self.attention_backend == "sdpa":
             # Padding blocks sit past the query position, so the causal test masks them.
-            first_pos = torch.tensor(firsts, dtype=torch.long, device=dev) * bs
             key_pos = first_pos[:, None] + torch.arange(max_blocks * bs, device=dev)  # [B, L]
             query_pos = meta.decode_context_lens[:, None] - 1  # [B, 1]
             meta.decode_mask = attention_mask(query_pos, key_pos, self.sliding_window)[:, None]

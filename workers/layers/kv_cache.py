@@ -267,6 +267,9 @@ class PagedKVCache:
             self.k_offsets = k_offsets_fit(block_size, self.head_dim)
             self.rotation = _hadamard(self.head_dim).to(device)
         shape = (2, num_blocks, self.rows, self.num_kv_heads, self.head_dim)
+        # Bytes ``gather`` has read from the cache tensors (stored bytes, scale rows included), over
+        # the cache's life: what attention copied out of the cache (the flex backend reads none).
+        self.bytes_gathered = 0
         self.layers = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(model.num_layers)]
         total = sum(c.numel() * c.element_size() for c in self.layers)
         logger.info(
@@ -444,6 +447,7 @@ class PagedKVCache:
         lead = block_tables.shape
         block_shape = (self.rows, self.num_kv_heads, self.head_dim)
         raw = as_wide_rows(cache.view(torch.uint8) if self.quantized else cache)[:, block_tables]
+        self.bytes_gathered += raw.numel() * raw.element_size()
         if not self.quantized:
             blocks = raw.view(cache.dtype).view(2, *lead, *block_shape)
             return blocks.reshape(2, *lead[:-1], lead[-1] * self.block_size, self.num_kv_heads, self.head_dim)

@@ -21,10 +21,30 @@ gathered values runs in the rotated basis and its output is rotated back once
 with flash-attn installed, a block size it accepts (a multiple of 256), a full-precision cache
 and full attention, the decode batch uses ``flash_attn_with_kvcache`` over the block tables
 instead of gathering.
+
+``attention_backend="flex"`` (``FlexPagedAttention``, full-precision caches only) gathers
+nothing: decodes and chunks after cached context run ``flex_attention`` over the physical
+cache itself, viewed as ``[1, H, num_blocks * block_size, D]``, with a ``BlockMask`` built from
+the block tables (torch's paged-attention pattern, ``torch.nn.attention.experimental.
+_paged_attention``, but built directly on physical blocks): each query-block row lists the
+physical blocks it reads, blocks every query of the row sees whole as "full" (no mask_mod),
+the rest (a sequence's last block, the first block of a sliding window, a chunk's own blocks)
+as partial, where ``mask_mod`` maps a physical key index to its logical position through
+``block_pos`` (the logical position of each physical block's first row: one map per call, since
+a block two sequences share is a prefix block at the same position in both) and applies the
+causal and window tests. GQA goes through ``enable_gqa``. Fresh
+prompts keep SDPA with ``is_causal`` (they read no cache). An int8/fp8 cache keeps the gather
+path (it dequantizes only the blocks a step reads).
+
+``flex_attention`` runs compiled (one ``torch.compile`` graph per model, block size and window,
+compiled at start-up by ``warm_up_flex``): batch, query length, query-block rows and the
+cache's block count are marked dynamic; shapes are padded to at least 2 on each of them so
+that dynamo's 0/1 specialisation never makes a second graph.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +81,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     sliding_window: int | None = None  # a key is seen by queries less than this many positions on
     use_flash_attn: bool = False
+    decode_first_pos: torch.Tensor | None = None  # [B] position of each decode table's first key
 
 
 def flash_attn_usable(
@@ -85,7 +106,8 @@ def attention_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int |
 
 
 class PagedAttention:
-    """Attention for one step; the model calls ``forward`` once per layer."""
+    """Attention for one step; the model calls ``forward`` once per layer (the SDPA backend:
+    gathers the blocks a step reads)."""
 
     def __init__(self, kv: PagedKVCache | None, meta: AttentionMetadata, scale: float):
         self.kv = kv
@@ -131,26 +153,30 @@ class PagedAttention:
                         enable_gqa=True,
                     )
             else:
-                if span.block_table is None:
-                    raise ValueError("a chunk after cached tokens needs its block table")
-                kv = self.cache.gather(layer, span.block_table, rotated_values=True)  # [2, n_blocks * bs, Hkv, D]
-                length = span.context_len - span.first_key_pos
-                ks = kv[0, :length].transpose(0, 1).unsqueeze(0)
-                vs = kv[1, :length].transpose(0, 1).unsqueeze(0)
-                query_pos = torch.arange(span.context_len - span.num_tokens, span.context_len, device=q.device)
-                key_pos = torch.arange(span.first_key_pos, span.context_len, device=q.device)
-                o = self.cache.unrotate_values(
-                    F.scaled_dot_product_attention(
-                        qs,
-                        ks,
-                        vs,
-                        attn_mask=attention_mask(query_pos, key_pos, window),
-                        scale=self.scale,
-                        enable_gqa=True,
-                    )
-                )
+                o = self._context_chunk(layer, span, qs)
             out[rows] = o.squeeze(0).transpose(0, 1)
         return out
+
+    def _context_chunk(self, layer: int, span: PrefillSpan, qs: torch.Tensor) -> torch.Tensor:
+        """A chunk after cached tokens: qs [1, Hq, n, D] -> [1, Hq, n, D]."""
+        if span.block_table is None:
+            raise ValueError("a chunk after cached tokens needs its block table")
+        kv = self.cache.gather(layer, span.block_table, rotated_values=True)  # [2, n_blocks * bs, Hkv, D]
+        length = span.context_len - span.first_key_pos
+        ks = kv[0, :length].transpose(0, 1).unsqueeze(0)
+        vs = kv[1, :length].transpose(0, 1).unsqueeze(0)
+        query_pos = torch.arange(span.context_len - span.num_tokens, span.context_len, device=qs.device)
+        key_pos = torch.arange(span.first_key_pos, span.context_len, device=qs.device)
+        return self.cache.unrotate_values(
+            F.scaled_dot_product_attention(
+                qs,
+                ks,
+                vs,
+                attn_mask=attention_mask(query_pos, key_pos, self.meta.sliding_window),
+                scale=self.scale,
+                enable_gqa=True,
+            )
+        )
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         meta, cache = self.meta, self.cache
@@ -174,3 +200,232 @@ class PagedAttention:
             q.unsqueeze(2), kv[0], kv[1], attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
         )
         return cache.unrotate_values(o.squeeze(2))
+
+
+# ---------------------------------------------------------------------------------- flex backend
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+FLEX_Q_BLOCK = 128  # queries per block-mask row
+_MIN = 2  # batch, query length and rows are padded to this: dynamo specialises sizes 0 and 1
+
+
+@dataclass(slots=True)
+class FlexMask:
+    """One ``flex_attention`` call's block mask over the physical cache, as plain tensors (the
+    compiled function builds the ``BlockMask`` from them, so that nothing is captured)."""
+
+    kv_num_blocks: torch.Tensor  # [B, 1, R] int32: partial blocks per query-block row
+    kv_indices: torch.Tensor  # [B, 1, R, num_cache_blocks] int32, physical block ids
+    full_num_blocks: torch.Tensor  # [B, 1, R] int32: blocks every query of the row sees whole
+    full_indices: torch.Tensor  # [B, 1, R, num_cache_blocks] int32
+    query_start: torch.Tensor  # [num_cache_blocks + 2] int64: row b's first query position (then +1...)
+    # [num_cache_blocks] int64: the logical position of each read block's first key. One map for
+    # the whole batch: a block two sequences share is a prefix block, at the same position in
+    # both (and one per batch row would need a symbolic row stride, which inductor's CPU flex
+    # template of torch 2.13 miscompiles: an undeclared cur_kvSplitSize<N> in the C++).
+    block_pos: torch.Tensor
+    num_queries: int  # queries per row after padding
+    batch: int  # rows after padding
+
+
+def _compact(tables: torch.Tensor, keep: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row ``[B, R, M]`` the kept blocks of ``tables`` ``[B, M]`` first, padded to ``width``:
+    (count ``[B, 1, R]``, indices ``[B, 1, R, width]``), int32."""
+    b, r, m = keep.shape
+    order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)
+    ids = tables[:, None, :].expand(b, r, m).gather(-1, order)
+    out = torch.zeros(b, 1, r, width, dtype=torch.int32, device=tables.device)
+    out[:, 0, :, :m] = ids.to(torch.int32)
+    return keep.sum(-1, dtype=torch.int32)[:, None], out
+
+
+def build_flex_mask(
+    tables: torch.Tensor,
+    num_blocks: torch.Tensor,
+    first_pos: torch.Tensor,
+    query_start: torch.Tensor,
+    num_queries: int,
+    block_size: int,
+    cache_blocks: int,
+    window: int | None,
+) -> FlexMask:
+    """The block mask of a batch: row ``b`` reads blocks ``tables[b, :num_blocks[b]]`` (padded
+    ``[B, M]``), whose first key sits at ``first_pos[b]``, for ``num_queries`` consecutive queries
+    from ``query_start[b]`` (causal, and within ``window``). Pads batch, queries and rows to at
+    least 2 (a padding query sits after the row's last one; its output is dropped)."""
+    dev = tables.device
+    batch = tables.shape[0]
+    lq = max(_MIN, num_queries)
+    if batch < _MIN:
+        pad = _MIN - batch
+        tables = torch.cat([tables, tables.new_zeros(pad, tables.shape[1])])
+        num_blocks = torch.cat([num_blocks, num_blocks.new_zeros(pad)])
+        first_pos = torch.cat([first_pos, first_pos.new_zeros(pad)])
+        query_start = torch.cat([query_start, query_start.new_zeros(pad)])
+        batch = _MIN
+    rows = max(_MIN, -(-lq // FLEX_Q_BLOCK))
+    first_q = torch.arange(rows, device=dev) * FLEX_Q_BLOCK  # [R] first query index of each row
+    q_lo = (query_start[:, None] + first_q)[..., None]  # [B, R, 1]
+    q_hi = (query_start[:, None] + torch.clamp(first_q + FLEX_Q_BLOCK - 1, max=lq - 1))[..., None]
+    m = tables.shape[1]
+    starts = first_pos[:, None] + torch.arange(m, device=dev) * block_size  # [B, M]
+    valid = torch.arange(m, device=dev) < num_blocks[:, None]  # [B, M]
+    start, end, ok = starts[:, None], starts[:, None] + block_size - 1, valid[:, None]  # [B, 1, M]
+    full = ok & (end <= q_lo)
+    seen = ok & (start <= q_hi)
+    if window is not None:
+        full &= start > q_hi - window
+        seen &= end > q_lo - window
+    kv_num, kv_idx = _compact(tables, seen & ~full, cache_blocks)
+    full_num, full_idx = _compact(tables, full, cache_blocks)
+    block_pos = torch.zeros(cache_blocks + 1, dtype=torch.long, device=dev)
+    block_pos.scatter_(0, torch.where(valid, tables, cache_blocks).flatten(), starts.flatten())
+    # Padded to a size fixed by the cache (every decode row owns its last block, so a batch has at
+    # most cache_blocks rows): the mask_mod then indexes no tensor of a dynamic size (below).
+    starts_padded = query_start.new_zeros(cache_blocks + _MIN)
+    starts_padded[:batch] = query_start
+    return FlexMask(kv_num, kv_idx, full_num, full_idx, starts_padded, block_pos[:cache_blocks], lq, batch)
+
+
+def _flex_paged(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_num_blocks: torch.Tensor,
+    kv_indices: torch.Tensor,
+    full_num_blocks: torch.Tensor,
+    full_indices: torch.Tensor,
+    query_start: torch.Tensor,
+    block_pos: torch.Tensor,
+    scale: float,
+    block_size: int,
+    window: int | None,
+) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        diff = query_start[b] + q_idx - (block_pos[kv_idx // block_size] + kv_idx % block_size)
+        if window is None:
+            return diff >= 0
+        return (diff >= 0) & (diff < window)
+
+    mask = BlockMask.from_kv_blocks(
+        kv_num_blocks,
+        kv_indices,
+        full_num_blocks,
+        full_indices,
+        BLOCK_SIZE=(FLEX_Q_BLOCK, block_size),
+        mask_mod=mask_mod,
+        seq_lengths=(q.shape[2], k.shape[2]),
+    )
+    return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+
+
+# The sizes that vary between calls (batch, queries, rows), per argument of ``_flex_paged``;
+# the cache's block count, heads and head_dim are an engine's constants and stay static, and so
+# are the sizes of the tensors the mask_mod indexes: inductor's CPU flex template (torch 2.13)
+# renames its split-size symbols in the generated C++ by plain string replacement, so a size
+# symbol "ks37" in the mask code becomes "cur_kvSplitSize7" when the split symbol is "ks3", and
+# the C++ does not compile (``dynamic=True`` on every dim hits that).
+_DYNAMIC_DIMS = ((0, 2), (), (), (0, 2), (0, 2), (0, 2), (0, 2), (), ())
+
+
+@functools.cache
+def compiled_flex():
+    """``_flex_paged`` under ``torch.compile``: flex_attention is only efficient compiled (eager
+    it materialises the scores). One graph per block size, window and model shape."""
+    torch._dynamo.config.recompile_limit += 8
+    torch._dynamo.config.accumulated_recompile_limit += 8
+    return torch.compile(_flex_paged, fullgraph=True)
+
+
+def check_flex_usable(kv: PagedKVCache | None) -> None:
+    if kv is not None and kv.quantized:
+        raise ValueError(
+            f"attention_backend='flex' needs a full-precision KV cache (kv_cache_dtype auto), not "
+            f"{kv.kv_cache_dtype.value!r}: a quantized cache is read through the gather path "
+            f"(attention_backend 'sdpa' or 'auto')"
+        )
+
+
+class FlexPagedAttention(PagedAttention):
+    """The flex backend: decodes and chunks after cached context attend over the physical cache
+    through block masks (module docstring); nothing goes through ``PagedKVCache.gather``."""
+
+    def __init__(self, kv: PagedKVCache | None, meta: AttentionMetadata, scale: float):
+        check_flex_usable(kv)
+        super().__init__(kv, meta, scale)
+        self._decode_mask: FlexMask | None = None  # built on the first layer, shared by the rest
+        self._span_masks: dict[int, FlexMask] = {}
+
+    def _physical(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = self.cache
+        layer_cache = cache.layers[layer]  # [2, N, bs, H, D]
+        flat = layer_cache.view(2, -1, cache.num_kv_heads, cache.head_dim)  # [2, N * bs, H, D]
+        return flat[0].transpose(0, 1).unsqueeze(0), flat[1].transpose(0, 1).unsqueeze(0)
+
+    def _run(self, layer: int, q: torch.Tensor, mask: FlexMask) -> torch.Tensor:
+        """q: [B, Hq, Lq, D] (unpadded). Returns [B, Hq, Lq, D]."""
+        batch, _, lq, _ = q.shape
+        pb, pq = mask.batch, mask.num_queries
+        if pq != lq:
+            q = F.pad(q, (0, 0, 0, pq - lq))
+        if pb != batch:
+            q = torch.cat([q, q.new_zeros(pb - batch, *q.shape[1:])])
+        k, v = self._physical(layer)
+        args: tuple[torch.Tensor, ...] = (q, k, v, mask.kv_num_blocks, mask.kv_indices, mask.full_num_blocks)
+        args += (mask.full_indices, mask.query_start, mask.block_pos)
+        for tensor, dims in zip(args, _DYNAMIC_DIMS):
+            for dim in range(tensor.dim()):
+                if dim in dims:
+                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+                else:  # also when another engine's cache differs: no automatic dynamic (above)
+                    torch._dynamo.mark_static(tensor, dim)
+        o = compiled_flex()(*args, self.scale, self.cache.block_size, self.meta.sliding_window)
+        return o[:batch, :, :lq]
+
+    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        meta, cache = self.meta, self.cache
+        if self._decode_mask is None:
+            tables, lens, firsts = meta.decode_block_tables, meta.decode_context_lens, meta.decode_first_pos
+            if tables is None or lens is None or firsts is None:
+                raise ValueError("a step with decodes needs their block tables, context and first positions")
+            bs = cache.block_size
+            num_blocks = (lens + bs - 1) // bs - firsts // bs
+            self._decode_mask = build_flex_mask(
+                tables, num_blocks, firsts, lens - 1, 1, bs, cache.num_blocks, meta.sliding_window
+            )
+        return self._run(layer, q.unsqueeze(2), self._decode_mask).squeeze(2)
+
+    def _context_chunk(self, layer: int, span: PrefillSpan, qs: torch.Tensor) -> torch.Tensor:
+        mask = self._span_masks.get(span.start)
+        if mask is None:
+            if span.block_table is None:
+                raise ValueError("a chunk after cached tokens needs its block table")
+            cache, dev = self.cache, qs.device
+            table = span.block_table[None]
+            mask = build_flex_mask(
+                table,
+                torch.tensor([table.shape[1]], device=dev),
+                torch.tensor([span.first_key_pos], device=dev),
+                torch.tensor([span.context_len - span.num_tokens], device=dev),
+                span.num_tokens,
+                cache.block_size,
+                cache.num_blocks,
+                self.meta.sliding_window,
+            )
+            self._span_masks[span.start] = mask
+        return self._run(layer, qs, mask)
+
+
+def warm_up_flex(kv: PagedKVCache, scale: float, num_q_heads: int, window: int | None) -> None:
+    """Compile the flex graph now: 3 rows of 5 queries on block 0 (what it reads is void). The
+    sizes are distinct so that dynamo's duck shaping does not tie batch, queries and rows to one
+    symbol (a later call where they differ would recompile)."""
+    check_flex_usable(kv)
+    dev = kv.layers[0].device
+    attn = FlexPagedAttention(kv, AttentionMetadata(write=None, sliding_window=window), scale)
+    with torch.inference_mode():  # steps run in it: their tensors are inference tensors (guarded)
+        zeros = torch.zeros(3, dtype=torch.long, device=dev)
+        mask = build_flex_mask(zeros[:, None], zeros + 1, zeros, zeros, 5, kv.block_size, kv.num_blocks, window)
+        q = torch.zeros(3, num_q_heads, 5, kv.head_dim, dtype=kv.dtype, device=dev)
+        attn._run(0, q, mask)
