@@ -214,6 +214,21 @@ def test_config_refuses_what_does_not_split(tiny_llama, tmp_path):
     EngineConfig(model_dir=str(three_kv), tensor_parallel_size=3)  # 2 query heads and 1 KV head a rank
 
 
+def test_the_ray_launcher_needs_a_placement_group_and_launchers_are_named(tiny_llama):
+    """Outside a Ray actor in a placement group the Ray launcher refuses at once, saying what it
+    needs (and starts no Ray); an unknown launcher is refused by name. Nothing is started."""
+    import ray
+
+    from workers.engine.tensor_parallel import TensorParallelWorkers
+
+    config = EngineConfig(model_dir=tiny_llama, tensor_parallel_size=2)
+    with pytest.raises(TensorParallelError, match="placement group of at least that many bundles"):
+        TensorParallelWorkers.launch(config, "ray")
+    assert not ray.is_initialized()
+    with pytest.raises(ValueError, match="tp_launcher 'mpi'"):
+        LLMEngine(tiny_llama, tensor_parallel_size=2, tp_launcher="mpi")
+
+
 # ------------------------------------------------------------ layers and loading
 def test_layers_at_world_size_one_are_the_plain_ops():
     torch.manual_seed(0)

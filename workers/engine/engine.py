@@ -87,10 +87,17 @@ class RequestOutput:
 
 class LLMEngine:
     def __init__(
-        self, model_dir: str | os.PathLike | None = None, *, config: EngineConfig | None = None, **kwargs
+        self,
+        model_dir: str | os.PathLike | None = None,
+        *,
+        config: EngineConfig | None = None,
+        tp_launcher: str = "local",
+        **kwargs,
     ) -> None:
         """``LLMEngine(config=EngineConfig(...))``, or ``LLMEngine(model_dir, **fields)`` with
-        ``EngineConfig``'s other fields as keywords (``block_size=16``, ``num_kv_blocks=...``)."""
+        ``EngineConfig``'s other fields as keywords (``block_size=16``, ``num_kv_blocks=...``).
+        ``tp_launcher`` (tensor_parallel_size > 1): "local" runs ranks 1..N-1 as subprocesses,
+        "ray" as Ray actors in this actor's placement group (a Serve replica; tensor_parallel.py)."""
         if config is None:
             if model_dir is None:
                 raise TypeError(
@@ -105,7 +112,7 @@ class LLMEngine:
         self.config = cfg = config
         # Tensor parallel: ranks 1..N-1 start first and load their shards while this one loads
         # its own; ``close()`` stops them (were __init__ to raise, their finalizer kills them).
-        self.tensor_parallel = TensorParallelWorkers.launch(cfg) if cfg.tensor_parallel_size > 1 else None
+        self.tensor_parallel = TensorParallelWorkers.launch(cfg, tp_launcher) if cfg.tensor_parallel_size > 1 else None
         tp = self.tensor_parallel.tp if self.tensor_parallel else TPGroup()
         self.device = rank_device(cfg.device, 0) if self.tensor_parallel else torch.device(cfg.device)
         self.model_config = ModelConfig.from_dir(cfg.model_dir)

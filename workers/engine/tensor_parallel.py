@@ -22,9 +22,19 @@ stuck rank). Rank 0 checks its workers' processes before every step; a dead work
 failure inside a step (the ranks are then out of step), raises ``TensorParallelError`` naming
 the rank, and every later step raises it again.
 
-``run_worker`` is the worker loop as a plain function: this module's ``main`` runs it in a
-subprocess (``TensorParallelWorkers.launch``, the engine alone on one host); a launcher that
-places ranks as Ray actors can call it the same way.
+``run_worker`` is the worker loop as a plain function, and two launchers run it, chosen
+explicitly by the caller (``LLMEngine(..., tp_launcher=...)``, passed on to
+``TensorParallelWorkers.launch``):
+
+- ``"local"`` (the default: ``pdserve generate --tp``, tests): ranks 1..N-1 are subprocesses of
+  this one (this module's ``main``), on 127.0.0.1.
+- ``"ray"`` (a Serve replica, ``deploy/pools/servers.py``): the engine runs in a Ray actor placed
+  in a placement group of at least N bundles (Serve's ``placement_group_bundles``); rank i is a
+  Ray actor in bundle i asking for that bundle's CPUs and GPUs, its long-running ``run`` method
+  is ``run_worker``, and its ObjectRef finishing (``ray.wait``) is the rank's death. Rank 0's
+  store and gloo sockets are on the node's IP, so the group may span the group's nodes; on CUDA
+  each actor sees only its own GPU (CUDA_VISIBLE_DEVICES, set by Ray) and uses ``cuda:0``.
+  ``close()`` kills the actors (``ray.kill``) and waits until Ray reports them dead.
 """
 
 from __future__ import annotations
@@ -69,6 +79,7 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # a model collective waiting longer 
 STARTUP_TIMEOUT_S = 300.0  # workers must start and join within this
 # The control group never times out in practice: a worker idles there between steps.
 _IDLE_TIMEOUT = timedelta(days=365)
+RANK_ACTOR_PREFIX = "pdserve-tp/"  # a rank actor's name: this, its placement group's id, /rank
 _EXIT_GRACE_S = 10.0  # a worker told to shut down gets this long before it is killed
 _HOST = "127.0.0.1"
 # A message's first broadcast (8 KiB): decode steps of dozens of sequences fit in it whole.
@@ -263,26 +274,121 @@ class RankGroups:
 
 
 # -------------------------------------------------------------------- rank 0
-class TensorParallelWorkers:
-    """Rank 0's side: ranks 1..N-1 as subprocesses of this one, the groups joining them, and each
-    step's broadcast. ``close()`` stops them (a finalizer kills any left if it is never called)."""
+class _ProcRank:
+    """A worker rank run as a subprocess of this one (the local launcher)."""
 
-    def __init__(self, procs: list[subprocess.Popen], store: dist.TCPStore, groups: RankGroups) -> None:
-        self.procs = procs  # procs[i] is rank i + 1
+    def __init__(self, rank: int, proc: subprocess.Popen) -> None:
+        self.rank, self.proc = rank, proc
+
+    def exited(self) -> bool:
+        return self.proc.poll() is not None
+
+    def describe(self) -> str:
+        return f"tensor-parallel worker rank {self.rank} (pid {self.proc.pid}) exited with code {self.proc.returncode}"
+
+    def wait(self, timeout_s: float) -> None:
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+    def reap(self) -> None:
+        self.proc.wait()
+
+
+class _ActorRank:
+    """A worker rank run as a Ray actor in a bundle of rank 0's placement group: ``ref`` is its
+    running ``run`` call (``run_worker``), ready once the rank has ended for any reason."""
+
+    def __init__(self, rank: int, actor: Any, ref: Any) -> None:
+        self.rank, self.actor, self.ref = rank, actor, ref
+
+    def exited(self) -> bool:
+        import ray
+
+        ready, _ = ray.wait([self.ref], timeout=0)
+        return bool(ready)
+
+    def describe(self) -> str:
+        import ray
+
+        name = f"tensor-parallel worker rank {self.rank} (Ray actor {self.actor._actor_id.hex()[:12]})"
+        try:
+            ray.get(self.ref, timeout=0)
+        except ray.exceptions.RayActorError as exc:
+            return f"{name} died ({type(exc).__name__}: {str(exc).strip().splitlines()[0]})"
+        except Exception as exc:  # noqa: BLE001 - the rank raised: its traceback's line is added from the store
+            return f"{name} failed ({type(exc).__name__})"
+        return f"{name} returned"
+
+    def wait(self, timeout_s: float) -> None:
+        import ray
+
+        ray.wait([self.ref], timeout=timeout_s)
+
+    def kill(self) -> None:
+        import ray
+
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+    def reap(self) -> None:
+        """Wait (bounded) until Ray reports the killed actor dead: a call on it then fails."""
+        import ray
+
+        try:
+            ray.get(self.actor.node_ip.remote(), timeout=_EXIT_GRACE_S)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
+        except Exception:  # noqa: BLE001 - any failure means it is not serving calls
+            return
+
+
+_RankHandle = _ProcRank | _ActorRank
+
+
+class TensorParallelWorkers:
+    """Rank 0's side: ranks 1..N-1 (subprocesses of this one or Ray actors), the groups joining
+    them, and each step's broadcast. ``close()`` stops them (a finalizer kills any left if it is
+    never called)."""
+
+    def __init__(self, ranks: Seq[_RankHandle], store: dist.TCPStore, groups: RankGroups) -> None:
+        self.ranks = list(ranks)  # ranks[i] is rank i + 1
         self._store = store
         self.groups = groups
         self._failure: str | None = None
         self._closed = False
-        self._finalizer = weakref.finalize(self, _kill, procs)
+        self._finalizer = weakref.finalize(self, _kill, self.ranks)
+
+    @property
+    def procs(self) -> list[subprocess.Popen]:
+        """The local launcher's worker processes (rank i + 1 at index i); empty under Ray."""
+        return [r.proc for r in self.ranks if isinstance(r, _ProcRank)]
 
     @property
     def tp(self) -> TPGroup:
         return self.groups.tp
 
     @classmethod
-    def launch(cls, config: EngineConfig) -> TensorParallelWorkers:
-        """Start ranks 1..N-1 on this host and join them (gloo on 127.0.0.1; NCCL for the model
-        on CUDA). Workers use as many threads as this process."""
+    def launch(cls, config: EngineConfig, launcher: str = "local") -> TensorParallelWorkers:
+        """Start ranks 1..N-1 with ``launcher`` ("local": subprocesses here; "ray": Ray actors
+        in this actor's placement group) and join them."""
+        if launcher == "local":
+            return cls._launch_local(config)
+        if launcher == "ray":
+            return cls._launch_ray(config)
+        raise ValueError(f"tp_launcher {launcher!r}: choose 'local' or 'ray'")
+
+    @classmethod
+    def _launch_local(cls, config: EngineConfig) -> TensorParallelWorkers:
+        """Ranks 1..N-1 as subprocesses on this host (gloo on 127.0.0.1; NCCL for the model on
+        CUDA). Workers use as many threads as this process."""
         world = config.tensor_parallel_size
         store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
         init_method = f"tcp://{_HOST}:{store.port}"
@@ -290,25 +396,90 @@ class TensorParallelWorkers:
         root = str(Path(__file__).resolve().parents[2])  # the same code as this process
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         config_json = json.dumps(_config_dict(config))
-        procs: list[subprocess.Popen] = []
+        ranks: list[_RankHandle] = []
         try:
             for rank in range(1, world):
                 args = [sys.executable, "-c", _WORKER_MAIN, "--rank", str(rank)]
                 args += ["--world-size", str(world), "--init-method", init_method, "--parent-pid", str(os.getpid())]
                 args += ["--num-threads", str(torch.get_num_threads()), "--config", config_json]
-                procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL))
-            _wait_joined(store, procs)
+                ranks.append(_ProcRank(rank, subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL)))
+            _wait_joined(store, ranks)
             groups = RankGroups(store, 0, world, rank_device(config.device, 0), _HOST)
         except BaseException:
-            _kill(procs)
+            _kill(ranks)
             raise
         logger.info(
             "tensor parallel: %d ranks joined (pids %s), model group %s",
             world,
-            ", ".join(str(p.pid) for p in procs),
+            ", ".join(str(r.proc.pid) for r in ranks if isinstance(r, _ProcRank)),
             "nccl" if rank_device(config.device, 0).type == "cuda" else "gloo",
         )
-        return cls(procs, store, groups)
+        return cls(ranks, store, groups)
+
+    @classmethod
+    def _launch_ray(cls, config: EngineConfig) -> TensorParallelWorkers:
+        """Ranks 1..N-1 as Ray actors in bundles 1..N-1 of the placement group this actor runs
+        in (each asking for its bundle's CPUs and GPUs); the store and gloo on the node's IP."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        world = config.tensor_parallel_size
+        # (get_current_placement_group would start a local Ray in a process that has none)
+        pg = ray.util.get_current_placement_group() if ray.is_initialized() else None
+        if pg is None:
+            raise TensorParallelError(
+                f"tensor_parallel_size={world} with the Ray launcher needs the engine inside a Ray actor "
+                "in a placement group of at least that many bundles (a Serve deployment's "
+                "placement_group_bundles); this process is in none"
+            )
+        bundles = pg.bundle_specs
+        if len(bundles) < world:
+            raise TensorParallelError(
+                f"tensor_parallel_size={world}: this actor's placement group has {len(bundles)} bundle(s); "
+                f"it needs one per rank ({world})"
+            )
+        host = ray.util.get_node_ip_address()
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        init_method = f"tcp://{host}:{store.port}"
+        rank_device_name = "cuda:0" if torch.device(config.device).type == "cuda" else config.device
+        actor_cls = _rank_actor_class()
+        ranks: list[_RankHandle] = []
+        try:
+            for rank in range(1, world):
+                spec = bundles[rank]
+                actor = actor_cls.options(
+                    name=f"{RANK_ACTOR_PREFIX}{pg.id.hex()}/{rank}",  # found by the replica's placement group
+                    num_cpus=spec.get("CPU", 0),
+                    num_gpus=spec.get("GPU", 0),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=rank
+                    ),
+                ).remote()
+                ref = actor.run.remote(config, rank, world, init_method, torch.get_num_threads(), rank_device_name)
+                ranks.append(_ActorRank(rank, actor, ref))
+            _wait_joined(store, ranks)
+            groups = RankGroups(store, 0, world, rank_device(config.device, 0), host)
+        except BaseException:
+            _kill(ranks)
+            raise
+        logger.info(
+            "tensor parallel: %d ranks joined (Ray actors in placement group %s, store %s), model group %s",
+            world,
+            pg.id.hex()[:12],
+            init_method,
+            "nccl" if rank_device(config.device, 0).type == "cuda" else "gloo",
+        )
+        return cls(ranks, store, groups)
+
+    def check(self) -> None:
+        """Raise TensorParallelError when a rank has died or a step has failed (a health check:
+        it sends nothing to the ranks)."""
+        if self._closed:
+            raise TensorParallelError("the engine is closed: its tensor-parallel workers are stopped")
+        if self._failure is None:
+            self._failure = self._dead_workers()
+        if self._failure is not None:
+            raise TensorParallelError(self._failure)
 
     def agree_num_blocks(self, num_blocks: int) -> int:
         return self._guard(lambda: self.groups.agree_num_blocks(num_blocks))
@@ -330,12 +501,7 @@ class TensorParallelWorkers:
     def _guard(self, fn):
         """Run ``fn`` with every worker alive; a failure on the way leaves the ranks out of step:
         remember it, name the dead rank if one is, raise TensorParallelError now and from then on."""
-        if self._closed:
-            raise TensorParallelError("the engine is closed: its tensor-parallel workers are stopped")
-        if self._failure is None:
-            self._failure = self._dead_workers()
-        if self._failure is not None:
-            raise TensorParallelError(self._failure)
+        self.check()
         try:
             return fn()
         except Exception as exc:
@@ -347,17 +513,16 @@ class TensorParallelWorkers:
         to show: a collective fails as soon as a peer's sockets close), or None."""
         deadline = time.monotonic() + wait_s
         while True:
-            dead = [(rank, p) for rank, p in enumerate(self.procs, start=1) if p.poll() is not None]
+            dead = [r for r in self.ranks if r.exited()]
             if dead or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
         if not dead:
             return None
         parts = []
-        for rank, p in dead:
-            part = f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.returncode}"
-            error = _worker_error(self._store, rank)
-            parts.append(part + (f": {error}" if error else ""))
+        for r in dead:
+            error = _worker_error(self._store, r.rank)
+            parts.append(r.describe() + (f": {error}" if error else ""))
         return "; ".join(parts) + ": the engine cannot go on; close it and start a new one"
 
     def close(self) -> None:
@@ -372,12 +537,9 @@ class TensorParallelWorkers:
             except Exception as exc:  # noqa: BLE001 - they are killed below
                 logger.warning("tensor parallel: shutdown message failed (%s); killing the workers", exc)
             deadline = time.monotonic() + _EXIT_GRACE_S
-            for p in self.procs:
-                try:
-                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-        self._finalizer()  # kills and reaps any worker still running
+            for r in self.ranks:
+                r.wait(max(0.0, deadline - time.monotonic()))
+        self._finalizer()  # kills and reaps any worker still running (a Ray actor always: it outlives its call)
         self.groups.close()
 
 
@@ -387,27 +549,23 @@ def _config_dict(config: EngineConfig) -> dict[str, Any]:
     return fields
 
 
-def _kill(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    for p in procs:
-        p.wait()
+def _kill(ranks: list[_RankHandle]) -> None:
+    for r in ranks:
+        r.kill()
+    for r in ranks:
+        r.reap()
 
 
-def _wait_joined(store: dist.TCPStore, procs: list[subprocess.Popen]) -> None:
+def _wait_joined(store: dist.TCPStore, ranks: list[_RankHandle]) -> None:
     """Wait until every worker has connected to the store; fail at once if one exits first."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    pending = set(range(1, len(procs) + 1))
+    pending = set(range(1, len(ranks) + 1))
     while pending:
         pending = {rank for rank in pending if not store.check([f"tp/joined/{rank}"])}
-        for rank, p in enumerate(procs, start=1):
-            if p.poll() is not None:
-                error = _worker_error(store, rank)
-                raise TensorParallelError(
-                    f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.returncode} "
-                    f"while starting{': ' + error if error else ''}"
-                )
+        for r in ranks:
+            if r.exited():
+                error = _worker_error(store, r.rank)
+                raise TensorParallelError(f"{r.describe()} while starting{': ' + error if error else ''}")
         if pending and time.monotonic() > deadline:
             raise TensorParallelError(
                 f"tensor-parallel worker ranks {sorted(pending)} did not join within {STARTUP_TIMEOUT_S:.0f}s"
@@ -436,10 +594,13 @@ def run_worker(
     *,
     bind_host: str = _HOST,
     num_threads: int | None = None,
+    device: str | None = None,
 ) -> None:
     """Worker rank ``rank``: join rank 0's store at ``init_method`` (``tcp://host:port``), load
     this rank's shard, build its KV cache and runner as rank 0 does, then run every step rank 0
-    broadcasts until SHUTDOWN. A failure is left in the store for rank 0's error and re-raised."""
+    broadcasts until SHUTDOWN. A failure is left in the store for rank 0's error and re-raised.
+    ``device``: this rank's device when it is not ``rank_device(config.device, rank)`` (a Ray
+    actor on CUDA sees only its own GPU: ``cuda:0``)."""
     if num_threads:
         torch.set_num_threads(num_threads)
     url = urlparse(init_method)
@@ -449,13 +610,13 @@ def run_worker(
         url.hostname, url.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S)
     )
     try:
-        device = rank_device(config.device, rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        own = torch.device(device) if device is not None else rank_device(config.device, rank)
+        if own.type == "cuda":
+            torch.cuda.set_device(own)
         store.set(f"tp/joined/{rank}", "1")
-        groups = RankGroups(store, rank, world_size, device, bind_host)
+        groups = RankGroups(store, rank, world_size, own, bind_host)
         try:
-            _serve(config, groups, device)
+            _serve(config, groups, own)
         finally:
             groups.close()
     except BaseException:
@@ -479,7 +640,7 @@ def _serve(config: EngineConfig, groups: RankGroups, device: torch.device) -> No
         raise RuntimeError(f"expected INIT from rank 0, got {kind.name}")
     sliding_window = payload[0] if payload[0] >= 0 else None
     kv = PagedKVCache(local, num_blocks, config.block_size, config.kv_cache_dtype, dtype, device)
-    runner = ModelRunner(model, kv, sliding_window)
+    runner = ModelRunner(model, kv, sliding_window, attention_backend=config.attention_backend)  # as rank 0
     while True:
         kind, payload = groups.receive()
         if kind is Message.SHUTDOWN:
@@ -487,6 +648,40 @@ def _serve(config: EngineConfig, groups: RankGroups, device: torch.device) -> No
         if kind is not Message.STEP:
             raise RuntimeError(f"unexpected message {kind.name} from rank 0")
         runner.execute(decode_step(payload))
+
+
+class TensorParallelRank:
+    """One worker rank as a Ray actor, in a bundle of its engine's placement group (the Ray
+    launcher; ``_rank_actor_class`` makes it a Ray actor class): ``run`` is the rank's life."""
+
+    def run(
+        self, config: EngineConfig, rank: int, world_size: int, init_method: str, num_threads: int, device: str
+    ) -> None:
+        import ray
+
+        run_worker(
+            config,
+            rank,
+            world_size,
+            init_method,
+            bind_host=ray.util.get_node_ip_address(),
+            num_threads=num_threads,
+            device=device,
+        )
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+
+@functools.cache
+def _rank_actor_class() -> Any:
+    """``TensorParallelRank`` as a Ray actor class (made on first use: the local launcher never
+    imports Ray). No restarts: a rank that died leaves the group out of step for good."""
+    import ray
+
+    return ray.remote(max_restarts=0, max_task_retries=0)(TensorParallelRank)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
