@@ -19,6 +19,12 @@ class Mode(str, enum.Enum):
     COLOCATED = "colocated"
 
 
+PLACEMENT_GROUP_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
+TP_NEEDS_COLOCATED = (
+    "tensor_parallel_size > 1 needs colocated mode until KV transfer between TP groups is wired; see docs/design.md"
+)
+
+
 class PoolArgs(BaseModel):
     """One worker pool (prefill, decode or colocated): replicas and what each one needs."""
 
@@ -42,12 +48,36 @@ class PoolArgs(BaseModel):
         description="requests waiting for a replica of this pool; beyond it clients get 503 "
         "with Retry-After (-1: unbounded)",
     )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="ranks (devices) one replica's engine is split over: Serve reserves a placement group "
+        "of that many bundles of num_cpus/num_gpus (num_cpus, num_gpus and num_threads are per rank; "
+        "resources go on the first bundle only); colocated mode only for now",
+    )
+    placement_group_strategy: str | None = Field(
+        default=None,
+        description="with tensor_parallel_size > 1: Ray's strategy for a replica's bundles "
+        "(default STRICT_PACK when num_gpus > 0, the GPUs of one node, else PACK)",
+    )
     autoscaling_config: dict[str, Any] | None = Field(
         default=None,
         description="Ray Serve's autoscaling_config for this pool (min_replicas, max_replicas, "
         "target_ongoing_requests, upscale_delay_s, downscale_delay_s, ...); when set, "
         "`replicas` is not used: the pool starts at initial_replicas (else min_replicas)",
     )
+
+    @field_validator("placement_group_strategy")
+    @classmethod
+    def _strategy(cls, v: str | None) -> str | None:
+        if v is not None and v not in PLACEMENT_GROUP_STRATEGIES:
+            raise ValueError(f"placement_group_strategy {v!r}: choose one of {', '.join(PLACEMENT_GROUP_STRATEGIES)}")
+        return v
+
+    @property
+    def bundle_strategy(self) -> str:
+        """The placement group strategy of a replica's bundles (tensor_parallel_size > 1)."""
+        return self.placement_group_strategy or ("STRICT_PACK" if self.num_gpus > 0 else "PACK")
 
     @field_validator("autoscaling_config")
     @classmethod
@@ -255,7 +285,27 @@ class PDServeArgs(BaseModel):
                 f"x block_size {self.block_size}: raise num_kv_blocks or lower max_model_len"
             )
         self._check_autoscaling()
+        self._check_tensor_parallel()
         return self
+
+    def _check_tensor_parallel(self) -> None:
+        """Each pool's tensor_parallel_size: colocated only (KV transfer is not wired between TP
+        groups), and one the model's heads split over (the engine's own check)."""
+        if self.mode is Mode.DISAGGREGATED:
+            for name in ("prefill", "decode"):
+                if getattr(self, name).tensor_parallel_size > 1:
+                    raise ValueError(f"{name}.{TP_NEEDS_COLOCATED}")
+            return
+        tp = self.colocated.tensor_parallel_size
+        if tp > 1 and not self.enforce_eager:
+            raise ValueError(f"colocated.tensor_parallel_size {tp} runs eager only: set enforce_eager true")
+        if tp > 1 and Path(self.model).is_dir():
+            from workers.models.config import ModelConfig
+            from workers.models.parallel import tensor_parallel_problem
+
+            problem = tensor_parallel_problem(ModelConfig.from_dir(self.model), tp)
+            if problem:
+                raise ValueError(f"colocated.tensor_parallel_size {tp}: {problem}; choose a size that divides them")
 
     def _check_autoscaling(self) -> None:
         if self.autoscaling is None:
@@ -305,8 +355,8 @@ class PDServeArgs(BaseModel):
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).name
 
-    def engine_kwargs(self, device: str) -> dict[str, Any]:
-        """Keyword arguments for ``LLMEngine`` on a replica whose device is resolved."""
+    def engine_kwargs(self, device: str, role: str = "colocated") -> dict[str, Any]:
+        """Keyword arguments for ``LLMEngine`` on a replica of pool ``role`` whose device is resolved."""
         return dict(
             block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks,
@@ -321,6 +371,7 @@ class PDServeArgs(BaseModel):
             enable_prefix_caching=self.enable_prefix_caching,
             enforce_eager=self.enforce_eager,
             model_key=self.model_key,
+            tensor_parallel_size=getattr(self, role).tensor_parallel_size,
         )
 
 

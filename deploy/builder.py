@@ -61,9 +61,9 @@ def _pool_options(
     )
     return dict(
         **sizing,
+        **_placement_options(pool),
         max_ongoing_requests=pool.max_ongoing_requests,
         max_queued_requests=pool.max_queued_requests,
-        ray_actor_options={"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus, "resources": dict(pool.resources)},
         # Ray annotates RequestRouterConfig(**kwargs) as dict[str, Any] values; they are its fields.
         request_router_config=RequestRouterConfig(
             request_router_class=router,  # type: ignore[arg-type]
@@ -76,6 +76,25 @@ def _pool_options(
         graceful_shutdown_timeout_s=POOL_DRAIN_S,
         graceful_shutdown_wait_loop_s=DRAIN_CHECK_S,
     )
+
+
+def _placement_options(pool: PoolArgs) -> dict[str, Any]:
+    """A replica's resources. One rank: its ``ray_actor_options``. ``tensor_parallel_size`` N > 1:
+    a placement group of N bundles of the pool's CPUs and GPUs (its custom resources on bundle 0
+    only), the replica actor (rank 0) sized to fit bundle 0 as Serve requires; ranks 1..N-1 are
+    actors the engine places in bundles 1..N-1 (workers/engine/tensor_parallel.py)."""
+    actor = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus, "resources": dict(pool.resources)}
+    if pool.tensor_parallel_size == 1:
+        return {"ray_actor_options": actor}
+    bundle: dict[str, float] = {"CPU": pool.num_cpus}
+    if pool.num_gpus:
+        bundle["GPU"] = pool.num_gpus
+    first = {**bundle, **pool.resources}
+    return {
+        "ray_actor_options": actor,
+        "placement_group_bundles": [first] + [dict(bundle) for _ in range(pool.tensor_parallel_size - 1)],
+        "placement_group_strategy": pool.bundle_strategy,
+    }
 
 
 def _deployment(decorated: object) -> Deployment:

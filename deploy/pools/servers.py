@@ -40,8 +40,9 @@ def resolve_device(requested: str) -> str:
 
 
 def engine_threads(pool: PoolArgs) -> int:
-    """Torch threads for a replica of ``pool``: ``num_threads`` when given, else what ``num_cpus``
-    grants, ``max(1, floor(num_cpus))``. Set explicitly: Ray sets OMP_NUM_THREADS=1 for an actor
+    """Torch threads for each rank of a replica of ``pool`` (one rank unless tensor_parallel_size
+    > 1; every rank has its own bundle of ``num_cpus``): ``num_threads`` when given, else what
+    ``num_cpus`` grants, ``max(1, floor(num_cpus))``. Set explicitly: Ray sets OMP_NUM_THREADS=1 for an actor
     with num_cpus <= 1, which torch would otherwise follow."""
     if pool.num_threads is not None:
         return pool.num_threads
@@ -79,14 +80,23 @@ class _WorkerServer:
         pool = getattr(self.args, self.role)
         self.torch_threads = set_engine_threads(pool)
         logger.info(
-            "%s replica %s: engine runs torch with %d thread(s) (num_threads %s, num_cpus %g)",
+            "%s replica %s: engine runs torch with %d thread(s) per rank on %d rank(s) (num_threads %s, num_cpus %g)",
             self.role,
             self.worker_id,
             self.torch_threads,
+            pool.tensor_parallel_size,
             pool.num_threads,
             pool.num_cpus,
         )
-        engine = LLMEngine(self.args.model, load_progress=True, **self.args.engine_kwargs(self.device))
+        # tensor_parallel_size > 1: ranks 1..N-1 are Ray actors in this replica's placement group
+        # (Serve's placement_group_bundles, deploy/builder.py), each with the same torch threads.
+        engine = LLMEngine(
+            self.args.model,
+            load_progress=True,
+            tp_launcher="ray",
+            **self.args.engine_kwargs(self.device, self.role),
+        )
+        self.engine = engine
         self.publisher: IndexPublisher | None = None
         self.metrics = WorkerMetrics(self.worker_id, self.role, self.args.model_name)
         self._load = {
@@ -179,6 +189,8 @@ class _WorkerServer:
     def check_health(self) -> None:
         if not self.worker.loop.alive:
             raise RuntimeError(f"{self.role} replica {self.worker_id}: engine loop is dead")
+        if self.engine.tensor_parallel is not None:
+            self.engine.tensor_parallel.check()  # a dead rank fails the replica: Serve replaces it
 
     async def __del__(self) -> None:
         """Serve's graceful stop, after the replica stopped taking calls and its in-flight ones
@@ -199,6 +211,14 @@ class _WorkerServer:
                 await worker.shutdown()
             except Exception:  # noqa: BLE001 - the index must still be left
                 logger.warning("%s replica %s: worker shutdown failed", self.role, self.worker_id, exc_info=True)
+        engine = getattr(self, "engine", None)
+        # Only once the engine thread has stopped (a step still running would race the ranks'
+        # shutdown); else Ray ends the rank actors with this replica, their owner.
+        if engine is not None and (worker is None or not worker.loop.alive):
+            try:
+                await asyncio.to_thread(engine.close)  # tensor-parallel rank actors stopped and gone
+            except Exception:  # noqa: BLE001 - the index must still be left
+                logger.warning("%s replica %s: engine close failed", self.role, self.worker_id, exc_info=True)
         if publisher is not None:
             await publisher.stop()
         logger.info("%s replica %s stopped", self.role, getattr(self, "worker_id", "?"))
