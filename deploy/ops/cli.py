@@ -359,6 +359,13 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         "machine's cores split among the engine replicas; else max(1, floor(cpus-per-replica)))",
     )
     parser.add_argument(
+        "--tp",
+        type=_positive_int,
+        default=1,
+        help="tensor-parallel ranks per engine replica (colocated mode: each replica reserves "
+        "--tp bundles of --cpus-per-replica/--gpus-per-replica, one per rank; default 1)",
+    )
+    parser.add_argument(
         "--autoscaling",
         choices=("pd", "queue"),
         default=None,
@@ -583,8 +590,8 @@ def _run_up(args: argparse.Namespace) -> int:
 
 
 def _threads_per_replica(args: argparse.Namespace) -> int | None:
-    """The engines' torch threads: as given; on a local CPU cluster this machine's cores split
-    among the engine replicas (prefill + decode, or colocated), at least one each; else None
+    """Each engine rank's torch threads: as given; on a local CPU cluster this machine's cores split
+    among the engine ranks (prefill + decode, or colocated, times --tp), at least one each; else None
     (each replica takes what its num_cpus grants)."""
     if args.threads_per_replica is not None or args.ray_address or args.gpus_per_replica:
         return args.threads_per_replica
@@ -592,7 +599,7 @@ def _threads_per_replica(args: argparse.Namespace) -> int | None:
     if getattr(args, "autoscaling", None):  # the most engine replicas the pools may run at once
         engines = max(engines, _most_replicas(args))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // engines)
+    return max(1, cores // (engines * getattr(args, "tp", 1)))  # per rank: every replica runs --tp of them
 
 
 def _most_replicas(args: argparse.Namespace) -> int:
@@ -624,6 +631,8 @@ def up_app_args(args: argparse.Namespace, model: str, redis_url: str | None):
         "num_cpus": args.cpus_per_replica,
         "num_gpus": args.gpus_per_replica,
         "num_threads": _threads_per_replica(args),
+        # every pool: in disaggregated mode PDServeArgs refuses --tp > 1, naming the field
+        "tensor_parallel_size": getattr(args, "tp", 1),
     }
 
     def pool_args(start: int) -> PoolArgs:

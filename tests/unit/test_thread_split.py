@@ -33,3 +33,26 @@ def test_explicit_threads_and_remote_or_gpu_clusters_are_left_alone():
     assert _threads_per_replica(_args(threads_per_replica=3)) == 3
     assert _threads_per_replica(_args(ray_address="10.0.0.1:6379")) is None  # replicas' own num_cpus
     assert _threads_per_replica(_args(gpus_per_replica=1.0)) is None
+
+
+def test_tensor_parallel_ranks_count_as_engines(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert _threads_per_replica(_args(mode="colocated", tp=2)) == 4  # per rank
+    assert _threads_per_replica(_args(mode="colocated", colocated=2, tp=2)) == 2
+    assert _threads_per_replica(_args(mode="colocated", colocated=3, tp=4)) == 1  # at least one each
+
+
+def test_up_tp_sets_the_colocated_pool_and_is_refused_disaggregated(tiny_llama):
+    import pytest
+    from pydantic import ValidationError
+
+    from deploy.ops.cli import build_parser, up_app_args
+
+    def app_args(*flags: str):
+        args = build_parser().parse_args(["up", "--model", tiny_llama, "--threads-per-replica", "1", *flags])
+        return up_app_args(args, tiny_llama, None)
+
+    assert app_args("--mode", "colocated", "--tp", "2").colocated.tensor_parallel_size == 2
+    assert app_args().colocated.tensor_parallel_size == 1
+    with pytest.raises(ValidationError, match=r"prefill.tensor_parallel_size > 1 needs colocated mode"):
+        app_args("--tp", "2")
