@@ -44,7 +44,11 @@ PromptLogprobs = tuple[Sequence, int, list[TokenLogprob]]
 
 
 # "auto" on a full-precision cache, by device type: chosen by measuring decode steps with both
-# backends (bench/attention.py). Not measured on CUDA: sdpa there until someone does.
+# backends side by side (bench/attention.py, batch 1/8/32 x context 256/1024, 2 shared cores
+# under load 5-18): on SmolLM2-135M flex/sdpa was 0.86-1.26, flex slower at 5 of 6 points; on
+# the tiny llama two runs disagreed point by point (noise), flex slower at 5 and at 3 of 6.
+# Flex wins nothing measurable on CPU here, so sdpa. Not measured on CUDA: sdpa there too until
+# someone does.
 AUTO_BACKEND = {"cpu": "sdpa"}
 
 
