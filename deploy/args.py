@@ -74,6 +74,15 @@ class PoolArgs(BaseModel):
             raise ValueError(f"placement_group_strategy {v!r}: choose one of {', '.join(PLACEMENT_GROUP_STRATEGIES)}")
         return v
 
+    @model_validator(mode="after")
+    def _bundles(self) -> PoolArgs:
+        if self.tensor_parallel_size > 1 and not (self.num_cpus or self.num_gpus):
+            raise ValueError(
+                "tensor_parallel_size > 1 reserves a bundle of num_cpus/num_gpus per rank: "
+                "give num_cpus or num_gpus > 0"
+            )
+        return self
+
     @property
     def bundle_strategy(self) -> str:
         """The placement group strategy of a replica's bundles (tensor_parallel_size > 1)."""

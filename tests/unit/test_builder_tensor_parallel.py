@@ -43,6 +43,8 @@ def test_cpu_ranks_pack_and_the_strategy_is_overridable():
         PoolArgs(tensor_parallel_size=2, placement_group_strategy="TIGHT")
     with pytest.raises(ValidationError, match="tensor_parallel_size"):
         PoolArgs(tensor_parallel_size=0)
+    with pytest.raises(ValidationError, match="a bundle of num_cpus/num_gpus per rank"):
+        PoolArgs(tensor_parallel_size=2, num_cpus=0)
 
 
 def test_serve_accepts_the_options_with_the_replica_in_the_first_bundle(tiny_llama):
