@@ -304,8 +304,8 @@ class _ActorRank:
     """A worker rank run as a Ray actor in a bundle of rank 0's placement group: ``ref`` is its
     running ``run`` call (``run_worker``), ready once the rank has ended for any reason."""
 
-    def __init__(self, rank: int, actor: Any, ref: Any) -> None:
-        self.rank, self.actor, self.ref = rank, actor, ref
+    def __init__(self, rank: int, name: str, actor: Any, ref: Any) -> None:
+        self.rank, self.name, self.actor, self.ref = rank, name, actor, ref
 
     def exited(self) -> bool:
         import ray
@@ -316,7 +316,7 @@ class _ActorRank:
     def describe(self) -> str:
         import ray
 
-        name = f"tensor-parallel worker rank {self.rank} (Ray actor {self.actor._actor_id.hex()[:12]})"
+        name = f"tensor-parallel worker rank {self.rank} (Ray actor {self.name})"
         try:
             ray.get(self.ref, timeout=0)
         except ray.exceptions.RayActorError as exc:
@@ -447,8 +447,9 @@ class TensorParallelWorkers:
         try:
             for rank in range(1, world):
                 spec = bundles[rank]
+                name = f"{RANK_ACTOR_PREFIX}{pg.id.hex()}/{rank}"  # found by the replica's placement group
                 actor = actor_cls.options(
-                    name=f"{RANK_ACTOR_PREFIX}{pg.id.hex()}/{rank}",  # found by the replica's placement group
+                    name=name,
                     num_cpus=spec.get("CPU", 0),
                     num_gpus=spec.get("GPU", 0),
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -456,7 +457,7 @@ class TensorParallelWorkers:
                     ),
                 ).remote()
                 ref = actor.run.remote(config, rank, world, init_method, torch.get_num_threads(), rank_device_name)
-                ranks.append(_ActorRank(rank, actor, ref))
+                ranks.append(_ActorRank(rank, name, actor, ref))
             _wait_joined(store, ranks)
             groups = RankGroups(store, 0, world, rank_device(config.device, 0), host)
         except BaseException:
