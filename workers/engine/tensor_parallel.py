@@ -71,7 +71,7 @@ from workers.layers.kv_cache import PagedKVCache, plan_num_blocks
 from workers.models.config import ModelConfig
 from workers.models.loader import load_model, resolve_dtype
 from workers.models.parallel import TPGroup, rank_model_config
-from workers.transfer.pair import new_process_group
+from workers.transfer.pair import abort_process_group, new_process_group
 
 logger = logging.getLogger(__name__)
 
@@ -263,14 +263,7 @@ class RankGroups:
 
     def close(self) -> None:
         for group in (self.control, self.tp.process_group):
-            for method in ("abort", "shutdown"):
-                fn = getattr(group, method, None)
-                if fn is not None:
-                    try:
-                        fn()
-                        break
-                    except Exception:  # noqa: BLE001 - a broken group may refuse; it is dropped anyway
-                        continue
+            abort_process_group(group)
 
 
 # -------------------------------------------------------------------- rank 0

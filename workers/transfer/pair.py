@@ -87,6 +87,20 @@ def new_process_group(
         ) from exc
 
 
+def abort_process_group(pg) -> None:
+    """Abort a group made by ``new_process_group`` (pending ops fail, sockets close): ``abort``
+    where the backend has it, else ``shutdown``; a broken group may refuse both, and is dropped
+    anyway."""
+    for method in ("abort", "shutdown"):
+        fn = getattr(pg, method, None)
+        if fn is not None:
+            try:
+                fn()
+                return
+            except Exception:  # noqa: BLE001 - see above
+                continue
+
+
 class PairGroup:
     """One live process group with one peer, plus the scratch buffers its transfers reuse."""
 
@@ -257,14 +271,7 @@ class PairGroup:
         if self.closed:
             return
         self.closed = True
-        for method in ("abort", "shutdown"):
-            fn = getattr(self.pg, method, None)
-            if fn is not None:
-                try:
-                    fn()
-                    break
-                except Exception:  # noqa: BLE001 - a broken group may refuse; it is dropped anyway
-                    continue
+        abort_process_group(self.pg)
         self._scratch = None
         self._store = None
 
