@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+from ray import serve
 
 from tests.integration.conftest import deploy, wait_idle
 from tests.unit.engine_helpers import random_prompts
@@ -56,6 +57,8 @@ def apps(serve_cluster, models):
     yield bases
     for base in bases.values():
         wait_idle(base)
+    for name in ("pd-int8", "pd-swa"):  # the session's cluster has CPUs for the next modules' apps
+        serve.delete(name)
 
 
 def client(base: str) -> openai.OpenAI:

@@ -9,6 +9,7 @@ import time
 import httpx
 import openai
 import pytest
+from ray import serve
 
 from tests.integration.conftest import deploy, wait_idle
 from tests.unit.engine_helpers import hf_greedy, random_prompts
@@ -48,6 +49,8 @@ def apps(serve_cluster, tiny_llama):
     for base in (disagg, colo):
         # every replica's blocks back to free once traffic stops
         wait_idle(base, headers={"Authorization": f"Bearer {API_KEY}"})
+    for name in ("pd", "colo"):  # the session's cluster has CPUs for the next modules' apps
+        serve.delete(name)
 
 
 def client(base: str) -> openai.OpenAI:
