@@ -145,7 +145,15 @@ def test_link_aware_routing_sends_no_prompts_to_a_prefill_host_whose_sends_fail(
                 lambda p: complete(fault_app, p, timeout=CLIENT_TIMEOUT_S), [next(fresh) for _ in range(4)]
             )
         time.sleep(2.0)  # the routers have the new routing stats
-        before = pair_totals(fault_app, slow_ids)
+        # The prefill side counts a failed send when its own wait ends, which can be after the
+        # request (recomputed on decode) has completed: take "before" once the counts are still.
+        before, settle = pair_totals(fault_app, slow_ids), time.monotonic() + 60
+        while time.monotonic() < settle:
+            time.sleep(3.0)
+            now = pair_totals(fault_app, slow_ids)
+            if now == before:
+                break
+            before = now
         prompts = [next(fresh) for _ in range(6)]
         results = run_concurrently(lambda p: complete(fault_app, p, timeout=CLIENT_TIMEOUT_S), prompts)
         after = pair_totals(fault_app, slow_ids)
