@@ -596,10 +596,10 @@ def _threads_per_replica(args: argparse.Namespace) -> int | None:
     if args.threads_per_replica is not None or args.ray_address or args.gpus_per_replica:
         return args.threads_per_replica
     engines = args.colocated if args.mode == "colocated" else args.prefill + args.decode
-    if getattr(args, "autoscaling", None):  # the most engine replicas the pools may run at once
+    if args.autoscaling:  # the most engine replicas the pools may run at once
         engines = max(engines, _most_replicas(args))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // (engines * getattr(args, "tp", 1)))  # per rank: every replica runs --tp of them
+    return max(1, cores // (engines * args.tp))  # per rank: every replica runs --tp of them
 
 
 def _most_replicas(args: argparse.Namespace) -> int:
@@ -607,7 +607,12 @@ def _most_replicas(args: argparse.Namespace) -> int:
     if args.autoscaling == "pd":
         return args.max_replicas or args.prefill + args.decode
     pools = (args.colocated,) if args.mode == "colocated" else (args.prefill, args.decode)
-    return sum(args.max_replicas or 2 * start for start in pools)
+    return sum(_queue_max_replicas(args, start) for start in pools)
+
+
+def _queue_max_replicas(args: argparse.Namespace, start: int) -> int:
+    """A pool's maximum under ``--autoscaling queue``: ``--max-replicas``, else twice its start."""
+    return args.max_replicas or 2 * start
 
 
 def _queue_autoscaling(args: argparse.Namespace, start: int) -> dict[str, int] | None:
@@ -615,7 +620,7 @@ def _queue_autoscaling(args: argparse.Namespace, start: int) -> dict[str, int] |
     replicas, between 1 and ``--max-replicas`` (Serve's own delays and target)."""
     if args.autoscaling != "queue":
         return None
-    most = args.max_replicas or 2 * start
+    most = _queue_max_replicas(args, start)
     if start > most:
         raise ValueError(f"--max-replicas {most} is below a pool's starting replicas {start}")
     return {"min_replicas": 1, "max_replicas": most, "initial_replicas": start}

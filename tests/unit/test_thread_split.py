@@ -17,6 +17,9 @@ def _args(**kw) -> argparse.Namespace:
         prefill=1,
         decode=1,
         colocated=1,
+        tp=1,
+        autoscaling=None,
+        max_replicas=None,
     )
     return argparse.Namespace(**{**base, **kw})
 
