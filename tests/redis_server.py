@@ -8,6 +8,7 @@ crashed Redis without persistence looks like to its clients.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -26,10 +27,24 @@ def find_redis_server() -> str | None:
     return None
 
 
+# Below Linux's ephemeral range (32768-60999) and above Ray's worker ports (10002-19999): a port
+# from here is never handed to someone else's `bind(0)` or outgoing connection between our probe
+# and the server's own bind. A port from `bind(0)` was: a fresh Ray cluster's many processes took
+# one while `pdserve up` was starting, and Serve's proxy then failed to bind it (a CI run).
+_TEST_PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on 127.0.0.1 that is free now, from a range nothing else picks automatically."""
+    for _ in range(200):
+        port = random.choice(_TEST_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_TEST_PORTS.start}-{_TEST_PORTS.stop - 1} after 200 tries")
 
 
 class RedisServer:
