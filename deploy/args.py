@@ -20,9 +20,6 @@ class Mode(str, enum.Enum):
 
 
 PLACEMENT_GROUP_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
-TP_NEEDS_COLOCATED = (
-    "tensor_parallel_size > 1 needs colocated mode until KV transfer between TP groups is wired; see docs/design.md"
-)
 
 
 class PoolArgs(BaseModel):
@@ -298,23 +295,21 @@ class PDServeArgs(BaseModel):
         return self
 
     def _check_tensor_parallel(self) -> None:
-        """Each pool's tensor_parallel_size: colocated only (KV transfer is not wired between TP
-        groups), and one the model's heads split over (the engine's own check)."""
-        if self.mode is Mode.DISAGGREGATED:
-            for name in ("prefill", "decode"):
-                if getattr(self, name).tensor_parallel_size > 1:
-                    raise ValueError(f"{name}.{TP_NEEDS_COLOCATED}")
-            return
-        tp = self.colocated.tensor_parallel_size
-        if tp > 1 and not self.enforce_eager:
-            raise ValueError(f"colocated.tensor_parallel_size {tp} runs eager only: set enforce_eager true")
-        if tp > 1 and Path(self.model).is_dir():
-            from workers.models.config import ModelConfig
-            from workers.models.parallel import tensor_parallel_problem
+        """Each pool's tensor_parallel_size (prefill and decode may differ: KV moves between TP
+        groups of any sizes, workers/transfer/tp_transfer.py): eager only, and one the model's
+        heads split over (the engine's own check)."""
+        pools = ("colocated",) if self.mode is Mode.COLOCATED else ("prefill", "decode")
+        for name in pools:
+            tp = getattr(self, name).tensor_parallel_size
+            if tp > 1 and not self.enforce_eager:
+                raise ValueError(f"{name}.tensor_parallel_size {tp} runs eager only: set enforce_eager true")
+            if tp > 1 and Path(self.model).is_dir():
+                from workers.models.config import ModelConfig
+                from workers.models.parallel import tensor_parallel_problem
 
-            problem = tensor_parallel_problem(ModelConfig.from_dir(self.model), tp)
-            if problem:
-                raise ValueError(f"colocated.tensor_parallel_size {tp}: {problem}; choose a size that divides them")
+                problem = tensor_parallel_problem(ModelConfig.from_dir(self.model), tp)
+                if problem:
+                    raise ValueError(f"{name}.tensor_parallel_size {tp}: {problem}; choose a size that divides them")
 
     def _check_autoscaling(self) -> None:
         if self.autoscaling is None:

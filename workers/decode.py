@@ -23,9 +23,12 @@ from workers.engine_loop import EngineLoop
 from workers.protocol import GenerateRequest, KVHandle, PrefillResult, TokenChunk, TokenLogprobs, TransferRequest
 from workers.transfer import KVTransferClient, KVTransferError, TransferConfig, Transport
 from workers.transfer.control import ControlClient
+from workers.transfer.tp_transfer import TPPuller, open_config
 from workers.worker_stats import WorkerStats
 
 logger = logging.getLogger(__name__)
+
+RANK_CALL_TIMEOUT_S = 60.0  # handing an op to the tensor-parallel ranks waits for the step running now
 
 RELEASE_TIMEOUT_S = 5.0  # a release is advisory (the lease frees the blocks anyway)
 
@@ -98,6 +101,21 @@ class DecodeWorker(ColocatedWorker):
             )
         self.client = KVTransferClient(worker_id, self.transfer_config, device=engine.device)
         self.control = control or ControlClient(worker_id)
+        # Tensor parallel on either side: one message per rank pair (workers/transfer/tp_transfer.py).
+        tp = engine.tensor_parallel
+        self.tp_puller = TPPuller(
+            worker_id,
+            self.transfer_config,
+            engine.device,
+            engine.model_config.num_kv_heads,
+            engine.tensor_parallel_size,
+            (lambda op: self.loop.call_future(lambda e: tp.dispatch(op)).result(RANK_CALL_TIMEOUT_S)) if tp else None,
+            tp.collect if tp else None,
+        )
+        if tp is not None:
+            op = open_config("decode", worker_id, self.transfer_config)
+            reports = self.loop.call_future(lambda e: e.open_rank_transfers(op)).result(RANK_CALL_TIMEOUT_S)
+            self.tp_puller.identities += [r.address for r in reports if r.address is not None]
         self._background: set[asyncio.Task] = set()
         self._receivers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-recv")
 
@@ -185,9 +203,11 @@ class DecodeWorker(ColocatedWorker):
             future = asyncio.run_coroutine_threadsafe(self.control.send(handle.address, transfer, timeout_s), loop)
             future.result(timeout_s + 1.0)
 
+        tensor_parallel = handle.tensor_parallel_size > 1 or self.engine.tensor_parallel is not None
+        pull = self.tp_puller.pull if tensor_parallel else self.client.pull
         stats = await loop.run_in_executor(
             self._receivers,
-            lambda: self.client.pull(
+            lambda: pull(
                 handle,
                 self.engine.kv_caches,
                 reservation.missing_block_ids,
@@ -196,6 +216,8 @@ class DecodeWorker(ColocatedWorker):
                 timeout_s=timeout_s,
             ),
         )
+        if stats.rank_bytes:
+            self.stats.add_rank_bytes(stats.rank_bytes)
         self.stats.transfers += 1
         self.stats.transfer_bytes += stats.num_bytes
         self.stats.transfer_seconds += stats.seconds
@@ -220,5 +242,6 @@ class DecodeWorker(ColocatedWorker):
     async def shutdown(self) -> None:
         self._receivers.shutdown(wait=False, cancel_futures=True)
         self.client.close()
+        self.tp_puller.close()
         await self.control.close()
         await super().shutdown()

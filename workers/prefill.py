@@ -22,12 +22,15 @@ from dataclasses import replace
 
 from workers.engine import LLMEngine, SamplingParams
 from workers.engine_loop import EngineDeadError, EngineLoop
-from workers.protocol import GenerateRequest, KVHandle, KVLayout, PrefillResult, TransferRequest
+from workers.protocol import GenerateRequest, KVHandle, KVLayout, PrefillResult, TransferAddress, TransferRequest
 from workers.transfer import KVTransferError, KVTransferServer, LeaseTable, SendResult, TransferConfig
 from workers.transfer.control import ControlHandlers, ControlServer, Refused
+from workers.transfer.tp_transfer import TPSender, open_config, rank_worker_id
 from workers.worker_stats import WorkerStats
 
 logger = logging.getLogger(__name__)
+
+RANK_CALL_TIMEOUT_S = 60.0  # handing an op to the tensor-parallel ranks waits for the step running now
 
 
 class PrefillWorker:
@@ -46,7 +49,16 @@ class PrefillWorker:
         self.loop = EngineLoop(engine, on_step=on_step)
         self.transfer_config = transfer_config or TransferConfig()
         self.server = KVTransferServer(worker_id, self.transfer_config, device=engine.device)
-        self.layout: KVLayout = engine.kv_layout
+        self.layout: KVLayout = engine.model_kv_layout  # every KV head: what the decode side compares
+        # Tensor parallel (either side): one message per rank pair, sent by every rank that holds heads.
+        self.rank_addresses: tuple[TransferAddress, ...] = ()
+        tp = engine.tensor_parallel
+        self._tp_sender = TPSender(
+            self.server,
+            engine.tensor_parallel_size,
+            (lambda op: self.loop.call_future(lambda e: tp.dispatch(op)).result(RANK_CALL_TIMEOUT_S)) if tp else None,
+            tp.collect if tp else None,
+        )
         self.lease_ttl_s = lease_ttl_s
         self.leases = LeaseTable()
         self.leases.start(interval_s=min(1.0, lease_ttl_s / 4))
@@ -65,6 +77,17 @@ class PrefillWorker:
         """Open the control server (in the event loop that runs this worker)."""
         await self.control.start()
         self.address = self.control.address_of(self.server.address)
+        if self.engine.tensor_parallel is not None:
+            op = open_config("prefill", self.worker_id, self.transfer_config, self.address.generation)
+            reports = await self.loop.call(lambda e: e.open_rank_transfers(op))
+            own = replace(self.address, worker_id=rank_worker_id(self.worker_id, 0))
+            self.rank_addresses = (own, *(r.address for r in reports if r.address is not None))
+            logger.info(
+                "prefill %s: %d tensor-parallel ranks send KV (%s)",
+                self.worker_id,
+                len(self.rank_addresses),
+                ", ".join(f"{a.host}:{a.port}" for a in self.rank_addresses),
+            )
 
     async def prefill(self, request: GenerateRequest) -> PrefillResult:
         """Compute the prompt's KV and first token; return where to pull the KV from."""
@@ -125,6 +148,8 @@ class PrefillWorker:
             num_tokens=len(request.prompt_token_ids),
             layout=self.layout,
             lease_expires_at=time.time() + self.lease_ttl_s,
+            tensor_parallel_size=self.engine.tensor_parallel_size,
+            rank_addresses=self.rank_addresses,
         )
         return replace(result, kv_handle=handle)
 
@@ -147,13 +172,16 @@ class PrefillWorker:
         rid = request.request_id
         loop = asyncio.get_running_loop()
         try:
+            if request.pairs:  # tensor parallel on either side: every rank sends its heads
+                self.layout.check_matches(request.layout, ours="prefill", theirs="decode")
+                send = self._tp_sender.send
+            else:
+                send = self.server.send
             result = await loop.run_in_executor(
-                self._senders,
-                self.server.send,
-                request,
-                self.engine.kv_caches,
-                self.transfer_config.transfer_timeout_s,
+                self._senders, send, request, self.engine.kv_caches, self.transfer_config.transfer_timeout_s
             )
+            if result.stats.rank_bytes:
+                self.stats.add_rank_bytes(result.stats.rank_bytes)
             self.stats.transfers += 1
             self.stats.transfer_bytes += result.stats.num_bytes
             self.stats.transfer_seconds += result.stats.seconds

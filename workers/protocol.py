@@ -198,6 +198,38 @@ class KVHandle:
     num_tokens: int
     layout: KVLayout
     lease_expires_at: float
+    # A tensor-parallel prefill replica: its size, and each rank's rendezvous store (index =
+    # rank; empty at size 1). ``layout`` is then the whole model's: every KV head, all ranks.
+    tensor_parallel_size: int = 1
+    rank_addresses: tuple[TransferAddress, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size > 1 and len(self.rank_addresses) != self.tensor_parallel_size:
+            raise ValueError(
+                f"KVHandle of a tensor-parallel size {self.tensor_parallel_size} replica names "
+                f"{len(self.rank_addresses)} rank addresses; it needs one per rank"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class PairTransfer:
+    """One (prefill rank, decode rank) pair's part of a transfer between tensor-parallel replicas
+    (``workers/transfer/tp_transfer.py``): the pair group's epoch and transport (the decode side
+    chooses both, per pair), and the prefill rank's local KV heads ``[head_start, head_stop)``
+    that the decode rank receives."""
+
+    prefill_rank: int
+    decode_rank: int
+    epoch: int
+    transport: str
+    head_start: int
+    head_stop: int
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport {self.transport!r} is not one of {TRANSPORTS}")
+        if not 0 <= self.head_start < self.head_stop:
+            raise ValueError(f"pair heads [{self.head_start}, {self.head_stop}) are not a run of heads")
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +239,10 @@ class TransferRequest:
     The decode side (the receiver) chooses ``epoch``; the prefill side creates or reuses the pair
     group ``pair/{decode_worker_id}/{epoch}`` to match. ``tag`` is the gloo message tag both sides
     use, so a send can never land in a recv posted for another request.
+
+    ``pairs`` (tensor-parallel replicas on either side): the transfer is one message per
+    (prefill rank, decode rank) pair instead, each over its own group (``epoch`` and
+    ``transport`` are then the pairs'); ``layout`` is the whole model's.
     """
 
     request_id: str
@@ -216,6 +252,7 @@ class TransferRequest:
     layout: KVLayout
     transport: str
     tag: int
+    pairs: tuple[PairTransfer, ...] = ()
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -252,6 +289,7 @@ class TransferStats:
     num_bytes: int
     seconds: float
     created_pair: bool
+    rank_bytes: tuple[int, ...] = ()  # tensor-parallel decode replica: bytes each rank received
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,6 +76,8 @@ class WorkerStats:
     transfer_failures: int = 0
     recomputed_prefills: int = 0
     leases_expired: int = 0
+    # a tensor-parallel worker: bytes each rank moved (index = rank), summed over its transfers
+    transfer_rank_bytes: list[int] = field(default_factory=list)
     # per peer worker id; a decode worker's peers are the prefill workers it pulls from
     peers: dict[str, PairStats] = field(default_factory=dict)
     # when recent transfers failed (time.monotonic()), for link-aware routing
@@ -84,6 +86,12 @@ class WorkerStats:
     def transfer_failed(self) -> None:
         self.transfer_failures += 1
         self.failure_times.append(time.monotonic())
+
+    def add_rank_bytes(self, rank_bytes) -> None:
+        if len(self.transfer_rank_bytes) < len(rank_bytes):
+            self.transfer_rank_bytes.extend([0] * (len(rank_bytes) - len(self.transfer_rank_bytes)))
+        for rank, nbytes in enumerate(rank_bytes):
+            self.transfer_rank_bytes[rank] += nbytes
 
     def recent_failures(self, window_s: float) -> int:
         """Transfers that failed in the last `window_s` seconds."""
@@ -97,7 +105,10 @@ class WorkerStats:
         return stats
 
     def counters(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("peers", "failure_times")}
+        skip = ("peers", "failure_times", "transfer_rank_bytes")
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip} | {
+            "transfer_rank_bytes": list(self.transfer_rank_bytes)
+        }
 
     def pairs(self) -> dict[str, dict]:
         return {peer: stats.snapshot() for peer, stats in list(self.peers.items())}

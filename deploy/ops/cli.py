@@ -362,8 +362,21 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         "--tp",
         type=_positive_int,
         default=1,
-        help="tensor-parallel ranks per engine replica (colocated mode: each replica reserves "
-        "--tp bundles of --cpus-per-replica/--gpus-per-replica, one per rank; default 1)",
+        help="tensor-parallel ranks per engine replica, every pool (each replica reserves one "
+        "bundle of --cpus-per-replica/--gpus-per-replica per rank; default 1)",
+    )
+    parser.add_argument(
+        "--prefill-tp",
+        type=_positive_int,
+        default=None,
+        help="tensor-parallel ranks per prefill replica (disaggregated mode; default --tp)",
+    )
+    parser.add_argument(
+        "--decode-tp",
+        type=_positive_int,
+        default=None,
+        help="tensor-parallel ranks per decode replica (disaggregated mode; default --tp); KV "
+        "moves between any two sizes, each decode rank receiving exactly its KV heads",
     )
     parser.add_argument(
         "--autoscaling",
@@ -595,11 +608,21 @@ def _threads_per_replica(args: argparse.Namespace) -> int | None:
     (each replica takes what its num_cpus grants)."""
     if args.threads_per_replica is not None or args.ray_address or args.gpus_per_replica:
         return args.threads_per_replica
-    engines = args.colocated if args.mode == "colocated" else args.prefill + args.decode
-    if args.autoscaling:  # the most engine replicas the pools may run at once
-        engines = max(engines, _most_replicas(args))
+    if args.mode == "colocated":
+        ranks = args.colocated * args.tp
+    else:
+        ranks = args.prefill * _pool_tp(args, "prefill") + args.decode * _pool_tp(args, "decode")
+    if args.autoscaling:  # the most engine replicas the pools may run at once, at the larger TP
+        most_tp = args.tp if args.mode == "colocated" else max(_pool_tp(args, "prefill"), _pool_tp(args, "decode"))
+        ranks = max(ranks, _most_replicas(args) * most_tp)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // (engines * args.tp))  # per rank: every replica runs --tp of them
+    return max(1, cores // ranks)  # per rank: every replica runs its pool's TP of them
+
+
+def _pool_tp(args: argparse.Namespace, pool: str) -> int:
+    """A pool's tensor-parallel size: ``--prefill-tp``/``--decode-tp``, else ``--tp``."""
+    own = getattr(args, f"{pool}_tp", None)
+    return own if own is not None else args.tp
 
 
 def _most_replicas(args: argparse.Namespace) -> int:
@@ -632,24 +655,26 @@ def up_app_args(args: argparse.Namespace, model: str, redis_url: str | None):
 
     if args.max_replicas is not None and args.autoscaling is None:
         raise ValueError("--max-replicas sizes --autoscaling: give --autoscaling pd or queue with it")
+    if args.mode == "colocated" and (args.prefill_tp is not None or args.decode_tp is not None):
+        raise ValueError("--prefill-tp/--decode-tp size the disaggregated pools: use --tp in colocated mode")
     pool = {
         "num_cpus": args.cpus_per_replica,
         "num_gpus": args.gpus_per_replica,
         "num_threads": _threads_per_replica(args),
-        # every pool: in disaggregated mode PDServeArgs refuses --tp > 1, naming the field
-        "tensor_parallel_size": getattr(args, "tp", 1),
     }
 
-    def pool_args(start: int) -> PoolArgs:
-        return PoolArgs(**pool, replicas=start, autoscaling_config=_queue_autoscaling(args, start))
+    def pool_args(start: int, tp: int) -> PoolArgs:
+        return PoolArgs(
+            **pool, replicas=start, tensor_parallel_size=tp, autoscaling_config=_queue_autoscaling(args, start)
+        )
 
     return PDServeArgs(
         model=model,
         served_model_name=args.served_model_name,
         mode=args.mode,
-        prefill=pool_args(args.prefill),
-        decode=pool_args(args.decode),
-        colocated=pool_args(args.colocated),
+        prefill=pool_args(args.prefill, _pool_tp(args, "prefill")),
+        decode=pool_args(args.decode, _pool_tp(args, "decode")),
+        colocated=pool_args(args.colocated, args.tp),
         autoscaling=AutoscalingArgs(max_total_replicas=_most_replicas(args)) if args.autoscaling == "pd" else None,
         device=args.device,
         dtype=args.dtype,

@@ -1,6 +1,7 @@
 """A pool's tensor_parallel_size as Serve options: a placement group of one bundle per rank, the
-replica actor (rank 0) inside the first; refused where it cannot run (disaggregated mode, heads
-that do not split). Options dicts and argument checks only: no Ray cluster."""
+replica actor (rank 0) inside the first; prefill and decode pools of their own sizes; refused
+where it cannot run (heads that do not split, compiled decode). Options dicts and argument
+checks only: no Ray cluster."""
 
 from __future__ import annotations
 
@@ -63,13 +64,32 @@ def test_serve_accepts_the_options_with_the_replica_in_the_first_bundle(tiny_lla
     assert config.placement_group_strategy == "PACK"
 
 
+def test_disaggregated_pools_of_different_sizes_get_their_own_bundles(tiny_llama):
+    app = make_app(
+        {
+            "model": tiny_llama,
+            "device": "cpu",
+            "prefill": {"tensor_parallel_size": 2, "num_cpus": 0.5},
+            "decode": {"tensor_parallel_size": 1, "num_cpus": 0.5},
+        }
+    )
+    kwargs = app._bound_deployment.init_kwargs
+    prefill = kwargs["prefill"]._bound_deployment._replica_config
+    decode = kwargs["decode"]._bound_deployment._replica_config
+    assert prefill.placement_group_bundles == [{"CPU": 0.5}, {"CPU": 0.5}]
+    assert decode.placement_group_bundles is None
+
+
 @pytest.mark.parametrize("pool", ["prefill", "decode"])
-def test_disaggregated_pools_refuse_tensor_parallel_naming_the_field(tiny_llama, pool):
-    with pytest.raises(ValidationError) as info:
-        PDServeArgs(model=tiny_llama, **{pool: {"tensor_parallel_size": 2}})
-    message = str(info.value)
-    assert f"{pool}.tensor_parallel_size > 1 needs colocated mode" in message
-    assert "docs/design.md" in message
+def test_disaggregated_pools_take_their_own_tensor_parallel_size_checked_against_the_heads(tiny_llama, pool):
+    args = PDServeArgs(model=tiny_llama, **{pool: {"tensor_parallel_size": 2}})
+    assert getattr(args, pool).tensor_parallel_size == 2
+    other = "decode" if pool == "prefill" else "prefill"
+    assert getattr(args, other).tensor_parallel_size == 1
+    with pytest.raises(ValidationError, match=f"{pool}.tensor_parallel_size 3: the model's 4 attention heads"):
+        PDServeArgs(model=tiny_llama, **{pool: {"tensor_parallel_size": 3}})
+    with pytest.raises(ValidationError, match=f"{pool}.tensor_parallel_size 2 runs eager only"):
+        PDServeArgs(model=tiny_llama, enforce_eager=False, **{pool: {"tensor_parallel_size": 2}})
 
 
 def test_colocated_tensor_parallel_size_is_checked_against_the_heads(tiny_llama):

@@ -45,9 +45,8 @@ def test_tensor_parallel_ranks_count_as_engines(monkeypatch):
     assert _threads_per_replica(_args(mode="colocated", colocated=3, tp=4)) == 1  # at least one each
 
 
-def test_up_tp_sets_the_colocated_pool_and_is_refused_disaggregated(tiny_llama):
+def test_up_tp_sets_every_pool_and_prefill_and_decode_may_differ(tiny_llama):
     import pytest
-    from pydantic import ValidationError
 
     from deploy.ops.cli import build_parser, up_app_args
 
@@ -57,5 +56,18 @@ def test_up_tp_sets_the_colocated_pool_and_is_refused_disaggregated(tiny_llama):
 
     assert app_args("--mode", "colocated", "--tp", "2").colocated.tensor_parallel_size == 2
     assert app_args().colocated.tensor_parallel_size == 1
-    with pytest.raises(ValidationError, match=r"prefill.tensor_parallel_size > 1 needs colocated mode"):
-        app_args("--tp", "2")
+    both = app_args("--tp", "2")
+    assert (both.prefill.tensor_parallel_size, both.decode.tensor_parallel_size) == (2, 2)
+    mixed = app_args("--prefill-tp", "2", "--decode-tp", "1")
+    assert (mixed.prefill.tensor_parallel_size, mixed.decode.tensor_parallel_size) == (2, 1)
+    only_decode = app_args("--decode-tp", "2")
+    assert (only_decode.prefill.tensor_parallel_size, only_decode.decode.tensor_parallel_size) == (1, 2)
+    with pytest.raises(ValueError, match="use --tp in colocated mode"):
+        app_args("--mode", "colocated", "--prefill-tp", "2")
+
+
+def test_prefill_and_decode_ranks_split_the_cores(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    # 1 prefill replica x 2 ranks + 1 decode replica x 1 rank = 3 ranks on 8 cores
+    assert _threads_per_replica(_args(prefill=1, decode=1, tp=1, prefill_tp=2, decode_tp=None)) == 2
+    assert _threads_per_replica(_args(prefill=1, decode=2, tp=2)) == 1  # 2 + 4 ranks

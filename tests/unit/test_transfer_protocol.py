@@ -12,6 +12,7 @@ from workers.protocol import (
     GenerateRequest,
     KVHandle,
     KVLayout,
+    PairTransfer,
     PrefillResult,
     TokenChunk,
     TokenLogprobs,
@@ -33,6 +34,17 @@ MESSAGES = [
     ADDRESS,
     HANDLE,
     TransferRequest("req-1", "decode-3", 17, (9, 2), LAYOUT, "gloo", 12345),
+    PairTransfer(1, 0, 18, "gloo", 0, 2),
+    TransferRequest(
+        "req-1",
+        "decode-3",
+        18,
+        (9, 2),
+        LAYOUT,
+        "gloo",
+        12345,
+        (PairTransfer(0, 0, 18, "gloo", 0, 1), PairTransfer(1, 0, 19, "nccl", 0, 1)),
+    ),
     PrefillResult(
         "req-1",
         42,
@@ -46,6 +58,7 @@ MESSAGES = [
     ),
     PrefillResult("req-2", 2, (5,), None, 0, "stop"),
     TransferStats("req-1", "prefill-0", "gloo", 17, 2, 16384, 0.01, True),
+    TransferStats("req-1", "prefill-0", "gloo", 17, 2, 16384, 0.01, True, (8192, 8192)),
     GenerateRequest(
         "req-1",
         (1, 2, 3),

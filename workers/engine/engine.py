@@ -13,6 +13,7 @@ through ``stats()``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -113,6 +114,7 @@ class LLMEngine:
         # Tensor parallel: ranks 1..N-1 start first and load their shards while this one loads
         # its own; ``close()`` stops them (were __init__ to raise, their finalizer kills them).
         self.tensor_parallel = TensorParallelWorkers.launch(cfg, tp_launcher) if cfg.tensor_parallel_size > 1 else None
+        self._rank_transfers_open = False  # open_rank_transfers: the worker ranks' transfer agents
         tp = self.tensor_parallel.tp if self.tensor_parallel else TPGroup()
         self.device = rank_device(cfg.device, 0) if self.tensor_parallel else torch.device(cfg.device)
         self.model_config = ModelConfig.from_dir(cfg.model_dir)
@@ -184,7 +186,18 @@ class LLMEngine:
 
     @property
     def kv_layout(self):
+        """This rank's cache layout (its own KV heads under tensor parallelism)."""
         return self.kv.layout
+
+    @property
+    def model_kv_layout(self):
+        """The whole model's cache layout (every KV head): what KVHandles and transfer requests
+        carry, so replicas of different tensor-parallel sizes compare equal."""
+        return dataclasses.replace(self.kv.layout, num_kv_heads=self.model_config.num_kv_heads)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.config.tensor_parallel_size
 
     @property
     def max_chunk_tokens(self) -> int:
@@ -325,11 +338,28 @@ class LLMEngine:
             self.scheduler.commit_remote(seq)
 
     def _check_kv_transfer(self) -> None:
-        if self.tensor_parallel:
-            raise NotImplementedError(
-                "KV transfer (disaggregation) with tensor_parallel_size > 1 is not supported yet: "
-                "each rank holds a slice of every block; run the engine alone or with tensor_parallel_size=1"
+        """Tensor-parallel transfers need every rank: the workers take part through their
+        transfer agents, opened by ``open_rank_transfers`` (prefill/decode workers do it)."""
+        if self.tensor_parallel and not self._rank_transfers_open:
+            raise RuntimeError(
+                "KV transfer with tensor_parallel_size > 1 needs the worker ranks' transfer agents: "
+                "call open_rank_transfers first (PrefillWorker and DecodeWorker do)"
             )
+
+    def open_rank_transfers(self, op) -> list:
+        """Engine thread: start a transfer agent on every worker rank (``op``: a ``RankOp`` of kind
+        open, ``workers/transfer/tp_transfer.py``) and return their reports (each with the rank's
+        address), rank 1 first. Raises RuntimeError if a rank could not start one."""
+        if self.tensor_parallel is None:
+            return []
+        seq = self.tensor_parallel.dispatch(op)
+        ranks = list(range(1, self.config.tensor_parallel_size))
+        reports = self.tensor_parallel.collect(seq, ranks, 60.0)
+        bad = [f"rank {r}: {reports[r].error if r in reports else 'no answer'}" for r in ranks if not _ok(reports, r)]
+        if bad:
+            raise RuntimeError("tensor-parallel transfer agents did not start: " + "; ".join(bad))
+        self._rank_transfers_open = True
+        return [reports[r] for r in ranks]
 
     def _new_sequence(
         self,
@@ -527,3 +557,7 @@ def _load_tokenizer(model_dir: str):
     from transformers import AutoTokenizer  # tokenizer files only; no model code
 
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _ok(reports: dict, rank: int) -> bool:
+    return rank in reports and reports[rank].ok

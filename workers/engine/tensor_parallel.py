@@ -43,6 +43,7 @@ import argparse
 import dataclasses
 import enum
 import functools
+import itertools
 import json
 import logging
 import os
@@ -71,7 +72,9 @@ from workers.layers.kv_cache import PagedKVCache, plan_num_blocks
 from workers.models.config import ModelConfig
 from workers.models.loader import load_model, resolve_dtype
 from workers.models.parallel import TPGroup, rank_model_config
+from workers.protocol import decode, encode
 from workers.transfer.pair import abort_process_group, new_process_group
+from workers.transfer.tp_transfer import RankOp, RankReport, RankTransferAgent
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +95,7 @@ class Message(enum.IntEnum):
     INIT = 1  # payload: [sliding_window or -1]
     STEP = 2  # payload: encode_step
     SHUTDOWN = 3
+    TRANSFER = 4  # payload: [seq]; the RankOp is at tp/op/{seq} in the store (tp_transfer.py)
 
 
 class TensorParallelError(RuntimeError):
@@ -358,6 +362,7 @@ class TensorParallelWorkers:
         self._failure: str | None = None
         self._closed = False
         self._finalizer = weakref.finalize(self, _kill, self.ranks)
+        self._ops = itertools.count(1)
 
     @property
     def procs(self) -> list[subprocess.Popen]:
@@ -492,6 +497,46 @@ class TensorParallelWorkers:
 
         return self._guard(step)
 
+    def dispatch(self, op: RankOp) -> int:
+        """Engine thread, between steps: hand ``op`` to the worker ranks it names (KV transfer,
+        ``workers/transfer/tp_transfer.py``): the op goes into the store, its number out in one
+        broadcast; each rank runs it on a thread of its own and leaves its report. Returns the
+        number ``collect`` waits on."""
+        seq = next(self._ops)
+
+        def post() -> None:
+            self._store.set(f"tp/op/{seq}", encode(op).decode())
+            self.groups.send(Message.TRANSFER, [seq])
+
+        self._guard(post)
+        return seq
+
+    def collect(self, seq: int, ranks: Seq[int], timeout_s: float) -> dict[int, RankReport]:
+        """Any thread: the reports of ``ranks`` on op ``seq``, waiting up to ``timeout_s``; a rank
+        that died or did not answer in time is missing from the result. Clears the op's keys."""
+        deadline = time.monotonic() + timeout_s
+        pending = set(ranks)
+        reports: dict[int, RankReport] = {}
+        pause = 0.001
+        while pending:
+            for rank in sorted(pending):
+                key = f"tp/op/{seq}/done/{rank}"
+                if self._store.check([key]):
+                    reports[rank] = decode(RankReport, self._store.get(key))
+                    pending.discard(rank)
+            if not pending or time.monotonic() >= deadline:
+                break
+            if self._failure is not None or any(r.exited() for r in self.ranks if r.rank in pending):
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        for key in [f"tp/op/{seq}"] + [f"tp/op/{seq}/done/{rank}" for rank in ranks]:
+            try:
+                self._store.delete_key(key)
+            except Exception:  # noqa: BLE001 - a leftover key costs a few bytes
+                pass
+        return reports
+
     def _guard(self, fn):
         """Run ``fn`` with every worker alive; a failure on the way leaves the ranks out of step:
         remember it, name the dead rank if one is, raise TensorParallelError now and from then on."""
@@ -610,7 +655,7 @@ def run_worker(
         store.set(f"tp/joined/{rank}", "1")
         groups = RankGroups(store, rank, world_size, own, bind_host)
         try:
-            _serve(config, groups, own)
+            _serve(config, groups, own, store, bind_host)
         finally:
             groups.close()
     except BaseException:
@@ -621,8 +666,9 @@ def run_worker(
         raise
 
 
-def _serve(config: EngineConfig, groups: RankGroups, device: torch.device) -> None:
-    """Build what rank 0 builds (``LLMEngine.__init__``), in the same order of collectives."""
+def _serve(config: EngineConfig, groups: RankGroups, device: torch.device, store: dist.Store, bind_host: str) -> None:
+    """Build what rank 0 builds (``LLMEngine.__init__``), in the same order of collectives, then
+    run its steps; KV transfer ops run beside them on the rank's transfer agent."""
     model_config = ModelConfig.from_dir(config.model_dir)
     dtype = resolve_dtype(model_config, device, config.dtype)
     max_len = config.max_model_len or model_config.max_position_embeddings
@@ -635,13 +681,60 @@ def _serve(config: EngineConfig, groups: RankGroups, device: torch.device) -> No
     sliding_window = payload[0] if payload[0] >= 0 else None
     kv = PagedKVCache(local, num_blocks, config.block_size, config.kv_cache_dtype, dtype, device)
     runner = ModelRunner(model, kv, sliding_window, attention_backend=config.attention_backend)  # as rank 0
-    while True:
-        kind, payload = groups.receive()
-        if kind is Message.SHUTDOWN:
-            return
-        if kind is not Message.STEP:
-            raise RuntimeError(f"unexpected message {kind.name} from rank 0")
-        runner.execute(decode_step(payload))
+    agent: RankTransferAgent | None = None
+    try:
+        while True:
+            kind, payload = groups.receive()
+            if kind is Message.SHUTDOWN:
+                return
+            if kind is Message.TRANSFER:
+                agent = _transfer(store, groups.rank, payload[0], agent, kv, device, bind_host)
+                continue
+            if kind is not Message.STEP:
+                raise RuntimeError(f"unexpected message {kind.name} from rank 0")
+            runner.execute(decode_step(payload))
+    finally:
+        if agent is not None:
+            agent.close()
+
+
+def _transfer(
+    store: dist.Store,
+    rank: int,
+    seq: int,
+    agent: RankTransferAgent | None,
+    kv: PagedKVCache,
+    device: torch.device,
+    bind_host: str,
+) -> RankTransferAgent | None:
+    """One ``Message.TRANSFER`` on a worker rank: ``open`` builds the rank's transfer agent (and
+    answers with its address) here; a send or recv runs on the agent's threads, so the next step
+    is not held up; either way the report goes into the store. Returns the agent."""
+    op = decode(RankOp, store.get(f"tp/op/{seq}"))
+    if op.kind != "open" and rank not in op.pairs:
+        return agent  # not this rank's: the op names only the ranks that move data
+    key = f"tp/op/{seq}/done/{rank}"
+
+    def report(result: RankReport) -> None:
+        try:
+            store.set(key, encode(result).decode())
+        except Exception:  # noqa: BLE001 - rank 0 is gone: nobody to tell
+            pass
+
+    if op.kind == "open":
+        try:
+            if agent is not None:
+                agent.close()
+            agent = RankTransferAgent(op, rank, kv.layers, device, bind_host)
+            report(RankReport(True, address=agent.address))
+        except Exception as exc:  # noqa: BLE001 - rank 0 refuses to serve transfers then
+            report(RankReport(False, error=f"{type(exc).__name__}: {exc}"))
+        return agent
+    if agent is None:
+        report(RankReport(False, error=f"rank {rank} has no transfer agent (no open op came first)"))
+        return agent
+    agent.submit(op, report)
+    return agent
 
 
 class TensorParallelRank:

@@ -206,6 +206,43 @@ class KVTransferClient:
         finally:
             slot.lock.release()
 
+    def recv_pair(
+        self,
+        address: TransferAddress,
+        epoch: int,
+        transport: Transport,
+        kv_caches: Sequence[torch.Tensor],
+        dst_block_ids: Sequence[int],
+        tag: int,
+        deadline: float,
+        heads: range | None = None,
+    ) -> tuple[int, bool]:
+        """One pair's receive of a tensor-parallel transfer (``workers/transfer/tp_transfer.py``):
+        the message of the prefill rank at ``address`` into ``dst_block_ids`` (its local KV heads
+        ``heads``), over the pair group of ``epoch``, which the coordinating rank chose; a live
+        group of another epoch is torn down first. Returns (bytes received, group created).
+        The prefill rank must be sending now (its coordinator acknowledged the Send). Raises
+        KVTransferError (group torn down) on any failure."""
+        peer = address.worker_id
+        slot = self._slot(peer)
+        if not acquire(slot.lock, deadline):
+            raise KVTransferError(f"pair with {peer} stayed busy past the deadline", peer_id=peer)
+        try:
+            group = slot.group
+            if group is not None and (group.epoch != epoch or group.transport is not transport):
+                slot.tear_down(f"coordinator moved the pair to epoch {epoch}")
+                group = None
+            created = group is None
+            if group is None:
+                group = self._create_group(slot, address, epoch, transport, deadline)
+            layout = layout_of(kv_caches)
+            return group.recv(kv_caches, dst_block_ids, layout, tag, deadline, heads=heads), created
+        except Exception as exc:
+            slot.tear_down(f"pair receive failed: {exc}")
+            raise KVTransferError(f"receiving from {peer} (epoch {epoch}) failed: {exc}", peer_id=peer) from exc
+        finally:
+            slot.lock.release()
+
     def _pull_object(self, handle, kv_caches, dst, request_send, request, deadline, stats):
         try:
             payload = request_send(request)

@@ -149,9 +149,15 @@ class KVTransferServer:
             slot.lock.release()
 
     def send(
-        self, request: TransferRequest, kv_caches: Sequence[torch.Tensor], timeout_s: float | None = None
+        self,
+        request: TransferRequest,
+        kv_caches: Sequence[torch.Tensor],
+        timeout_s: float | None = None,
+        heads: range | None = None,
     ) -> SendResult:
-        """Send ``request.src_block_ids`` of all layers to the decode worker, as one message.
+        """Send ``request.src_block_ids`` of all layers to the decode worker, as one message
+        (only local KV heads ``heads`` when given: one pair's share of a tensor-parallel
+        transfer, ``workers/transfer/tp_transfer.py``).
 
         Raises ValueError for a bad request (nothing sent, pair kept) and KVTransferError when
         the transfer fails or misses its deadline (pair torn down).
@@ -188,7 +194,7 @@ class KVTransferServer:
             )
         try:
             group, created = self._group_for(slot, peer, request.epoch, transport, deadline)
-            nbytes = group.send(kv_caches, request.src_block_ids, layout, request.tag, deadline)
+            nbytes = group.send(kv_caches, request.src_block_ids, layout, request.tag, deadline, heads=heads)
             return SendResult(stats(request.epoch, nbytes, created))
         except KVTransferError:
             raise

@@ -1,0 +1,115 @@
+"""Prefill and decode workers of different tensor-parallel sizes wired directly (no Ray): every
+rank runs in its own process (the local launcher), the decode worker's ranks pull exactly their
+KV heads from the prefill ranks that hold them, one gloo pair group per rank pair, and decoding
+continues over the decode ranks. Output equals transformers' greedy output token for token, and
+each decode rank received exactly its heads' share of the blocks that moved."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+
+import pytest
+
+from kvstore.hashing import hash_prompt_blocks
+from tests.unit.engine_helpers import hf_greedy, random_prompts
+from workers.decode import DecodeWorker
+from workers.engine import LLMEngine
+from workers.prefill import PrefillWorker
+from workers.protocol import GenerateRequest
+from workers.transfer import TransferConfig
+from workers.transfer.tp_plan import heads_of_rank
+
+pytestmark = pytest.mark.timeout(300)
+BLOCK = 16
+
+
+def request(rid: str, prompt: list[int], max_tokens: int = 24) -> GenerateRequest:
+    hashes = tuple(hash_prompt_blocks(prompt, BLOCK, "m"))
+    return GenerateRequest(
+        rid, tuple(prompt), {"max_tokens": max_tokens, "temperature": 0.0}, None, hashes, time.time()
+    )
+
+
+async def run(prefill: PrefillWorker, decode: DecodeWorker, req: GenerateRequest) -> list[int]:
+    result = await prefill.prefill(req)
+    tokens = [result.first_token_id]
+    if result.finish_reason:
+        return tokens
+    async for chunk in decode.generate(req, result):
+        tokens.extend(chunk.token_ids)
+    return tokens
+
+
+async def wait_idle(worker) -> None:
+    for _ in range(250):
+        if await worker.loop.call(lambda e: not e.has_unfinished() and e.num_held == 0):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{worker.worker_id} still holds requests")
+
+
+@contextlib.asynccontextmanager
+async def make_pools(model_dir: str, prefill_tp: int, decode_tp: int, device: str = "cpu"):
+    """A prefill and a decode worker of those sizes; on the way out every block must be free."""
+    cfg = TransferConfig(transfer_timeout_s=20.0, connect_timeout_s=20.0)
+
+    def engine(tp: int) -> LLMEngine:
+        return LLMEngine(
+            model_dir,
+            num_kv_blocks=96,
+            block_size=BLOCK,
+            tensor_parallel_size=tp,
+            device=device,
+            dtype="float32",
+            load_progress=False,
+        )
+
+    prefill = PrefillWorker(engine(prefill_tp), "prefill-0", cfg, lease_ttl_s=20.0)
+    await prefill.start()
+    decode = DecodeWorker(engine(decode_tp), "decode-0", cfg)
+    yield prefill, decode
+    try:
+        for worker in (prefill, decode):
+            await worker.loop.call(lambda e: e.block_manager.check_idle())  # free == total blocks
+    finally:
+        for worker in (prefill, decode):
+            await worker.shutdown()
+            worker.engine.close()
+
+
+@pytest.fixture
+async def pools(request, tiny_llama):
+    async with make_pools(tiny_llama, *request.param) as workers:
+        yield workers
+
+
+@pytest.mark.parametrize("pools", [(1, 2), (2, 1), (2, 2)], indirect=True, ids=["p1-d2", "p2-d1", "p2-d2"])
+async def test_mixed_tensor_parallel_pools_equal_transformers_and_move_each_ranks_heads(pools, tiny_llama):
+    await check_exact_and_per_rank_bytes(*pools, tiny_llama)
+
+
+async def check_exact_and_per_rank_bytes(prefill: PrefillWorker, decode: DecodeWorker, model_dir: str) -> None:
+    tiny_llama = model_dir
+    prompts = random_prompts((5, 37, 70, 129), seed=77)
+    results = await asyncio.gather(*(run(prefill, decode, request(f"r{i}", p)) for i, p in enumerate(prompts)))
+    for prompt, tokens in zip(prompts, results):
+        assert tokens == hf_greedy(tiny_llama, tuple(prompt), 24)
+    await wait_idle(prefill)
+    await wait_idle(decode)
+
+    # Every block of every prompt moved (the prompts share no block), and each decode rank got
+    # exactly its KV heads of each: bytes = blocks x its heads' share of a block.
+    moved = sum(math.ceil(len(p) / BLOCK) for p in prompts)
+    model = decode.engine.model_kv_layout
+    per_head = model.bytes_per_block // model.num_kv_heads
+    d = decode.engine.tensor_parallel_size
+    expected = [moved * per_head * len(heads_of_rank(model.num_kv_heads, d, j)) for j in range(d)]
+    assert decode.stats.transfer_rank_bytes == expected
+    assert decode.stats.transfer_bytes == sum(expected) == prefill.stats.transfer_bytes
+    assert decode.stats.transfers == len(prompts) and decode.stats.recomputed_prefills == 0
+    p = prefill.engine.tensor_parallel_size
+    sent = [moved * per_head * len(heads_of_rank(model.num_kv_heads, p, i)) for i in range(p)]
+    assert prefill.stats.transfer_rank_bytes == sent  # each prefill rank sent exactly its heads
