@@ -52,9 +52,9 @@ async def wait_idle(worker) -> None:
 
 
 @contextlib.asynccontextmanager
-async def make_pools(model_dir: str, prefill_tp: int, decode_tp: int, device: str = "cpu"):
+async def make_pools(model_dir: str, prefill_tp: int, decode_tp: int, device: str = "cpu", timeout_s: float = 20.0):
     """A prefill and a decode worker of those sizes; on the way out every block must be free."""
-    cfg = TransferConfig(transfer_timeout_s=20.0, connect_timeout_s=20.0)
+    cfg = TransferConfig(transfer_timeout_s=timeout_s, connect_timeout_s=timeout_s)
 
     def engine(tp: int) -> LLMEngine:
         return LLMEngine(
@@ -113,3 +113,23 @@ async def check_exact_and_per_rank_bytes(prefill: PrefillWorker, decode: DecodeW
     p = prefill.engine.tensor_parallel_size
     sent = [moved * per_head * len(heads_of_rank(model.num_kv_heads, p, i)) for i in range(p)]
     assert prefill.stats.transfer_rank_bytes == sent  # each prefill rank sent exactly its heads
+
+
+async def test_a_broken_rank_pair_recomputes_exactly_and_the_next_transfer_uses_a_new_group(tiny_llama):
+    """p2-d1: decode rank 0 pulls from both prefill ranks. Its end of the pair with prefill rank 1
+    goes away (as a link failure leaves it): the next transfer fails on that pair only, within
+    the deadline, and the prompt is recomputed (same output); the one after makes a new group
+    under a new epoch and moves every rank's heads again."""
+    async with make_pools(tiny_llama, 2, 1, timeout_s=4.0) as (prefill, decode):
+        prompts = random_prompts((40, 52, 61), seed=78)
+        assert await run(prefill, decode, request("a", prompts[0])) == hf_greedy(tiny_llama, tuple(prompts[0]), 24)
+        decode.tp_puller.client.close_pair("prefill-0/r1")
+        assert await run(prefill, decode, request("b", prompts[1])) == hf_greedy(tiny_llama, tuple(prompts[1]), 24)
+        assert decode.stats.transfer_failures == 1 and decode.stats.recomputed_prefills == 1
+        before = list(decode.stats.transfer_rank_bytes)
+        assert await run(prefill, decode, request("c", prompts[2])) == hf_greedy(tiny_llama, tuple(prompts[2]), 24)
+        assert decode.stats.transfers == 2 and decode.stats.recomputed_prefills == 1
+        per_block = decode.engine.model_kv_layout.bytes_per_block
+        assert decode.stats.transfer_rank_bytes[0] - before[0] == math.ceil(61 / BLOCK) * per_block
+        await wait_idle(prefill)
+        await wait_idle(decode)

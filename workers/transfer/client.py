@@ -234,6 +234,12 @@ class KVTransferClient:
                 group = None
             created = group is None
             if group is None:
+                if epoch <= slot.last_epoch:  # its store keys are spent: a rendezvous would read stale ones
+                    raise KVTransferError(
+                        f"epoch {epoch} with {peer} is spent (newest {slot.last_epoch}, its group is gone); "
+                        "the coordinator must pick a new one",
+                        peer_id=peer,
+                    )
                 group = self._create_group(slot, address, epoch, transport, deadline)
             layout = layout_of(kv_caches)
             return group.recv(kv_caches, dst_block_ids, layout, tag, deadline, heads=heads), created
