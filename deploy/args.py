@@ -50,7 +50,7 @@ class PoolArgs(BaseModel):
         ge=1,
         description="ranks (devices) one replica's engine is split over: Serve reserves a placement group "
         "of that many bundles of num_cpus/num_gpus (num_cpus, num_gpus and num_threads are per rank; "
-        "resources go on the first bundle only); colocated mode only for now",
+        "resources go on the first bundle only); prefill and decode pools may differ",
     )
     placement_group_strategy: str | None = Field(
         default=None,

@@ -529,7 +529,7 @@ class TensorParallelWorkers:
             if self._failure is not None or any(r.exited() for r in self.ranks if r.rank in pending):
                 break
             time.sleep(pause)
-            pause = min(pause * 2, 0.02)
+            pause = min(pause * 2, 0.002)  # a transfer takes tens of ms: poll finely
         for key in [f"tp/op/{seq}"] + [f"tp/op/{seq}/done/{rank}" for rank in ranks]:
             try:
                 self._store.delete_key(key)

@@ -24,10 +24,10 @@ The request path, as with one rank per side (``client.py``/``server.py``, issue 
   report. The transfer succeeded only if every pair did on every rank; otherwise the request is
   recomputed (the decode worker's rule), after every rank has stopped writing its blocks.
 
-Deadlocks: each rank runs its pairs one at a time in the order of the peer's rank, so every
-pair's two ends run in one global order ((prefill rank, decode rank)) and the first unfinished
-pair is always posted on both ends. Every wait is bounded by the request's deadline; a worker
-rank that died is noticed while its report is awaited.
+Concurrency: a rank runs its pairs of one transfer at once, a thread each (prefill TP 1 to
+decode TP 2 sends both halves together, as two links would carry them); each pair is its own
+group, so no pair waits on another and there is no order to deadlock on. Every wait is bounded
+by the request's deadline; a worker rank that died is noticed while its report is awaited.
 """
 
 from __future__ import annotations
@@ -148,18 +148,31 @@ def open_config(role: str, worker_id: str, config: TransferConfig, generation: i
 def run_pairs(
     pairs: Sequence[RankPair], move: Callable[[RankPair, float], tuple[int, bool]], deadline: float
 ) -> RankReport:
-    """Run each pair in the order of its peer's rank (the global order that keeps the pairs of
-    one transfer deadlock-free); a failed pair does not stop the rest (their peers are waiting).
-    ``move(pair, deadline)`` returns (bytes, group created)."""
-    total, created, failed, first_error = 0, False, [], ""
-    for pair in sorted(pairs, key=lambda p: p.peer_rank):
+    """Run every pair of one rank at once (a thread each beyond the first, which runs here); a
+    failed pair does not stop the others (their peers are waiting). ``move(pair, deadline)``
+    returns (bytes, group created)."""
+    ordered = sorted(pairs, key=lambda p: p.peer_rank)
+
+    def attempt(pair: RankPair) -> tuple[int, bool] | Exception:
         try:
-            nbytes, made = move(pair, deadline)
-            total += nbytes
-            created |= made
+            return move(pair, deadline)
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which decides
+            return exc
+
+    if len(ordered) > 1:
+        with ThreadPoolExecutor(max_workers=len(ordered) - 1, thread_name_prefix="kv-pair") as pool:
+            others = [pool.submit(attempt, pair) for pair in ordered[1:]]
+            outcomes = [attempt(ordered[0])] + [f.result() for f in others]
+    else:
+        outcomes = [attempt(pair) for pair in ordered]
+    total, created, failed, first_error = 0, False, [], ""
+    for pair, outcome in zip(ordered, outcomes):
+        if isinstance(outcome, Exception):
             failed.append(pair.peer_rank)
-            first_error = first_error or f"{type(exc).__name__}: {exc}"
+            first_error = first_error or f"{type(outcome).__name__}: {outcome}"
+        else:
+            total += outcome[0]
+            created |= outcome[1]
     return RankReport(not failed, total, created, tuple(failed), first_error)
 
 
