@@ -49,10 +49,12 @@ async def run(prefill: PrefillWorker, decode: DecodeWorker, req: GenerateRequest
 
 
 async def wait_idle(worker) -> None:
-    for _ in range(200):
+    """Until the worker runs and holds no request (a few seconds at most, else a failure)."""
+    for _ in range(250):
         if await worker.loop.call(lambda e: not e.has_unfinished() and e.num_held == 0):
             return
         await asyncio.sleep(0.02)
+    raise AssertionError(f"{worker.worker_id} still runs or holds requests")
 
 
 async def test_disaggregated_output_matches_transformers(pd, tiny_llama):

@@ -14,13 +14,14 @@ import time
 import pytest
 
 from kvstore.hashing import hash_prompt_blocks
+from tests.integration.test_pd_workers import run, wait_idle
 from tests.unit.engine_helpers import hf_greedy, random_prompts
 from workers.decode import DecodeWorker
 from workers.engine import LLMEngine
 from workers.prefill import PrefillWorker
 from workers.protocol import GenerateRequest
 from workers.transfer import TransferConfig
-from workers.transfer.tp_plan import heads_of_rank
+from workers.transfer.tp_plan import heads_of_rank, plan_tp_transfer
 
 pytestmark = pytest.mark.timeout(300)
 BLOCK = 16
@@ -31,24 +32,6 @@ def request(rid: str, prompt: list[int], max_tokens: int = 24) -> GenerateReques
     return GenerateRequest(
         rid, tuple(prompt), {"max_tokens": max_tokens, "temperature": 0.0}, None, hashes, time.time()
     )
-
-
-async def run(prefill: PrefillWorker, decode: DecodeWorker, req: GenerateRequest) -> list[int]:
-    result = await prefill.prefill(req)
-    tokens = [result.first_token_id]
-    if result.finish_reason:
-        return tokens
-    async for chunk in decode.generate(req, result):
-        tokens.extend(chunk.token_ids)
-    return tokens
-
-
-async def wait_idle(worker) -> None:
-    for _ in range(250):
-        if await worker.loop.call(lambda e: not e.has_unfinished() and e.num_held == 0):
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{worker.worker_id} still holds requests")
 
 
 @contextlib.asynccontextmanager
@@ -86,7 +69,11 @@ async def pools(request, tiny_llama):
         yield workers
 
 
-@pytest.mark.parametrize("pools", [(1, 2), (2, 1), (2, 2)], indirect=True, ids=["p1-d2", "p2-d1", "p2-d2"])
+# The tiny llama has 4 query and 2 KV heads: at TP 4 each KV head lives on two ranks.
+SIZES = [(1, 2), (2, 1), (2, 2), (4, 2), (2, 4)]
+
+
+@pytest.mark.parametrize("pools", SIZES, indirect=True, ids=[f"p{p}-d{d}" for p, d in SIZES])
 async def test_mixed_tensor_parallel_pools_equal_transformers_and_move_each_ranks_heads(pools, tiny_llama):
     await check_exact_and_per_rank_bytes(*pools, tiny_llama)
 
@@ -105,14 +92,15 @@ async def check_exact_and_per_rank_bytes(prefill: PrefillWorker, decode: DecodeW
     moved = sum(math.ceil(len(p) / BLOCK) for p in prompts)
     model = decode.engine.model_kv_layout
     per_head = model.bytes_per_block // model.num_kv_heads
-    d = decode.engine.tensor_parallel_size
+    p, d = prefill.engine.tensor_parallel_size, decode.engine.tensor_parallel_size
     expected = [moved * per_head * len(heads_of_rank(model.num_kv_heads, d, j)) for j in range(d)]
     assert decode.stats.transfer_rank_bytes == expected
     assert decode.stats.transfer_bytes == sum(expected) == prefill.stats.transfer_bytes
     assert decode.stats.transfers == len(prompts) and decode.stats.recomputed_prefills == 0
-    p = prefill.engine.tensor_parallel_size
-    sent = [moved * per_head * len(heads_of_rank(model.num_kv_heads, p, i)) for i in range(p)]
-    assert prefill.stats.transfer_rank_bytes == sent  # each prefill rank sent exactly its heads
+    # Each prefill rank sent the heads the plan gives it (a replicated head from one holder only).
+    plan = plan_tp_transfer(model.num_kv_heads, p, d)
+    sent = [moved * per_head * sum(len(s.heads) for s in plan.sends(i)) for i in range(p)]
+    assert prefill.stats.transfer_rank_bytes == sent
 
 
 async def test_a_broken_rank_pair_recomputes_exactly_and_the_next_transfer_uses_a_new_group(tiny_llama):

@@ -9,6 +9,7 @@ id never reuses spent store keys), and the epoch travels in the ``TransferReques
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -144,7 +145,7 @@ class KVTransferClient:
         deadline = start + (timeout_s or self.config.transfer_timeout_s)
         src = tuple(handle.block_ids if src_block_ids is None else src_block_ids)
         dst = tuple(dst_block_ids)
-        self._validate(handle, kv_caches, src, dst)
+        self.validate(handle, kv_caches, src, dst)
         peer = handle.prefill_worker_id
         if handle.lease_expires_at < time.time():
             raise KVTransferError(
@@ -262,10 +263,21 @@ class KVTransferClient:
                 request_id=handle.request_id,
             ) from exc
 
-    def _validate(
-        self, handle: KVHandle, kv_caches: Sequence[torch.Tensor], src: tuple[int, ...], dst: tuple[int, ...]
+    def validate(
+        self,
+        handle: KVHandle,
+        kv_caches: Sequence[torch.Tensor],
+        src: tuple[int, ...],
+        dst: tuple[int, ...],
+        num_kv_heads: int | None = None,
     ) -> None:
-        layout_of(kv_caches).check_matches(handle.layout)
+        """Refuse a pull before any traffic: a layout other than the handle's (compared as the
+        whole model's, ``num_kv_heads`` of it, for a tensor-parallel replica's rank), another
+        device, or block ids that do not fit."""
+        ours = layout_of(kv_caches)
+        if num_kv_heads is not None:
+            ours = dataclasses.replace(ours, num_kv_heads=num_kv_heads)
+        ours.check_matches(handle.layout)
         if kv_caches[0].device.type != self.device.type:
             raise ValueError(f"kv_caches are on {kv_caches[0].device} but this client was built for {self.device}")
         if len(src) != len(dst):

@@ -420,14 +420,7 @@ class TPPuller:
         start = time.monotonic()
         deadline = start + timeout_s
         src, dst = tuple(src_block_ids), tuple(dst_block_ids)
-        local = layout_of(kv_caches)
-        model_layout(local, self.num_kv_heads).check_matches(handle.layout)
-        if len(src) != len(dst):
-            raise ValueError(f"{len(src)} source blocks but {len(dst)} destination blocks")
-        stray = sorted(set(src) - set(handle.block_ids))
-        if stray:
-            raise ValueError(f"src_block_ids {stray[:8]} are not in the KVHandle of {handle.request_id}")
-        check_block_ids(dst, kv_caches[0].shape[1], "dst_block_ids", unique=True)
+        self.client.validate(handle, kv_caches, src, dst, num_kv_heads=self.num_kv_heads)
         peer = handle.prefill_worker_id
         if handle.lease_expires_at < time.time():
             raise KVTransferError(
