@@ -116,6 +116,7 @@ class DecodeWorker(ColocatedWorker):
             op = open_config("decode", worker_id, self.transfer_config)
             reports = self.loop.call_future(lambda e: e.open_rank_transfers(op)).result(RANK_CALL_TIMEOUT_S)
             self.tp_puller.identities += [r.address for r in reports if r.address is not None]
+            logger.info("decode %s: %d tensor-parallel ranks receive KV", worker_id, len(self.tp_puller.identities))
         self._background: set[asyncio.Task] = set()
         self._receivers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-recv")
 
