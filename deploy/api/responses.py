@@ -135,4 +135,14 @@ class ResponseBuilder:
     def error_event(self, exc: BaseException) -> dict:
         if isinstance(exc, RequestError):
             return exc.body()
-        return error_body(f"generation failed: {exc}", "server_error", None, "worker_failed")
+        return error_body(f"generation failed: {root_cause(exc)}", "server_error", None, "worker_failed")
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The worker's own exception inside Ray's wrappers (a RayTaskError's ``cause``, whose text
+    is a remote traceback with terminal colours): what a client's error message should name."""
+    seen = {id(exc)}
+    while isinstance(cause := getattr(exc, "cause", None), BaseException) and id(cause) not in seen:
+        seen.add(id(cause))
+        exc = cause
+    return exc

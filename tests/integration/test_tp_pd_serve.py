@@ -111,6 +111,8 @@ def test_a_rank_killed_mid_request_completes_or_errors_and_serve_replaces_its_re
                 killed = True
     # Prefill rank killed: the decode replica holds the KV already and finishes the stream.
     # Decode rank killed: its stream ends with an OpenAI-style error event, never a hang.
+    outcome = f"an error event: {error['message']}" if error else "the stream completed"
+    print(f"\np{prefill_tp}-d{decode_tp}, rank 1 killed mid-stream: {outcome}")
     if error is None:
         assert text == want
     else:
