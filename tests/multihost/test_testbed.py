@@ -65,11 +65,7 @@ def test_an_up_killed_half_way_is_cleaned_by_the_next_up_and_by_down(crash_site)
     while time.monotonic() < deadline and not stranded:
         time.sleep(0.2)
         if os.path.exists(f"/run/netns/{PREFIX}-head"):
-            stranded = [
-                p
-                for p in _pids_in_netns({_netns_inode(f"{PREFIX}-head")})
-                if "gcs_server" in Path(f"/proc/{p}/comm").read_text(errors="replace")
-            ]
+            stranded = [p for p in _pids_in_netns({_netns_inode(f"{PREFIX}-head")}) if "gcs_server" in _comm(p)]
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
     assert stranded, "the head's GCS never started"
@@ -111,3 +107,11 @@ def test_loopback_redis_urls_are_recognised_and_refused_only_across_nodes():
     assert loopback_redis_problem("redis://10.231.0.10:6380/0", 3) is None
     problem = loopback_redis_problem("redis://:secret@localhost:6380/0", 3)
     assert "has 3 nodes" in problem and "redis://<head IP>:6380/0" in problem and "secret" not in problem
+
+
+def _comm(pid: int) -> str:
+    """A process's name, or "" once it has exited (its /proc entry goes with it)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text(errors="replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
