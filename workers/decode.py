@@ -23,12 +23,10 @@ from workers.engine_loop import EngineLoop
 from workers.protocol import GenerateRequest, KVHandle, PrefillResult, TokenChunk, TokenLogprobs, TransferRequest
 from workers.transfer import KVTransferClient, KVTransferError, TransferConfig, Transport
 from workers.transfer.control import ControlClient
-from workers.transfer.tp_transfer import TPPuller, open_config
+from workers.transfer.tp_transfer import RANK_CALL_TIMEOUT_S, TPPuller, open_config, rank_channel
 from workers.worker_stats import WorkerStats
 
 logger = logging.getLogger(__name__)
-
-RANK_CALL_TIMEOUT_S = 60.0  # handing an op to the tensor-parallel ranks waits for the step running now
 
 RELEASE_TIMEOUT_S = 5.0  # a release is advisory (the lease frees the blocks anyway)
 
@@ -109,8 +107,7 @@ class DecodeWorker(ColocatedWorker):
             engine.device,
             engine.model_config.num_kv_heads,
             engine.tensor_parallel_size,
-            (lambda op: self.loop.call_future(lambda e: tp.dispatch(op)).result(RANK_CALL_TIMEOUT_S)) if tp else None,
-            tp.collect if tp else None,
+            *rank_channel(self.loop.call_future, tp),
         )
         if tp is not None:
             op = open_config("decode", worker_id, self.transfer_config)

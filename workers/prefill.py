@@ -25,12 +25,10 @@ from workers.engine_loop import EngineDeadError, EngineLoop
 from workers.protocol import GenerateRequest, KVHandle, KVLayout, PrefillResult, TransferAddress, TransferRequest
 from workers.transfer import KVTransferError, KVTransferServer, LeaseTable, SendResult, TransferConfig
 from workers.transfer.control import ControlHandlers, ControlServer, Refused
-from workers.transfer.tp_transfer import TPSender, open_config, rank_worker_id
+from workers.transfer.tp_transfer import TPSender, open_config, rank_channel, rank_worker_id
 from workers.worker_stats import WorkerStats
 
 logger = logging.getLogger(__name__)
-
-RANK_CALL_TIMEOUT_S = 60.0  # handing an op to the tensor-parallel ranks waits for the step running now
 
 
 class PrefillWorker:
@@ -56,8 +54,7 @@ class PrefillWorker:
         self._tp_sender = TPSender(
             self.server,
             engine.tensor_parallel_size,
-            (lambda op: self.loop.call_future(lambda e: tp.dispatch(op)).result(RANK_CALL_TIMEOUT_S)) if tp else None,
-            tp.collect if tp else None,
+            *rank_channel(self.loop.call_future, tp),
         )
         self.lease_ttl_s = lease_ttl_s
         self.leases = LeaseTable()

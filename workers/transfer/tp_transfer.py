@@ -56,6 +56,7 @@ from workers.transfer.tp_plan import heads_of_rank, plan_tp_transfer
 logger = logging.getLogger(__name__)
 
 REPORT_GRACE_S = 5.0  # past the deadline, how long rank 0 waits for a rank's report
+RANK_CALL_TIMEOUT_S = 60.0  # handing an op to the ranks waits for the step running now
 
 
 def rank_worker_id(worker_id: str, rank: int) -> str:
@@ -129,6 +130,19 @@ class RankReport:
 
 Dispatch = Callable[[RankOp], int]  # rank 0: write the op, broadcast it; its sequence number
 Collect = Callable[[int, Sequence[int], float], dict[int, RankReport]]  # seq, ranks, timeout_s
+
+
+def rank_channel(call_on_engine_thread: Callable, tp) -> tuple[Dispatch | None, Collect | None]:
+    """A worker's way to its engine's worker ranks: ``dispatch`` runs on the engine thread (the
+    control group's only user; ``EngineLoop.call_future``), ``collect`` on any. Both None for an
+    engine of one rank (``tp``: its ``TensorParallelWorkers``, or None)."""
+    if tp is None:
+        return None, None
+
+    def dispatch(op: RankOp) -> int:
+        return call_on_engine_thread(lambda e: tp.dispatch(op)).result(RANK_CALL_TIMEOUT_S)
+
+    return dispatch, tp.collect
 
 
 def open_config(role: str, worker_id: str, config: TransferConfig, generation: int = 0) -> RankOp:
@@ -536,6 +550,7 @@ __all__ = [
     "heads_of_rank",
     "model_layout",
     "open_config",
+    "rank_channel",
     "rank_worker_id",
     "run_pairs",
 ]
