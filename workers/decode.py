@@ -36,7 +36,9 @@ def worker_params(request: GenerateRequest) -> SamplingParams:
     return replace(SamplingParams(**request.sampling), stop=(), detokenize=False)
 
 
-def to_chunk(output: RequestOutput, extra_timing: dict[str, float] | None = None) -> TokenChunk:
+def to_chunk(
+    output: RequestOutput, extra_timing: dict[str, float] | None = None, worker_id: str | None = None
+) -> TokenChunk:
     logprobs = None
     if output.logprobs is not None:
         new = output.logprobs[len(output.logprobs) - len(output.new_token_ids) :]
@@ -51,6 +53,7 @@ def to_chunk(output: RequestOutput, extra_timing: dict[str, float] | None = None
         finish_reason=output.finish_reason,
         num_cached_tokens=output.num_cached_tokens,
         timing=timing,
+        worker_id=worker_id,
     )
 
 
@@ -75,7 +78,7 @@ class ColocatedWorker:
             self.stats.generated_tokens += len(output.new_token_ids)
             if output.finished:
                 self.stats.cached_prompt_tokens += output.num_cached_tokens
-            yield to_chunk(output)
+            yield to_chunk(output, worker_id=self.worker_id)
 
     async def shutdown(self) -> None:
         self.loop.shutdown()
@@ -172,7 +175,7 @@ class DecodeWorker(ColocatedWorker):
                     raise item
                 self.stats.generated_tokens += len(item.new_token_ids)
                 finished = item.finished
-                yield to_chunk(item, extra)
+                yield to_chunk(item, extra, self.worker_id)
                 if finished:
                     return
         finally:

@@ -326,3 +326,4 @@ class TokenChunk:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     timing: dict[str, float] | None = None  # set on the last chunk: per-request phases
+    worker_id: str | None = None  # the replica that produced it (the ingress knows whom it lost)

@@ -116,9 +116,12 @@ class WorkerCalls:
             return
         produced: list[int] = []
         attempt, current = 0, choice
+        serving: str | None = None  # the decode replica streaming now (its chunks name it)
         while True:
             try:
                 async for chunk in self._generate_once(current, allow_skip=attempt == 0):
+                    if chunk.worker_id is not None:
+                        serving = chunk.worker_id
                     if attempt:  # the continuation's cache hits cover tokens the client already has
                         chunk = dataclasses.replace(chunk, num_cached_tokens=0)
                     produced.extend(chunk.token_ids)
@@ -127,7 +130,7 @@ class WorkerCalls:
             except REPLICA_DEATHS as exc:
                 if not produced:
                     raise  # nothing went out yet: the prefill stage retries on its own
-                if attempt >= self.max_migrations or not await self._another_decode_replica():
+                if attempt >= self.max_migrations or not await self._another_decode_replica(serving):
                     self.failed_migrations += 1
                     raise DecodeMigrationError(
                         f"decode replica lost after {len(produced)} tokens and {attempt} migration(s) "
@@ -148,14 +151,20 @@ class WorkerCalls:
                 )
                 current = continuation(choice, produced, attempt, self.rehash)
 
-    async def _another_decode_replica(self) -> bool:
-        """Whether a decode replica besides the lost one may take the rest: the index lists at
-        least two live decode workers (the lost one's record lives until its heartbeat expires).
+    async def _another_decode_replica(self, lost: str | None) -> bool:
+        """Whether a decode replica besides ``lost`` may take the rest: the index lists a live
+        decode worker other than it. The lost one's record lives until its heartbeat expires,
+        which may be before or after Ray reports the replica dead (a lost host takes Ray
+        seconds to notice), so it is excluded by name; unnamed, two live records are needed.
         Without the index we cannot tell, and let Serve route the continuation."""
         if self.index is None:
             return True
         workers = await self.index.live_workers(role="decode")
-        return workers is None or len(workers) >= 2
+        if workers is None:
+            return True
+        if lost is None:
+            return len(workers) >= 2
+        return any(worker_id != lost for worker_id in workers)
 
     async def _generate_once(self, choice: GenerateRequest, allow_skip: bool) -> AsyncIterator[TokenChunk]:
         holder = await self._decode_holding_prompt(choice) if allow_skip else None

@@ -64,8 +64,9 @@ class _Remote:
 class _Stream:
     """A decode stream: yields ``tokens`` one per chunk, then dies if ``die`` (as a killed replica does)."""
 
-    def __init__(self, request_id, tokens, die):
+    def __init__(self, request_id, tokens, die, worker_id=None):
         self.request_id, self.tokens, self.die, self.cancelled = request_id, tokens, die, False
+        self.worker_id = worker_id
 
     def __aiter__(self):
         return self._run()
@@ -73,7 +74,13 @@ class _Stream:
     async def _run(self):
         for i, token in enumerate(self.tokens):
             last = i == len(self.tokens) - 1 and not self.die
-            yield TokenChunk(self.request_id, (token,), finish_reason="length" if last else None, num_cached_tokens=99)
+            yield TokenChunk(
+                self.request_id,
+                (token,),
+                finish_reason="length" if last else None,
+                num_cached_tokens=99,
+                worker_id=self.worker_id,
+            )
         if self.die:
             raise ray.exceptions.ActorDiedError()
 
@@ -83,10 +90,11 @@ class _Stream:
 
 class FakePools:
     """Prefill answers token 100 + len(prompt); decode replica k streams the next tokens of a
-    fixed script and dies after ``die_after[k]`` of them."""
+    fixed script and dies after ``die_after[k]`` of them; with ``named`` its chunks carry the
+    worker id ``d<k>``, as real decode replicas' chunks carry theirs."""
 
-    def __init__(self, script: list[int], die_after: list[int | None]):
-        self.script, self.die_after, self.calls = script, die_after, []
+    def __init__(self, script: list[int], die_after: list[int | None], named: bool = False):
+        self.script, self.die_after, self.calls, self.named = script, die_after, [], named
         self.prefill = type("P", (), {"prefill": _Remote(self._prefill)})()
         pools = self
 
@@ -114,15 +122,20 @@ class FakePools:
         end = start + choice.sampling["max_tokens"] - 1  # the rest of this choice's budget
         die = self.die_after[attempt] if attempt < len(self.die_after) else None
         tokens = self.script[start:end] if die is None else self.script[start : start + die]
-        return _Stream(choice.request_id, tokens, die is not None)
+        return _Stream(choice.request_id, tokens, die is not None, f"d{attempt}" if self.named else None)
 
 
 class FakeIndex:
-    def __init__(self, live: int | None):
+    """``live``: how many decode records (d0, d1, ...) are live, or the ids themselves."""
+
+    def __init__(self, live: int | list[str] | None):
         self.live = live
 
     async def live_workers(self, role=None):
-        return None if self.live is None else {f"d{i}": object() for i in range(self.live)}
+        if self.live is None:
+            return None
+        ids = self.live if isinstance(self.live, list) else [f"d{i}" for i in range(self.live)]
+        return {worker_id: object() for worker_id in ids}
 
     async def longest_prefix(self, hashes, role=None):
         return None
@@ -139,8 +152,8 @@ SCRIPT = list(range(200, 230))
 CHOICE = GenerateRequest("cmpl-x-0", (1, 2, 3), {"max_tokens": 20, "seed": 1}, None, ())
 
 
-def make(die_after, live=2, max_migrations=2) -> tuple[WorkerCalls, FakePools]:
-    pools = FakePools(SCRIPT, die_after)
+def make(die_after, live=2, max_migrations=2, named=False) -> tuple[WorkerCalls, FakePools]:
+    pools = FakePools(SCRIPT, die_after, named)
     calls = WorkerCalls(
         Mode.DISAGGREGATED,
         prefill=pools.prefill,
@@ -174,6 +187,19 @@ def test_more_deaths_than_max_migrations_end_with_an_error():
 
 def test_no_other_decode_replica_ends_with_an_error():
     calls, _ = make([3], live=1)
+    with pytest.raises(DecodeMigrationError, match="another decode replica: none"):
+        run(calls, CHOICE)
+    assert calls.migrations == 0
+
+
+def test_the_lost_replica_is_known_by_name_whether_or_not_its_record_expired():
+    # A lost host: Ray may notice after the lost replica's index record expired. Only the other
+    # replica's record is live then, and that is enough.
+    calls, _ = make([3], live=["d1"], named=True)
+    chunks = run(calls, CHOICE)
+    assert [t for c in chunks for t in c.token_ids] == SCRIPT[:20] and calls.migrations == 1
+    # The lost replica's own record is the only live one: nowhere to go.
+    calls, _ = make([3], live=["d0"], named=True)
     with pytest.raises(DecodeMigrationError, match="another decode replica: none"):
         run(calls, CHOICE)
     assert calls.migrations == 0
