@@ -146,6 +146,12 @@ class AutoscalingArgs(BaseModel):
     upscale_delay_s: float = Field(default=4.0, ge=0, description="a change that grows a pool must hold this long")
     downscale_delay_s: float = Field(default=30.0, ge=0, description="a change that only shrinks must hold this long")
     cooldown_s: float = Field(default=10.0, ge=0, description="no change this soon after the last one")
+    fill_budget: bool = Field(
+        default=True,
+        description="budget neither pool's own need asks for goes to the pool with the least covered need, while "
+        "that pool's need stays above its downscale threshold (the budget is GPUs held anyway); false: each pool "
+        "grows only past its own upper threshold",
+    )
     dashboard_url: str | None = Field(
         default=None,
         description="the Ray dashboard the autoscaler sets replica counts through (Serve's external-scaler "

@@ -47,9 +47,17 @@ The policy, per decision:
   down once count - 1 replicas would run below ``down_utilization`` of their targets), within its
   bounds; when the two exceed the budget, replicas go one by one to the pool whose need is
   least covered.
-- a proposed change is applied only once it has held for ``upscale_delay_s`` (growing) or
-  ``downscale_delay_s`` (only shrinking), and not while the last change is still landing
-  (replicas starting or stopping) or within ``cooldown_s`` of it: no oscillation.
+- budget left over after that (``fill_budget``, on by default: the budget is the GPUs the
+  deployment holds anyway) goes one replica at a time to the pool whose need is least covered,
+  as long as that pool would keep it: its need stays above ``down_utilization`` of the larger
+  count, so its own dead band would not take it back. A pool that shrinks then hands its
+  replicas to a loaded pool in the same change, instead of leaving them unused until the other
+  pool's need crosses its upper threshold (a 2026-12-02 benchmark run had prefill shrink 3 -> 1
+  at the start of an output-heavy phase and decode grow only 10 s later, after a cooldown).
+- a proposed change is applied only once it has held for ``upscale_delay_s`` (some pool grows,
+  by its own need or by taking budget another pool gives up) or ``downscale_delay_s`` (only
+  shrinking), and not while the last change is still landing (replicas starting or stopping) or
+  within ``cooldown_s`` of it: no oscillation.
 """
 
 from __future__ import annotations
@@ -83,6 +91,7 @@ class PolicyConfig:
     downscale_delay_s: float = 30.0
     cooldown_s: float = 10.0
     landing_timeout_s: float = 120.0  # a change not landed by then no longer holds decisions
+    fill_budget: bool = True  # budget neither pool wants goes to a pool that would keep it
 
 
 @dataclass(frozen=True)
@@ -178,6 +187,27 @@ def fit_budget(wanted: tuple[int, int], needs: tuple[float, float], config: Poli
     return counts[0], counts[1]
 
 
+def fill_budget(wanted: tuple[int, int], needs: tuple[float, float], config: PolicyConfig) -> tuple[int, int]:
+    """``wanted`` plus the budget it leaves, one replica at a time to the pool whose need is
+    least covered (need / count), while that pool would keep the replica: ``follow`` from the
+    larger count would not shrink it back (need above ``down_utilization`` of the larger count)."""
+    counts = list(wanted)
+    bounds = (config.prefill, config.decode)
+    while sum(counts) < config.max_total_replicas:
+        keepers = [
+            i
+            for i in (0, 1)
+            if counts[i] < bounds[i].max_replicas
+            and needs[i] > 0
+            and follow(counts[i] + 1, needs[i], bounds[i], config) > counts[i]
+        ]
+        if not keepers:
+            break
+        i = max(keepers, key=lambda k: (needs[k] / counts[k], -k))
+        counts[i] += 1
+    return counts[0], counts[1]
+
+
 def decide(
     prefill: PrefillSignals, decode: DecodeSignals, config: PolicyConfig, state: PolicyState, now: float
 ) -> Decision:
@@ -192,6 +222,8 @@ def decide(
         needs,
         config,
     )
+    if config.fill_budget:
+        wanted = fill_budget(wanted, needs, config)
 
     def keep(held: str | None, next_state: PolicyState) -> Decision:
         return Decision(current[0], current[1], False, needs[0], needs[1], next_state, held)

@@ -4,6 +4,8 @@ hysteresis and a load that shifts between the pools; its signals from replica st
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from pydantic import ValidationError
 
@@ -16,6 +18,7 @@ from deploy.pools.autoscaling import (
     decide,
     decode_need,
     describe,
+    fill_budget,
     fit_budget,
     follow,
     prefill_need,
@@ -122,6 +125,40 @@ def test_budget_goes_to_the_least_covered_need():
     assert fit_budget((3, 3), (6.0, 2.0), CONFIG) == (3, 1)  # prefill's need is 3x decode's
     assert fit_budget((3, 3), (2.0, 6.0), CONFIG) == (1, 3)
     assert fit_budget((3, 3), (4.0, 4.0), CONFIG) == (2, 2)  # equal needs split evenly
+
+
+def test_left_over_budget_goes_to_a_pool_that_would_keep_it():
+    # decode at 1.05 replicas' worth: not past its upper threshold (1.1), but a second replica
+    # would run at 52 %, above the 70 % x 1 it needs to keep it; a third would not be kept
+    assert fill_budget((1, 1), (0.08, 1.05), CONFIG) == (1, 2)
+    assert fill_budget((1, 1), (0.0, 0.0), CONFIG) == (1, 1)  # idle: nothing to fill
+    assert fill_budget((1, 1), (1.9, 1.6), CONFIG) == (2, 2)  # both keep one more: least covered first
+    assert fill_budget((1, 1), (2.5, 2.5), CONFIG) == (2, 2)  # the budget bounds the fill
+    assert fill_budget((1, 1), (9.0, 0.0), CONFIG) == (3, 1)  # and so does the pool's maximum
+
+
+def test_a_shrinking_pool_hands_its_replicas_to_a_loaded_one_after_the_upscale_delay():
+    # An output-heavy phase begins: prefill (3 replicas) has nothing queued, decode (1 replica)
+    # is busy but not past its upper threshold. Its KV usage spreads over its replicas.
+    p = lambda n: prefill(replicas=n[0], queued=0, rate=62.0)  # noqa: E731
+    d = lambda n: decode(replicas=n[1], running=22, kv=0.84 / n[1], tpot=0.03)  # noqa: E731
+
+    def changes(config):
+        counts, state, t, seen = (3, 1), PolicyState(), 0.0, []
+        while t <= 60.0:
+            decision = decide(p(counts), d(counts), config, state, t)
+            state = decision.state
+            if decision.changed:
+                counts = (decision.prefill, decision.decode)
+                seen.append((t, counts))
+            t += 2.0
+        return seen
+
+    # prefill's replica goes to decode in the same change, as soon as growing may (4 s), and it
+    # stays: decode at 2 would not shrink back
+    assert changes(CONFIG) == [(4.0, (1, 2))]
+    # without the fill: prefill shrinks after the downscale delay and the budget lies unused
+    assert changes(replace(CONFIG, fill_budget=False)) == [(20.0, (1, 1))]
 
 
 def test_decisions_never_exceed_the_budget_or_the_bounds():
