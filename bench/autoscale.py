@@ -340,11 +340,15 @@ def main(argv: list[str] | None = None) -> int:
     by_label = {r["label"]: r for r in report["runs"]}
     if "pd policy" in by_label and "static 2:2" in by_label and by_label["static 2:2"]["good"]:
         print(f"pd goodput / static goodput: {by_label['pd policy']['good'] / by_label['static 2:2']['good']:.2f}x")
-    if opts.png:
-        plot(runs, opts.png, opts.budget)
-        print(f"timeline: {opts.png} ({opts.png.stat().st_size // 1024} KB)")
-    if opts.json:
+    if opts.json:  # first: a run's figures outlive a failed plot
         opts.json.write_text(json.dumps(report, indent=2))
+    if opts.png:
+        try:
+            plot(runs, opts.png, opts.budget)
+        except ImportError as exc:
+            print(f"no timeline drawn ({exc}): pip install -e '.[bench]' installs matplotlib")
+        else:
+            print(f"timeline: {opts.png} ({opts.png.stat().st_size // 1024} KB)")
     return 0
 
 

@@ -578,7 +578,7 @@ def run_server(
         cmd = vllm_command(vllm_python, model, name, port, opts.max_model_len, opts.vllm_enforce_eager)
         env = vllm_env(os.environ, opts.cores, opts.vllm_kv_space_gib, opts.vllm_threads_bind)
     else:
-        cmd = pdserve_command(server, model, name, port, opts.max_model_len)
+        cmd = pdserve_command(server, model, name, port, opts.max_model_len) + list(opts.pdserve_arg)
         env = dict(os.environ)
     if not port_free(port):
         raise RuntimeError(f"port {port} is taken before {server} starts: stop whatever holds it")
@@ -651,6 +651,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-kv-space-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--vllm-threads-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND (default: 0-<cores-1>; nobind)")
     p.add_argument("--vllm-enforce-eager", action="store_true", help="vLLM without torch.compile")
+    p.add_argument(
+        "--pdserve-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for both pdserve servers' `pdserve up` (repeat it: --pdserve-arg=--compile)",
+    )
     p.add_argument("--venv", type=Path, default=default_cache() / "peer" / "vllm-venv")
     p.add_argument("--rebuild", action="store_true", help="rebuild vLLM's venv even when its marker is there")
     p.add_argument("--build-only", action="store_true")

@@ -356,7 +356,8 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         type=_positive_int,
         default=None,
         help="torch threads per engine replica (default: on a local CPU cluster, this "
-        "machine's cores split among the engine replicas; else max(1, floor(cpus-per-replica)))",
+        "machine's cores less one for the serving path, split among the engine replicas; else "
+        "max(1, floor(cpus-per-replica)))",
     )
     parser.add_argument(
         "--tp",
@@ -602,10 +603,20 @@ def _run_up(args: argparse.Namespace) -> int:
         local.stop()  # Ray first, then Redis: nothing is left that talks to the index
 
 
+# Cores `pdserve up` keeps from the engines on a local CPU cluster, for the serving path: every
+# token crosses the replica's event loop, Ray's streaming, the ingress and Serve's proxy, and an
+# engine's OpenMP threads spin between ops, so engines on every core starve that path (measured on
+# 2 cores, colocated SmolLM2: 2 engine threads ITL p50 138 ms and 285 ms at concurrency 1 and 8,
+# 1 thread 98 and 168 ms; BENCHMARKS.md). vLLM's CPU backend keeps cores back the same way
+# (VLLM_CPU_NUM_OF_RESERVED_CPU).
+SERVING_RESERVED_CORES = 1
+
+
 def _threads_per_replica(args: argparse.Namespace) -> int | None:
-    """Each engine rank's torch threads: as given; on a local CPU cluster this machine's cores split
-    among the engine ranks (prefill + decode, or colocated, times --tp), at least one each; else None
-    (each replica takes what its num_cpus grants)."""
+    """Each engine rank's torch threads: as given; on a local CPU cluster this machine's cores less
+    ``SERVING_RESERVED_CORES`` (when there are more) split among the engine ranks (prefill + decode,
+    or colocated, times --tp), at least one each; else None (each replica takes what its num_cpus
+    grants)."""
     if args.threads_per_replica is not None or args.ray_address or args.gpus_per_replica:
         return args.threads_per_replica
     if args.mode == "colocated":
@@ -616,7 +627,8 @@ def _threads_per_replica(args: argparse.Namespace) -> int | None:
         most_tp = args.tp if args.mode == "colocated" else max(_pool_tp(args, "prefill"), _pool_tp(args, "decode"))
         ranks = max(ranks, _most_replicas(args) * most_tp)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // ranks)  # per rank: every replica runs its pool's TP of them
+    engine_cores = max(1, cores - SERVING_RESERVED_CORES)
+    return max(1, engine_cores // ranks)  # per rank: every replica runs its pool's TP of them
 
 
 def _pool_tp(args: argparse.Namespace, pool: str) -> int:

@@ -1,4 +1,5 @@
-"""`pdserve up`'s default engine threads: the machine's cores split among the engine replicas."""
+"""`pdserve up`'s default engine threads: the machine's cores, less one for the serving path,
+split among the engine replicas."""
 
 from __future__ import annotations
 
@@ -24,12 +25,20 @@ def _args(**kw) -> argparse.Namespace:
     return argparse.Namespace(**{**base, **kw})
 
 
-def test_local_cpu_cluster_splits_the_cores(monkeypatch):
+def test_local_cpu_cluster_splits_the_cores_but_one(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
-    assert _threads_per_replica(_args()) == 4
+    assert _threads_per_replica(_args()) == 3  # 7 engine cores over 2 replicas
     assert _threads_per_replica(_args(prefill=2, decode=1)) == 2
-    assert _threads_per_replica(_args(mode="colocated")) == 8
+    assert _threads_per_replica(_args(mode="colocated")) == 7
     assert _threads_per_replica(_args(mode="colocated", colocated=16)) == 1  # at least one each
+
+
+def test_small_machines_keep_a_core_for_the_serving_path_while_they_can(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert _threads_per_replica(_args(mode="colocated")) == 1  # this VM: one engine core, one serving
+    assert _threads_per_replica(_args()) == 1  # two engines on one core: still one thread each
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert _threads_per_replica(_args(mode="colocated")) == 1  # one core: nothing to keep back
 
 
 def test_explicit_threads_and_remote_or_gpu_clusters_are_left_alone():
@@ -40,8 +49,8 @@ def test_explicit_threads_and_remote_or_gpu_clusters_are_left_alone():
 
 def test_tensor_parallel_ranks_count_as_engines(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
-    assert _threads_per_replica(_args(mode="colocated", tp=2)) == 4  # per rank
-    assert _threads_per_replica(_args(mode="colocated", colocated=2, tp=2)) == 2
+    assert _threads_per_replica(_args(mode="colocated", tp=2)) == 3  # per rank, 7 engine cores
+    assert _threads_per_replica(_args(mode="colocated", colocated=2, tp=2)) == 1
     assert _threads_per_replica(_args(mode="colocated", colocated=3, tp=4)) == 1  # at least one each
 
 
@@ -68,6 +77,6 @@ def test_up_tp_sets_every_pool_and_prefill_and_decode_may_differ(tiny_llama):
 
 def test_prefill_and_decode_ranks_split_the_cores(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
-    # 1 prefill replica x 2 ranks + 1 decode replica x 1 rank = 3 ranks on 8 cores
+    # 1 prefill replica x 2 ranks + 1 decode replica x 1 rank = 3 ranks on 7 engine cores
     assert _threads_per_replica(_args(prefill=1, decode=1, tp=1, prefill_tp=2, decode_tp=None)) == 2
     assert _threads_per_replica(_args(prefill=1, decode=2, tp=2)) == 1  # 2 + 4 ranks
