@@ -152,6 +152,11 @@ class AutoscalingArgs(BaseModel):
         "that pool's need stays above its downscale threshold (the budget is GPUs held anyway); false: each pool "
         "grows only past its own upper threshold",
     )
+    move_step: int = Field(
+        default=1,
+        ge=0,
+        description="with the budget full, replicas one change moves from one pool to the other (0: no limit)",
+    )
     dashboard_url: str | None = Field(
         default=None,
         description="the Ray dashboard the autoscaler sets replica counts through (Serve's external-scaler "

@@ -52,6 +52,7 @@ def policy_config(args: PDServeArgs) -> PolicyConfig:
         downscale_delay_s=a.downscale_delay_s,
         cooldown_s=a.cooldown_s,
         fill_budget=a.fill_budget,
+        move_step=a.move_step,
     )
 
 

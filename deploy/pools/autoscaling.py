@@ -54,6 +54,11 @@ The policy, per decision:
   replicas to a loaded pool in the same change, instead of leaving them unused until the other
   pool's need crosses its upper threshold (a 2026-12-02 benchmark run had prefill shrink 3 -> 1
   at the start of an output-heavy phase and decode grow only 10 s later, after a cooldown).
+- with the budget full, a change moves at most ``move_step`` replicas (default 1) from one pool
+  to the other: the needs are snapshots (decode's KV usage reads low until the next few
+  2048-token sequences land), and a benchmark run swung 3:1 -> 1:3 -> 2:2 -> 1:3 -> 3:1 within
+  two minutes, each move a replica stopping and another loading its model. A larger shift takes
+  one change per cooldown.
 - a proposed change is applied only once it has held for ``upscale_delay_s`` (some pool grows,
   by its own need or by taking budget another pool gives up) or ``downscale_delay_s`` (only
   shrinking), and not while the last change is still landing (replicas starting or stopping) or
@@ -92,6 +97,7 @@ class PolicyConfig:
     cooldown_s: float = 10.0
     landing_timeout_s: float = 120.0  # a change not landed by then no longer holds decisions
     fill_budget: bool = True  # budget neither pool wants goes to a pool that would keep it
+    move_step: int = 1  # with the budget full, replicas one change moves between the pools (0: any)
 
 
 @dataclass(frozen=True)
@@ -208,6 +214,17 @@ def fill_budget(wanted: tuple[int, int], needs: tuple[float, float], config: Pol
     return counts[0], counts[1]
 
 
+def limit_move(current: tuple[int, int], wanted: tuple[int, int], step: int) -> tuple[int, int]:
+    """``wanted`` with each pool's change cut to ``step`` replicas, never over ``current``'s total
+    (a pool that gives less leaves the other less to take)."""
+    counts = [min(max(w, c - step), c + step) for c, w in zip(current, wanted)]
+    for i in (0, 1):  # a grower takes no more than the budget the shrinker frees
+        excess = sum(counts) - max(sum(current), sum(wanted))
+        if excess > 0 and counts[i] > current[i]:
+            counts[i] -= min(excess, counts[i] - current[i])
+    return counts[0], counts[1]
+
+
 def decide(
     prefill: PrefillSignals, decode: DecodeSignals, config: PolicyConfig, state: PolicyState, now: float
 ) -> Decision:
@@ -224,6 +241,8 @@ def decide(
     )
     if config.fill_budget:
         wanted = fill_budget(wanted, needs, config)
+    if config.move_step and sum(current) >= config.max_total_replicas:
+        wanted = limit_move(current, wanted, config.move_step)
 
     def keep(held: str | None, next_state: PolicyState) -> Decision:
         return Decision(current[0], current[1], False, needs[0], needs[1], next_state, held)

@@ -85,7 +85,7 @@ def test_a_prefill_queue_behind_a_saturated_decode_pool_is_not_prefills_need():
         PolicyState(pending=(1, 3), pending_since=0.0),
         20.0,
     )
-    assert (decision.prefill, decision.decode, decision.changed) == (1, 3, True)
+    assert (decision.prefill, decision.decode, decision.changed) == (2, 2, True)  # one replica moves
     # a prefill pool with its KV free is not waiting on decode: its own queue still counts
     free = prefill(queued=30000, rate=400.0, held=0.1)
     assert prefill_need(free, CONFIG, decode_saturated=True) == pytest.approx(60.0)
@@ -154,11 +154,33 @@ def test_a_shrinking_pool_hands_its_replicas_to_a_loaded_one_after_the_upscale_d
             t += 2.0
         return seen
 
-    # prefill's replica goes to decode in the same change, as soon as growing may (4 s), and it
-    # stays: decode at 2 would not shrink back
-    assert changes(CONFIG) == [(4.0, (1, 2))]
+    # a prefill replica goes to decode in the same change, as soon as growing may (4 s; one
+    # replica moves while the budget is full), and it stays: decode at 2 would not shrink back.
+    # Prefill's last idle replica leaves after the downscale delay.
+    assert changes(CONFIG) == [(4.0, (2, 2)), (26.0, (1, 2))]
     # without the fill: prefill shrinks after the downscale delay and the budget lies unused
-    assert changes(replace(CONFIG, fill_budget=False)) == [(20.0, (1, 1))]
+    assert changes(replace(CONFIG, fill_budget=False)) == [(20.0, (2, 1)), (42.0, (1, 1))]
+
+
+def test_a_full_budget_moves_one_replica_per_change():
+    from deploy.pools.autoscaling import limit_move
+
+    assert limit_move((3, 1), (1, 3), 1) == (2, 2)
+    assert limit_move((1, 3), (3, 1), 1) == (2, 2)
+    assert limit_move((3, 1), (1, 2), 1) == (2, 2)  # the freed replica and the taken one
+    assert limit_move((2, 2), (1, 3), 1) == (1, 3)  # already one step
+    assert limit_move((3, 1), (1, 3), 2) == (1, 3)
+    # a pool that may give only one leaves the other only one to take, within the budget
+    assert limit_move((3, 1), (1, 3), 1) == (2, 2) and sum(limit_move((3, 2), (1, 4), 1)) <= 5
+    # unlimited (move_step 0): the policy moves the whole way at once
+    d = decide(
+        prefill(replicas=3, queued=30000, rate=400.0, held=0.7),
+        decode(replicas=1, running=90, waiting=10, kv=0.86, tpot=0.38),
+        replace(CONFIG, move_step=0),
+        PolicyState(pending=(1, 3), pending_since=0.0),
+        20.0,
+    )
+    assert (d.prefill, d.decode, d.changed) == (1, 3, True)
 
 
 def test_decisions_never_exceed_the_budget_or_the_bounds():
@@ -198,7 +220,7 @@ def test_no_change_while_the_last_one_lands_nor_within_the_cooldown():
     assert decide(landed, d, CONFIG, PolicyState(last_change=25.0), 30.0).held.startswith("cooldown")
     # a change that never lands stops holding decisions after landing_timeout_s
     late = decide(p, d, CONFIG, PolicyState(last_change=0.0, pending=(1, 3), pending_since=100.0), 130.0)
-    assert late.changed and (late.prefill, late.decode) == (1, 3)
+    assert late.changed and (late.prefill, late.decode) == (2, 2)  # towards (1, 3), one replica a change
 
 
 def test_noise_inside_the_dead_band_never_changes_anything():
@@ -240,11 +262,13 @@ def test_shifting_load_moves_replicas_between_the_pools_and_back():
                 counts = (decision.prefill, decision.decode)
                 seen.append(counts)
         seen.append(("end of phase", counts))
-    assert seen == [
+    assert seen == [  # each shift in two moves of one replica, a cooldown apart
         (3, 1),
         ("end of phase", (3, 1)),
+        (2, 2),
         (1, 3),
         ("end of phase", (1, 3)),
+        (2, 2),
         (3, 1),
         ("end of phase", (3, 1)),
     ]
