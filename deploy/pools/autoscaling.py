@@ -68,6 +68,7 @@ The policy, per decision:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 BLOCKED_BY_DECODE = 0.5  # prefill KV share held for decode beyond which prefill waits on decode
@@ -178,51 +179,49 @@ def follow(current: int, need: float, bounds: PoolBounds, config: PolicyConfig) 
     return min(max(wanted, bounds.min_replicas), bounds.max_replicas)
 
 
+def _to_least_covered(
+    counts: tuple[int, int], needs: tuple[float, float], budget: int, may_take: Callable[[int, int], bool]
+) -> tuple[int, int]:
+    """``counts`` grown one replica at a time, up to ``budget``, each to the pool whose need is
+    least covered (need / count; prefill on a tie) among those ``may_take(pool, its count)``."""
+    grown = list(counts)
+    while sum(grown) < budget:
+        takers = [i for i in (0, 1) if may_take(i, grown[i])]
+        if not takers:
+            break
+        i = max(takers, key=lambda k: (needs[k] / grown[k], -k))
+        grown[i] += 1
+    return grown[0], grown[1]
+
+
 def fit_budget(wanted: tuple[int, int], needs: tuple[float, float], config: PolicyConfig) -> tuple[int, int]:
     """Both wanted counts when they fit; else from the minimums, each next replica to the pool
     whose need is least covered (need / count), never past what the pool wants."""
     if sum(wanted) <= config.max_total_replicas:
         return wanted
-    counts = [config.prefill.min_replicas, config.decode.min_replicas]
-    while sum(counts) < config.max_total_replicas:
-        open_pools = [i for i in (0, 1) if counts[i] < wanted[i]]
-        if not open_pools:
-            break
-        i = max(open_pools, key=lambda k: (needs[k] / counts[k], -k))
-        counts[i] += 1
-    return counts[0], counts[1]
+    minimums = (config.prefill.min_replicas, config.decode.min_replicas)
+    return _to_least_covered(minimums, needs, config.max_total_replicas, lambda i, n: n < wanted[i])
 
 
 def fill_budget(wanted: tuple[int, int], needs: tuple[float, float], config: PolicyConfig) -> tuple[int, int]:
     """``wanted`` plus the budget it leaves, one replica at a time to the pool whose need is
     least covered (need / count), while that pool would keep the replica: ``follow`` from the
     larger count would not shrink it back (need above ``down_utilization`` of the larger count)."""
-    counts = list(wanted)
     bounds = (config.prefill, config.decode)
-    while sum(counts) < config.max_total_replicas:
-        keepers = [
-            i
-            for i in (0, 1)
-            if counts[i] < bounds[i].max_replicas
-            and needs[i] > 0
-            and follow(counts[i] + 1, needs[i], bounds[i], config) > counts[i]
-        ]
-        if not keepers:
-            break
-        i = max(keepers, key=lambda k: (needs[k] / counts[k], -k))
-        counts[i] += 1
-    return counts[0], counts[1]
+
+    def keeps(i: int, n: int) -> bool:
+        return n < bounds[i].max_replicas and needs[i] > 0 and follow(n + 1, needs[i], bounds[i], config) > n
+
+    return _to_least_covered(wanted, needs, config.max_total_replicas, keeps)
 
 
 def limit_move(current: tuple[int, int], wanted: tuple[int, int], step: int) -> tuple[int, int]:
-    """``wanted`` with each pool's change cut to ``step`` replicas, never over ``current``'s total
-    (a pool that gives less leaves the other less to take)."""
-    counts = [min(max(w, c - step), c + step) for c, w in zip(current, wanted)]
-    for i in (0, 1):  # a grower takes no more than the budget the shrinker frees
-        excess = sum(counts) - max(sum(current), sum(wanted))
-        if excess > 0 and counts[i] > current[i]:
-            counts[i] -= min(excess, counts[i] - current[i])
-    return counts[0], counts[1]
+    """``wanted`` with each pool's change cut to ``step`` replicas. The total never exceeds the
+    larger of ``current``'s and ``wanted``'s (so a change within the budget stays within it): with
+    one pool growing by G and the other shrinking by S, min(G, step) - min(S, step) is at most
+    max(G - S, 0)."""
+    p, d = (min(max(w, c - step), c + step) for c, w in zip(current, wanted))
+    return p, d
 
 
 def decide(
