@@ -116,8 +116,8 @@ class WorkerCalls:
             return
         produced: list[int] = []
         attempt, current = 0, choice
-        serving: str | None = None  # the decode replica streaming now (its chunks name it)
         while True:
+            serving: str | None = None  # this attempt's decode replica, once its chunks name it
             try:
                 async for chunk in self._generate_once(current, allow_skip=attempt == 0):
                     if chunk.worker_id is not None:

@@ -205,6 +205,16 @@ def test_the_lost_replica_is_known_by_name_whether_or_not_its_record_expired():
     assert calls.migrations == 0
 
 
+def test_a_continuation_lost_before_its_first_token_is_not_taken_for_the_first_replica():
+    # d0 dies after 3 tokens; the continuation (its prefill gave one more) loses d1 before d1
+    # names itself. Only d1's record is live: the lost replica is unknown, so one live record
+    # is not another replica (d0's name, left over from the first attempt, would have let it go).
+    calls, _ = make([3, 0, None], live=["d1"], named=True)
+    with pytest.raises(DecodeMigrationError, match="after 5 tokens and 1 migration"):
+        run(calls, CHOICE)
+    assert calls.migrations == 1
+
+
 def test_migration_off_ends_with_an_error():
     calls, _ = make([3], max_migrations=0)
     with pytest.raises(DecodeMigrationError):
