@@ -157,6 +157,12 @@ class AutoscalingArgs(BaseModel):
         ge=0,
         description="with the budget full, replicas one change moves from one pool to the other (0: no limit)",
     )
+    take_ratio: float = Field(
+        default=1.5,
+        ge=1.0,
+        description="over budget, a pool takes a replica the other pool's own need would keep only when its "
+        "need is at least this many times its replicas",
+    )
     dashboard_url: str | None = Field(
         default=None,
         description="the Ray dashboard the autoscaler sets replica counts through (Serve's external-scaler "

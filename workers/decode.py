@@ -133,6 +133,7 @@ class DecodeWorker(ColocatedWorker):
         self.stats.prompt_tokens += len(prompt)
         extra: dict[str, float] = {}
         pull: asyncio.Future | None = None
+        produced = 0
         try:
             reservation = await self.loop.call(
                 lambda e: e.reserve_remote_kv(rid, prompt, prefill.first_token_id, params, request.cache_salt)
@@ -174,7 +175,12 @@ class DecodeWorker(ColocatedWorker):
                 if isinstance(item, BaseException):
                     raise item
                 self.stats.generated_tokens += len(item.new_token_ids)
+                produced += len(item.new_token_ids)
                 finished = item.finished
+                if finished:
+                    self.stats.finished_seqs += 1
+                    self.stats.finished_output_tokens += produced + 1  # and prefill's first token
+                    self.stats.finished_max_tokens += params.max_tokens
                 yield to_chunk(item, extra, self.worker_id)
                 if finished:
                     return

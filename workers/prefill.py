@@ -110,6 +110,9 @@ class PrefillWorker:
         self.stats.requests += 1
         self.stats.prompt_tokens += len(request.prompt_token_ids)
         self.stats.cached_prompt_tokens += final.num_cached_tokens
+        if finish is None:
+            self.stats.handed_over += 1
+            self.stats.handed_over_max_tokens += params.max_tokens
         result = PrefillResult(
             request_id=rid,
             first_token_id=first,

@@ -70,6 +70,13 @@ class WorkerStats:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # served from this worker's own prefix cache
     generated_tokens: int = 0
+    # prefill: requests handed to decode and the max_tokens they asked for (decode's inflow);
+    # decode: sequences finished here, the tokens they produced and the max_tokens they asked for
+    handed_over: int = 0
+    handed_over_max_tokens: int = 0
+    finished_seqs: int = 0
+    finished_output_tokens: int = 0
+    finished_max_tokens: int = 0
     transfers: int = 0
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0

@@ -53,6 +53,7 @@ def policy_config(args: PDServeArgs) -> PolicyConfig:
         cooldown_s=a.cooldown_s,
         fill_budget=a.fill_budget,
         move_step=a.move_step,
+        take_ratio=a.take_ratio,
     )
 
 

@@ -41,12 +41,21 @@ The policy, per decision:
   blocks and prefill replicas hold half their KV or more for prompts decode has not taken, the
   queue term is dropped: that queue is decode's (a first benchmark run moved replicas to
   prefill that way and starved both pools).
-- decode need = replicas x max(TPOT / TPOT target, KV usage / KV target), scaled up by waiting /
-  running sequences when sequences wait for blocks.
+- decode need = the larger of what it holds and what its inflow will hold. Held: replicas x
+  max(TPOT / TPOT target, KV usage / KV target), scaled up by waiting / running sequences when
+  sequences wait for blocks. Inflow (Little's law): sequences prefill hands over per second x
+  their expected decode tokens x max(TPOT, its target) = sequences resident, x the blocks each
+  holds (prompt + half its output), over a replica's blocks at the KV target. The held KV alone
+  is a snapshot that lags: in a benchmark's prompt-heavy phase decode read 14 % used, gave a
+  replica to prefill, and 15 s later its one replica was full with 7 sequences waiting. Expected
+  decode tokens = the handed-over requests' ``max_tokens`` x the share of their ``max_tokens``
+  that finished sequences used (a chat request without ``max_tokens`` asks for all the context).
 - each pool's count follows its need with a dead band (up once need > count + ``up_tolerance``,
   down once count - 1 replicas would run below ``down_utilization`` of their targets), within its
-  bounds; when the two exceed the budget, replicas go one by one to the pool whose need is
-  least covered.
+  bounds; when the two exceed the budget, each pool keeps what its own dead band would keep
+  unless the other pool's need is ``take_ratio`` (1.5) times its count or more, and the rest go
+  one by one to the pool whose need is least covered: a pool 10 % over its count does not take
+  a replica the other pool needs 90 % of.
 - budget left over after that (``fill_budget``, on by default: the budget is the GPUs the
   deployment holds anyway) goes one replica at a time to the pool whose need is least covered,
   as long as that pool would keep it: its need stays above ``down_utilization`` of the larger
@@ -99,6 +108,7 @@ class PolicyConfig:
     landing_timeout_s: float = 120.0  # a change not landed by then no longer holds decisions
     fill_budget: bool = True  # budget neither pool wants goes to a pool that would keep it
     move_step: int = 1  # with the budget full, replicas one change moves between the pools (0: any)
+    take_ratio: float = 1.5  # a pool takes replicas the other would keep only when its need is this x its count
 
 
 @dataclass(frozen=True)
@@ -119,6 +129,13 @@ class DecodeSignals:
     waiting_seqs: int
     kv_usage: float  # mean over the pool's replicas, 0..1
     tpot_s: float | None  # recent time per output token of a running sequence; None: idle
+    # what prefill hands over (decode's inflow): sequences per second, recent; each one's expected
+    # decode tokens (its max_tokens x the share finished sequences used) and prompt tokens
+    inflow_seqs_per_s: float = 0.0
+    expected_output_tokens: float = 0.0
+    inflow_prompt_tokens: float = 0.0
+    blocks_per_replica: int = 0  # a decode replica's KV blocks
+    block_size: int = 16
 
 
 @dataclass(frozen=True)
@@ -154,6 +171,13 @@ def prefill_need(s: PrefillSignals, config: PolicyConfig, decode_saturated: bool
 
 
 def decode_need(s: DecodeSignals, config: PolicyConfig) -> float:
+    """The larger of what decode holds now (``held_need``) and what its inflow will hold
+    (``inflow_need``)."""
+    return max(held_need(s, config), inflow_need(s, config))
+
+
+def held_need(s: DecodeSignals, config: PolicyConfig) -> float:
+    """Replicas x max(TPOT / target, KV usage / target), scaled by waiting / running sequences."""
     if s.running_seqs == 0 and s.waiting_seqs == 0:
         return 0.0
     pressure = s.kv_usage / config.kv_usage_target
@@ -164,6 +188,20 @@ def decode_need(s: DecodeSignals, config: PolicyConfig) -> float:
     elif s.waiting_seqs:
         pressure = max(pressure, 1.0 + config.up_tolerance + 1e-9)  # nothing runs yet: at least one more
     return s.replicas * pressure
+
+
+def inflow_need(s: DecodeSignals, config: PolicyConfig) -> float:
+    """Replicas whose KV holds what prefill hands over, by Little's law: sequences resident =
+    arrivals/s x residency, residency = expected decode tokens x max(TPOT, its target) (a pool
+    sized for sequences that run at the target), each holding its prompt and, on average over
+    its stay, half its output; at ``kv_usage_target`` of a replica's blocks. It leads the held
+    KV: a 2048-token prompt handed over is 128 blocks a replica will hold, before it holds them."""
+    if s.inflow_seqs_per_s <= 0 or s.expected_output_tokens <= 0 or s.blocks_per_replica <= 0:
+        return 0.0
+    tpot = max(s.tpot_s or 0.0, config.tpot_target_s)
+    resident = s.inflow_seqs_per_s * s.expected_output_tokens * tpot
+    blocks = (s.inflow_prompt_tokens + s.expected_output_tokens / 2) / s.block_size + 1
+    return resident * blocks / (s.blocks_per_replica * config.kv_usage_target)
 
 
 def follow(current: int, need: float, bounds: PoolBounds, config: PolicyConfig) -> int:
@@ -194,13 +232,31 @@ def _to_least_covered(
     return grown[0], grown[1]
 
 
-def fit_budget(wanted: tuple[int, int], needs: tuple[float, float], config: PolicyConfig) -> tuple[int, int]:
-    """Both wanted counts when they fit; else from the minimums, each next replica to the pool
-    whose need is least covered (need / count), never past what the pool wants."""
+def fit_budget(
+    wanted: tuple[int, int],
+    needs: tuple[float, float],
+    config: PolicyConfig,
+    current: tuple[int, int] | None = None,
+) -> tuple[int, int]:
+    """Both wanted counts when they fit. Else each pool keeps what its own dead band keeps
+    (``min(current, wanted)``) unless the other pool is short by ``take_ratio`` (need at least
+    that many times its count): from there (from the minimums for a pool that keeps nothing, or
+    when ``current`` is None), each next replica to the pool whose need is least covered (need /
+    count), never past what the pool wants. Without the keep, a pool whose need read 0.9 of a
+    replica gave one of its two to a pool 10 % over its own: the needs are estimates, and on a
+    benchmark run the one replica left was full 15 s later."""
     if sum(wanted) <= config.max_total_replicas:
         return wanted
     minimums = (config.prefill.min_replicas, config.decode.min_replicas)
-    return _to_least_covered(minimums, needs, config.max_total_replicas, lambda i, n: n < wanted[i])
+    start = list(minimums)
+    if current is not None:
+        for i in (0, 1):
+            other = 1 - i
+            if needs[other] < config.take_ratio * max(1, current[other]):
+                start[i] = max(minimums[i], min(current[i], wanted[i]))
+    if sum(start) > config.max_total_replicas:
+        start = list(minimums)
+    return _to_least_covered((start[0], start[1]), needs, config.max_total_replicas, lambda i, n: n < wanted[i])
 
 
 def fill_budget(wanted: tuple[int, int], needs: tuple[float, float], config: PolicyConfig) -> tuple[int, int]:
@@ -237,6 +293,7 @@ def decide(
         ),
         needs,
         config,
+        current,
     )
     if config.fill_budget:
         wanted = fill_budget(wanted, needs, config)
@@ -277,6 +334,12 @@ def describe(decision: Decision, prefill: PrefillSignals, decode: DecodeSignals,
     """The operator's line for a change: new counts and the signals that caused them."""
     rate = prefill.tokens_per_s_per_replica
     tpot = "-" if decode.tpot_s is None else f"{decode.tpot_s * 1000:.0f} ms"
+    inflow = ""
+    if decode.inflow_seqs_per_s > 0:
+        inflow = (
+            f"inflow {decode.inflow_seqs_per_s:.2f} seq/s x {decode.expected_output_tokens:.0f} tokens "
+            f"(need {inflow_need(decode, config):.2f}), "
+        )
     return (
         f"prefill {prefill.replicas} -> {decision.prefill}, decode {decode.replicas} -> {decision.decode} "
         f"(budget {config.max_total_replicas}) | prefill: {prefill.queued_prompt_tokens} queued prompt tokens, "
@@ -284,5 +347,5 @@ def describe(decision: Decision, prefill: PrefillSignals, decode: DecodeSignals,
         f"{'prior ' if rate is None else ''}{rate or config.prefill_tokens_per_s:.0f} tok/s per replica, "
         f"need {decision.prefill_need:.2f} | decode: {decode.running_seqs} running, {decode.waiting_seqs} waiting, "
         f"KV {decode.kv_usage:.0%}, TPOT {tpot} (target {config.tpot_target_s * 1000:.0f} ms), "
-        f"need {decision.decode_need:.2f}"
+        f"{inflow}need {decision.decode_need:.2f}"
     )

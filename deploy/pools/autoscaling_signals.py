@@ -9,16 +9,23 @@ status`` shows) two samples at a time: rates are the counters' deltas over the i
 - decode: running and waiting sequences and KV usage as reported; TPOT = mean running
   sequences / generated tokens per second (each running sequence gains one token per step),
   per replica, weighted by running sequences.
+- decode's inflow: requests prefill handed over per second (smoothed), their mean
+  ``max_tokens`` (the latest interval that handed any over) x the share of ``max_tokens`` that
+  sequences finished on decode produced over the last ``USED_WINDOW`` reads (1 until any
+  finish), and prefill's mean prompt length; a decode replica's blocks.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from deploy.pools.autoscaling import DecodeSignals, PrefillSignals
 
 SMOOTHING = 0.5  # weight of the newest busy interval in tokens/s per replica
+INFLOW_SMOOTHING = 0.3  # weight of the newest interval in decode's inflow (sequences/s)
+USED_WINDOW = 30  # reads over which finished sequences' produced / max_tokens is summed
 
 
 @dataclass
@@ -29,6 +36,10 @@ class SignalReader:
     tokens_per_s_per_replica: float | None = None
     _previous: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
     _mean_prompt_tokens: float = 0.0
+    _inflow: float = 0.0
+    _max_tokens: float = 0.0  # mean max_tokens of the requests handed over, latest interval with any
+    _used: deque = field(default_factory=lambda: deque(maxlen=USED_WINDOW))  # (produced, max_tokens)
+    _blocks_per_replica: int = 0
 
     def read(
         self,
@@ -40,17 +51,47 @@ class SignalReader:
     ) -> tuple[PrefillSignals, DecodeSignals]:
         live_p = [r for r in prefill if r.get("healthy")]
         live_d = [r for r in decode if r.get("healthy")]
+        self._read_inflow(now, live_p, live_d)
         p = self._prefill(now, live_p, prefill_target)
         d = self._decode(now, live_d, decode_target)
         self._previous = {r["worker_id"]: (now, r) for r in live_p + live_d}
         return p, d
 
     def _delta(self, now: float, r: dict[str, Any], key: str) -> tuple[float, float] | None:
-        """(counter delta, seconds) since this replica's previous sample; None for a new replica."""
+        """(counter delta, seconds) since this replica's previous sample; None for a new replica.
+        A counter a replica does not report counts as 0."""
         prev = self._previous.get(r["worker_id"])
         if prev is None or now <= prev[0]:
             return None
-        return r[key] - prev[1][key], now - prev[0]
+        return r.get(key, 0) - prev[1].get(key, 0), now - prev[0]
+
+    def _sum_deltas(self, now: float, replicas: list[dict[str, Any]], key: str) -> tuple[float, float]:
+        """(sum of the replicas' deltas, the longest interval) over those sampled before."""
+        total = seconds = 0.0
+        for r in replicas:
+            d = self._delta(now, r, key)
+            if d is not None:
+                total += d[0]
+                seconds = max(seconds, d[1])
+        return total, seconds
+
+    def _read_inflow(self, now: float, prefill: list[dict[str, Any]], decode: list[dict[str, Any]]) -> None:
+        handed, seconds = self._sum_deltas(now, prefill, "handed_over")
+        if seconds:
+            self._inflow = INFLOW_SMOOTHING * handed / seconds + (1 - INFLOW_SMOOTHING) * self._inflow
+        if handed > 0:
+            self._max_tokens = self._sum_deltas(now, prefill, "handed_over_max_tokens")[0] / handed
+        produced = self._sum_deltas(now, decode, "finished_output_tokens")[0]
+        asked = self._sum_deltas(now, decode, "finished_max_tokens")[0]
+        if asked > 0:
+            self._used.append((produced, asked))
+        if decode:
+            self._blocks_per_replica = round(sum(r["total_blocks"] for r in decode) / len(decode))
+
+    def used_share(self) -> float:
+        """Produced / max_tokens of the sequences finished over the window (1 until any finish)."""
+        asked = sum(a for _, a in self._used)
+        return min(1.0, sum(p for p, _ in self._used) / asked) if asked else 1.0
 
     def _prefill(self, now: float, replicas: list[dict[str, Any]], target: int) -> PrefillSignals:
         requests = prompt = computed = 0.0
@@ -109,4 +150,9 @@ class SignalReader:
             waiting_seqs=sum(r["num_waiting"] for r in replicas),
             kv_usage=sum(usage) / len(usage) if usage else 0.0,
             tpot_s=weighted_tpot / weight if weight else None,
+            inflow_seqs_per_s=self._inflow,
+            expected_output_tokens=self._max_tokens * self.used_share(),
+            inflow_prompt_tokens=self._mean_prompt_tokens,
+            blocks_per_replica=self._blocks_per_replica,
+            block_size=self.block_size,
         )

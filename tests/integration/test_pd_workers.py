@@ -65,6 +65,11 @@ async def test_disaggregated_output_matches_transformers(pd, tiny_llama):
         assert tokens == hf_greedy(tiny_llama, tuple(prompt))
     assert decode.stats.transfers == 3 and decode.stats.transfer_bytes > 0
     assert prefill.stats.transfers == 3
+    # the pd autoscaler's inflow counters: what prefill handed over and what decode finished
+    max_tokens = request("x", [1]).sampling["max_tokens"]
+    assert (prefill.stats.handed_over, prefill.stats.handed_over_max_tokens) == (3, 3 * max_tokens)
+    assert decode.stats.finished_seqs == 3 and decode.stats.finished_max_tokens == 3 * max_tokens
+    assert decode.stats.finished_output_tokens == sum(len(t) for t in results)
     await wait_idle(prefill)
 
 
@@ -110,6 +115,7 @@ async def test_request_that_ends_at_first_token_needs_no_decode(pd):
     prefill, _ = pd
     result = await prefill.prefill(request("z", [5, 6, 7], max_tokens=1))
     assert result.kv_handle is None and result.finish_reason == "length"
+    assert prefill.stats.handed_over == 0 and prefill.stats.requests == 1  # nothing for decode
     assert await prefill.loop.call(lambda e: e.num_held) == 0
 
 

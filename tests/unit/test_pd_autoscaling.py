@@ -21,6 +21,8 @@ from deploy.pools.autoscaling import (
     fill_budget,
     fit_budget,
     follow,
+    held_need,
+    inflow_need,
     prefill_need,
 )
 from deploy.pools.autoscaling_signals import SignalReader
@@ -101,6 +103,40 @@ def test_decode_need_follows_tpot_kv_and_waiting_sequences():
     assert follow(2, decode_need(decode(running=0, waiting=3), CONFIG), CONFIG.decode, CONFIG) == 3
 
 
+def _inflow(replicas=2, running=0, kv=0.0, tpot=None, rate=1.0, output=511.0, prompt=64.0) -> DecodeSignals:
+    return replace(
+        decode(replicas=replicas, running=running, kv=kv, tpot=tpot),
+        inflow_seqs_per_s=rate,
+        expected_output_tokens=output,
+        inflow_prompt_tokens=prompt,
+        blocks_per_replica=448,
+        block_size=16,
+    )
+
+
+def test_decode_need_counts_what_prefill_hands_over_before_decode_holds_it():
+    # an output-heavy phase begins: decode holds nothing yet, but 1 sequence/s of 64 + 511 tokens
+    # arrives. At the 50 ms target each stays 25.55 s: 25.55 sequences resident, each holding
+    # 64 + 255.5 tokens on average (21 blocks) of a replica's 448 at 80 %: 1.49 replicas
+    d = _inflow()
+    assert held_need(d, CONFIG) == 0.0
+    expected = 1.0 * 511 * 0.05 * ((64 + 255.5) / 16 + 1) / (448 * 0.8)
+    assert inflow_need(d, CONFIG) == pytest.approx(expected) and expected == pytest.approx(1.49, abs=0.01)
+    assert decode_need(d, CONFIG) == pytest.approx(expected)
+    assert follow(1, decode_need(d, CONFIG), CONFIG.decode, CONFIG) == 2  # one replica would not do
+    # a slower TPOT than the target: sequences stay longer
+    assert inflow_need(_inflow(tpot=0.1), CONFIG) == pytest.approx(2 * expected)
+    # a faster one does not shrink it below the target's
+    assert inflow_need(_inflow(tpot=0.01), CONFIG) == pytest.approx(expected)
+    # the larger of held and inflow
+    busy = _inflow(running=40, kv=0.9, tpot=0.05)
+    assert held_need(busy, CONFIG) == pytest.approx(2.25) and inflow_need(busy, CONFIG) < 2.25
+    assert decode_need(busy, CONFIG) == pytest.approx(2.25)
+    # nothing handed over, or nothing known about it: no inflow need
+    assert inflow_need(_inflow(rate=0.0), CONFIG) == 0.0
+    assert inflow_need(replace(_inflow(), blocks_per_replica=0), CONFIG) == 0.0
+
+
 # ------------------------------------------------------------------ dead band, bounds, budget
 @pytest.mark.parametrize(
     "need, wanted",
@@ -125,6 +161,37 @@ def test_budget_goes_to_the_least_covered_need():
     assert fit_budget((3, 3), (6.0, 2.0), CONFIG) == (3, 1)  # prefill's need is 3x decode's
     assert fit_budget((3, 3), (2.0, 6.0), CONFIG) == (1, 3)
     assert fit_budget((3, 3), (4.0, 4.0), CONFIG) == (2, 2)  # equal needs split evenly
+
+
+def test_over_budget_a_pool_keeps_what_its_own_need_keeps_unless_the_other_is_short():
+    # a benchmark run's round: prefill 10 % over its 2 replicas, decode at 0.9 of one. Before,
+    # the least-covered rule gave prefill decode's second replica (3:1); 15 s later decode's
+    # one replica was full with 7 sequences waiting
+    assert fit_budget((3, 3), (2.19, 0.9), CONFIG) == (3, 1)  # no current counts: from the minimums
+    assert fit_budget((3, 2), (2.19, 0.9), CONFIG, current=(2, 2)) == (2, 2)
+    # decode would shrink alone (need 0.6 <= 70 % of 1): it keeps only 1, prefill takes the other
+    assert fit_budget((3, 1), (2.19, 0.6), CONFIG, current=(2, 2)) == (3, 1)
+    # a pool short by take_ratio (8.16 on 1 replica) takes from one that would keep its 3
+    assert fit_budget((3, 3), (3.15, 8.16), CONFIG, current=(3, 1)) == (1, 3)
+    # 1.4x short is not enough: each keeps its own
+    assert fit_budget((3, 3), (3.15, 1.4), CONFIG, current=(3, 1)) == (3, 1)
+    # a full budget, prefill short: decode's keep does not stop it
+    decision = decide(
+        prefill(replicas=2, queued=3000, rate=2000.0),
+        decode(replicas=2, running=1, kv=0.9 * 0.8 / 2, tpot=0.01),
+        CONFIG,
+        PolicyState(pending=(3, 1), pending_since=0.0),
+        20.0,
+    )
+    assert (decision.prefill, decision.decode, decision.changed) == (3, 1, True)  # need 6 on 2
+
+
+def test_a_decode_pool_at_nine_tenths_of_a_replica_keeps_its_second_through_a_prompt_heavy_phase():
+    p = prefill(replicas=2, queued=0, rate=3510.0, per_replica=2000.0)  # need 2.19
+    d = decode(replicas=2, running=1, kv=0.9 * 0.8 / 2, tpot=0.02)  # need 0.9
+    decisions, _ = run(p, d, seconds=60)
+    assert not any(x.changed for x in decisions)
+    assert decisions[-1].prefill_need == pytest.approx(2.19, abs=0.01)
 
 
 def test_left_over_budget_goes_to_a_pool_that_would_keep_it():
@@ -331,6 +398,30 @@ def test_signals_come_from_two_samples_of_the_replicas_stats():
     assert p.queued_prompt_tokens == 2 * 2000 and p.held_kv_fraction == pytest.approx(0.5)
     assert d.tpot_s == pytest.approx(8 / 200.0)  # 8 running, 200 tokens/s
     assert (d.replicas, d.ready_replicas, d.running_seqs, d.kv_usage) == (2, 1, 8, 0.6)
+
+
+def test_decode_inflow_comes_from_prefills_hand_overs_and_decodes_finished_sequences():
+    reader = SignalReader(block_size=16)
+    p = lambda t, n, asked: [  # noqa: E731
+        _replica("p1", requests=n, prompt_tokens=64 * n, handed_over=n, handed_over_max_tokens=asked)
+    ]
+    d = lambda produced, asked: [  # noqa: E731
+        _replica("d1", total_blocks=448, finished_output_tokens=produced, finished_max_tokens=asked)
+    ]
+    reader.read(0.0, p(0, 0, 0), d(0, 0), 1, 1)
+    # 4 hand-overs in 2 s, each asking for 512 tokens; nothing finished yet: expect all 512
+    _, first = reader.read(2.0, p(2, 4, 2048), d(0, 0), 1, 1)
+    assert first.inflow_seqs_per_s == pytest.approx(0.3 * 2.0)  # smoothed from 0
+    assert first.expected_output_tokens == pytest.approx(512.0)
+    assert (first.inflow_prompt_tokens, first.blocks_per_replica, first.block_size) == (64.0, 448, 16)
+    # sequences finished having used a quarter of their max_tokens (a chat asking for the whole context)
+    _, second = reader.read(4.0, p(4, 8, 4096), d(256, 1024), 1, 1)
+    assert second.inflow_seqs_per_s == pytest.approx(0.3 * 2.0 + 0.7 * 0.6)
+    assert second.expected_output_tokens == pytest.approx(128.0)
+    # an interval with no hand-over keeps the last max_tokens, and the inflow decays
+    _, third = reader.read(6.0, p(6, 8, 4096), d(256, 1024), 1, 1)
+    assert third.expected_output_tokens == pytest.approx(128.0)
+    assert third.inflow_seqs_per_s == pytest.approx(0.7 * second.inflow_seqs_per_s)
 
 
 # ------------------------------------------------------------------ arguments
