@@ -15,6 +15,15 @@ TPOT target (the pd policy's own targets). Each pool's RUNNING replicas (``serve
 sampled every 2 s and drawn as a timeline (PNG, matplotlib: the ``bench`` extra); the pd
 policy's changes, with their signals, come from ``/v1/cluster/status``.
 The model is a generated random llama (``pdserve tiny-model``'s maker), 4 layers x 256.
+
+``--emulate-device``: on a CPU every replica shares the same cores, so a fourth replica adds KV
+memory and a share of the cores, not compute, and moving a replica between the pools moves
+almost nothing (the real runs in BENCHMARKS.md show it). With this flag each engine step lasts
+at least ``STEP + PREFILL_TOKEN x prefill tokens + CONTEXT_TOKEN x decode context tokens``
+seconds, the engine thread sleeping the rest (``emulated_step_s``), as each replica had an
+accelerator of its own: prefill time grows with its tokens, a decode step with the KV it reads.
+The model is then a 1-layer x 64 llama, whose own CPU time is small next to the emulated time.
+Everything else is real: Serve, the policy, the KV blocks, their transfers.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from bench.compare import bench_model  # noqa: E402
 from bench.serve import COMPLETIONS, RequestResult, send_request  # noqa: E402
 
 APP = "bench"
+EMULATED_DEVICE = (0.05, 0.0006, 0.000002)  # s per step, per prefill token, per decode context token
 
 
 @dataclass(frozen=True)
@@ -176,6 +186,7 @@ def app_args(kind: str, model: str, redis_url: str, opts) -> dict:
         "device": "cpu",
         "num_kv_blocks": opts.kv_blocks,
         "max_model_len": 2048 + 512,
+        "emulated_step_s": opts.emulate_device,
         "prefill": {**pool, "replicas": half},
         "decode": {**pool, "replicas": opts.budget - half},
     }
@@ -259,6 +270,17 @@ def main(argv: list[str] | None = None) -> int:
         help="KV blocks per replica (its memory: 12 output-heavy or 3 prompt-heavy sequences)",
     )
     ap.add_argument("--cpus-per-replica", type=float, default=0.5)
+    ap.add_argument(
+        "--emulate-device",
+        nargs="?",
+        const=",".join(map(str, EMULATED_DEVICE)),
+        default=None,
+        type=lambda v: tuple(float(x) for x in v.split(",")),
+        metavar="STEP,PREFILL_TOKEN,CONTEXT_TOKEN",
+        help="each engine step lasts at least this long, as on an accelerator per replica "
+        f"(default when given without a value: {','.join(map(str, EMULATED_DEVICE))} s: a prefill step 50 ms "
+        "+ 0.6 ms per token, a decode step 50 ms + 2 ms per 1000 context tokens it reads)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--png", type=Path, default=Path("autoscale.png"))
@@ -270,7 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.local import LocalCluster, find_free_port
     from workers.models.config import ModelConfig
 
-    model = str(bench_model(Path(".cache/bench-serve-llama")))
+    if opts.emulate_device is not None:
+        from workers.models.tiny import make_tiny_model
+
+        model = str(Path(".cache/bench-emulated-llama"))
+        if not (Path(model) / "config.json").is_file():
+            make_tiny_model(model, num_layers=1, hidden_size=64, vocab_size=1024, max_position_embeddings=4096)
+    else:
+        model = str(bench_model(Path(".cache/bench-serve-llama")))
     vocab = ModelConfig.from_dir(model).vocab_size
     port = find_free_port()
     runs: list[Run] = []
@@ -301,12 +330,15 @@ def main(argv: list[str] | None = None) -> int:
         "budget": opts.budget,
         "ttft_target_s": opts.ttft_s,
         "tpot_target_s": opts.tpot_s,
+        "emulated_step_s": opts.emulate_device,
         "load_average": load,
         "runs": [],
     }
     print(
         f"\n{opts.workload} workload, budget {opts.budget}, TTFT target {opts.ttft_s:g} s, "
-        f"TPOT target {opts.tpot_s * 1000:g} ms; load average (1/5/15 min) before and after each run: "
+        f"TPOT target {opts.tpot_s * 1000:g} ms"
+        + (f"; emulated device {opts.emulate_device}" if opts.emulate_device else "; real CPU compute")
+        + "; load average (1/5/15 min) before and after each run: "
         + "; ".join("/".join(f"{x:.1f}" for x in la) for la in load)
     )
     header = f"{'config':<24}{'requests':>9}{'good':>6}{'goodput':>9}{'good/s':>8}{'p90 TTFT':>10}{'p90 TPOT':>10}"

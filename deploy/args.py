@@ -227,6 +227,11 @@ class PDServeArgs(BaseModel):
         "(answer included), so the earlier turns' KV blocks are hits",
     )
     redis_url: str | None = Field(default=None, description="Redis for the prefix index; None: route by load")
+    emulated_step_s: tuple[float, float, float] | None = Field(
+        default=None,
+        description="benchmarks only: (s per step, per prefill token, per decode context token) each engine step "
+        "lasts at least, as an accelerator's would (bench/autoscale.py --emulate-device); never for serving",
+    )
     model_key: str | None = Field(
         default=None,
         description="namespaces block hashes and the index; build_app derives it once from the model and passes "
@@ -393,6 +398,7 @@ class PDServeArgs(BaseModel):
             enforce_eager=self.enforce_eager,
             model_key=self.model_key,
             tensor_parallel_size=getattr(self, role).tensor_parallel_size,
+            emulated_step_s=self.emulated_step_s,
         )
 
 

@@ -9,8 +9,8 @@ status`` shows) two samples at a time: rates are the counters' deltas over the i
 - decode: running and waiting sequences and KV usage as reported; TPOT = mean running
   sequences / generated tokens per second (each running sequence gains one token per step),
   per replica, weighted by running sequences.
-- decode's inflow: requests prefill handed over per second (smoothed), their mean
-  ``max_tokens`` (the latest interval that handed any over) x the share of ``max_tokens`` that
+- decode's inflow: requests prefill handed over per second and their ``max_tokens`` per
+  second (both smoothed alike; their ratio is the mean ``max_tokens``) x the share of ``max_tokens`` that
   sequences finished on decode produced over the last ``USED_WINDOW`` reads (1 until any
   finish), and prefill's mean prompt length; a decode replica's blocks.
 """
@@ -36,8 +36,9 @@ class SignalReader:
     tokens_per_s_per_replica: float | None = None
     _previous: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
     _mean_prompt_tokens: float = 0.0
-    _inflow: float = 0.0
-    _max_tokens: float = 0.0  # mean max_tokens of the requests handed over, latest interval with any
+    _inflow: float = 0.0  # hand-overs/s, smoothed
+    _inflow_tokens: float = 0.0  # their max_tokens/s, smoothed alike
+    _max_tokens: float = 0.0  # the two's ratio: mean max_tokens of recent hand-overs
     _used: deque = field(default_factory=lambda: deque(maxlen=USED_WINDOW))  # (produced, max_tokens)
     _blocks_per_replica: int = 0
 
@@ -78,9 +79,14 @@ class SignalReader:
     def _read_inflow(self, now: float, prefill: list[dict[str, Any]], decode: list[dict[str, Any]]) -> None:
         handed, seconds = self._sum_deltas(now, prefill, "handed_over")
         if seconds:
-            self._inflow = INFLOW_SMOOTHING * handed / seconds + (1 - INFLOW_SMOOTHING) * self._inflow
-        if handed > 0:
-            self._max_tokens = self._sum_deltas(now, prefill, "handed_over_max_tokens")[0] / handed
+            asked = self._sum_deltas(now, prefill, "handed_over_max_tokens")[0]
+            a = INFLOW_SMOOTHING
+            self._inflow = a * handed / seconds + (1 - a) * self._inflow
+            self._inflow_tokens = a * asked / seconds + (1 - a) * self._inflow_tokens
+        if self._inflow > 0:
+            # the two smoothed alike: their product with the arrival rate is the smoothed
+            # max_tokens/s, not this interval's max_tokens times a rate that lags a shift
+            self._max_tokens = self._inflow_tokens / self._inflow
         produced = self._sum_deltas(now, decode, "finished_output_tokens")[0]
         asked = self._sum_deltas(now, decode, "finished_max_tokens")[0]
         if asked > 0:

@@ -131,3 +131,35 @@ def test_unknown_architecture_lists_supported(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
     with pytest.raises(ValueError, match="supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
         LLMEngine(str(tmp_path), load_progress=False)
+
+
+def test_an_emulated_device_pads_each_step_to_its_time_and_changes_no_token(tiny_llama, monkeypatch):
+    """bench/autoscale.py's emulated accelerator: a step sleeps until per step + per prefill token
+    + per decode context token seconds have passed since it began. The clock is the engine's, so
+    a fake one checks the arithmetic without timing anything."""
+    import workers.engine.engine as engine_module
+
+    prompt = random_prompts((40,), seed=8)
+    greedy = hf_greedy(tiny_llama, tuple(prompt[0]), 3)
+    slept: list[float] = []
+
+    class Clock:
+        now = 100.0
+
+        @staticmethod
+        def monotonic() -> float:
+            return Clock.now
+
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            slept.append(seconds)
+            Clock.now += seconds
+
+    monkeypatch.setattr(engine_module, "time", Clock)
+    eng = LLMEngine(tiny_llama, num_kv_blocks=64, load_progress=False, emulated_step_s=(0.01, 0.001, 0.0001))
+    out = eng.generate(prompt, SamplingParams(max_tokens=3, temperature=0.0))[0]
+    assert out.token_ids == greedy
+    # the prompt's step (40 prefill tokens), then two decodes reading 41 and 42 tokens
+    assert slept == pytest.approx([0.01 + 0.040, 0.01 + 0.0041, 0.01 + 0.0042])
+    with pytest.raises(ValueError, match="emulated_step_s"):
+        LLMEngine(tiny_llama, num_kv_blocks=64, load_progress=False, emulated_step_s=(0.01, -1.0, 0.0))

@@ -418,10 +418,17 @@ def test_decode_inflow_comes_from_prefills_hand_overs_and_decodes_finished_seque
     _, second = reader.read(4.0, p(4, 8, 4096), d(256, 1024), 1, 1)
     assert second.inflow_seqs_per_s == pytest.approx(0.3 * 2.0 + 0.7 * 0.6)
     assert second.expected_output_tokens == pytest.approx(128.0)
-    # an interval with no hand-over keeps the last max_tokens, and the inflow decays
+    # an interval with no hand-over: the inflow decays, its mean max_tokens stays
     _, third = reader.read(6.0, p(6, 8, 4096), d(256, 1024), 1, 1)
     assert third.expected_output_tokens == pytest.approx(128.0)
     assert third.inflow_seqs_per_s == pytest.approx(0.7 * second.inflow_seqs_per_s)
+    # a shift to 16-token requests moves max_tokens/s and hand-overs/s alike: the mean falls
+    # gradually, so rate x max_tokens is the smoothed max_tokens/s (not a lagging rate x 16)
+    _, fourth = reader.read(8.0, p(8, 12, 4096 + 64), d(256, 1024), 1, 1)
+    rate = 0.3 * 2.0 + 0.7 * third.inflow_seqs_per_s
+    tokens = 0.3 * 32.0 + 0.7 * (0.7 * (0.3 * 1024 + 0.7 * 0.3 * 1024))
+    assert fourth.inflow_seqs_per_s == pytest.approx(rate)
+    assert fourth.expected_output_tokens == pytest.approx(tokens / rate * 0.25)
 
 
 # ------------------------------------------------------------------ arguments

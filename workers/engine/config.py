@@ -36,6 +36,11 @@ class EngineConfig:
     # Ranks the model is split over (workers/engine/tensor_parallel.py): this process is rank 0,
     # ranks 1..N-1 are processes it starts. 1: the whole model here, no collectives.
     tensor_parallel_size: int = 1
+    # Benchmarks only: (seconds per step, per prefill token, per context token of a decode) that a
+    # step lasts at least; the engine thread sleeps the rest. On a CPU every replica shares the same
+    # cores, so a replica adds no compute; this stands in for an accelerator's step time (one per
+    # replica, independent of the others) in bench/autoscale.py's emulated runs. None: off.
+    emulated_step_s: tuple[float, float, float] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_dtype", KVCacheDType.parse(self.kv_cache_dtype))
@@ -62,6 +67,10 @@ class EngineConfig:
                 "must be batch sizes in [1, max_num_seqs]",
             ),
             "tensor_parallel_size": (self.tensor_parallel_size > 0, "must be positive"),
+            "emulated_step_s": (
+                self.emulated_step_s is None or (len(self.emulated_step_s) == 3 and min(self.emulated_step_s) >= 0),
+                "must be three non-negative numbers (per step, per prefill token, per decode context token)",
+            ),
         }
         for name, (ok, problem) in checks.items():
             if not ok:

@@ -412,10 +412,19 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.decodes and not out.prefills:
             return []
+        started = time.monotonic()
         if self.tensor_parallel:
             logits, sampled, prompt = self.tensor_parallel.execute(self.runner, out)  # every rank runs it
         else:
             logits, sampled, prompt = self.runner.execute(out)
+        if self.config.emulated_step_s is not None:
+            per_step, per_prefill_token, per_context_token = self.config.emulated_step_s
+            lasts = (
+                per_step
+                + per_prefill_token * sum(item.num_new_tokens for item in out.prefills)
+                + per_context_token * sum(item.seq.num_tokens for item in out.decodes)
+            )
+            time.sleep(max(0.0, started + lasts - time.monotonic()))
         for seq, first, scored in prompt:
             seq.prompt_logprobs[first + 1 :] = scored  # position p scores entry p + 1
         for item in out.decodes + out.prefills:
