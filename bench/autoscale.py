@@ -112,9 +112,28 @@ async def _sample(base: str, run: Run, start: float, stop: asyncio.Event) -> Non
                 pass
 
 
+def schedule(phases: list[Phase], seed: int, vocab: int) -> list[tuple[float, str, list[int], int]]:
+    """Every request of a run, drawn up front from ``seed``: (seconds from the start, phase,
+    prompt token ids, max_tokens). Each configuration gets the same list (drawing arrivals and
+    prompts while requests run would make the draws depend on the tasks' interleaving)."""
+    rng = random.Random(seed)
+    plan: list[tuple[float, str, list[int], int]] = []
+    phase_start = 0.0
+    for phase in phases:
+        t = phase_start
+        while True:
+            t += rng.expovariate(phase.rate)
+            if t >= phase_start + phase.seconds:
+                break
+            prompt_len, output_len = _request(phase, rng, vocab)
+            plan.append((t, phase.name, [rng.randrange(10, vocab - 10) for _ in range(prompt_len)], output_len))
+        phase_start += phase.seconds
+    return plan
+
+
 async def drive(base: str, model: str, phases: list[Phase], label: str, seed: int, vocab: int, timeout_s: float) -> Run:
     run = Run(label)
-    rng = random.Random(seed)
+    plan = schedule(phases, seed, vocab)
     stop = asyncio.Event()
     start = time.time()
     sampler = asyncio.create_task(_sample(base, run, start, stop))
@@ -122,8 +141,7 @@ async def drive(base: str, model: str, phases: list[Phase], label: str, seed: in
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=base, timeout=timeout_s, limits=limits) as client:
 
-        async def one(phase_name: str, prompt_len: int, output_len: int) -> None:
-            prompt = [rng.randrange(10, vocab - 10) for _ in range(prompt_len)]
+        async def one(phase_name: str, prompt: list[int], output_len: int) -> None:
             body = {
                 "model": model,
                 "prompt": prompt,
@@ -136,15 +154,14 @@ async def drive(base: str, model: str, phases: list[Phase], label: str, seed: in
             result = await send_request(client, COMPLETIONS, body, timeout_s)
             run.results.append((phase_name, result))
 
+        offset = 0.0
         for phase in phases:
-            run.phase_starts.append((time.time() - start, phase.name))
-            phase_end = time.time() + phase.seconds
-            while True:
-                await asyncio.sleep(rng.expovariate(phase.rate))
-                if time.time() >= phase_end:
-                    break
-                prompt_len, output_len = _request(phase, rng, vocab)
-                tasks.append(asyncio.create_task(one(phase.name, prompt_len, output_len)))
+            run.phase_starts.append((offset, phase.name))
+            offset += phase.seconds
+        for at, phase_name, prompt, output_len in plan:
+            await asyncio.sleep(max(0.0, start + at - time.time()))  # on the schedule, however late the loop
+            tasks.append(asyncio.create_task(one(phase_name, prompt, output_len)))
+        await asyncio.sleep(max(0.0, start + offset - time.time()))
         await asyncio.gather(*tasks)
     run.duration_s = time.time() - start
     stop.set()
