@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.unit.engine_helpers import MAX_NEW_TOKENS, hf_greedy, random_prompts
 from workers.engine import LLMEngine, SamplingParams
@@ -85,3 +86,29 @@ def test_identical_prompt_reuses_all_but_the_last_token(tiny_llama):
     assert b.num_cached_tokens == 48  # the last block is recomputed for its logits
     assert a.token_ids == b.token_ids
     engine.check_idle()
+
+
+def test_the_fp32_norm_is_one_op_and_bit_for_bit_transformers_arithmetic():
+    """RMSNorm runs ``F.rms_norm`` in fp32 (one op instead of six a norm, two norms a layer);
+    it must equal transformers' LlamaRMSNorm exactly, at model widths and q/k-norm head dims.
+    Other dtypes keep transformers' rounding (normalized, cast to the input dtype, then scaled)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from workers.models.llama import RMSNorm
+
+    torch.manual_seed(3)
+    for width in (64, 128, 256, 576, 4096):
+        ours, theirs = RMSNorm(width, 1e-5), LlamaRMSNorm(width, eps=1e-5)
+        with torch.no_grad():
+            ours.weight.copy_(torch.randn(width))
+            theirs.weight.copy_(ours.weight)
+        for shape in ((1, width), (37, width), (5, 4, width)):
+            x = torch.randn(*shape) * 3
+            assert torch.equal(ours(x), theirs(x))
+        half = RMSNorm(width, 1e-5).to(torch.bfloat16)
+        ref = LlamaRMSNorm(width, eps=1e-5).to(torch.bfloat16)
+        with torch.no_grad():
+            half.weight.copy_(ours.weight)
+            ref.weight.copy_(ours.weight)
+        x = torch.randn(9, width, dtype=torch.bfloat16)
+        assert torch.equal(half(x), ref(x))
