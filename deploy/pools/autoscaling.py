@@ -44,7 +44,7 @@ The policy, per decision:
 - decode need = the larger of what it holds and what its inflow will hold. Held: replicas x
   max(TPOT / TPOT target, KV usage / KV target), scaled up by waiting / running sequences when
   sequences wait for blocks. Inflow (Little's law): sequences prefill hands over per second x
-  their expected decode tokens x max(TPOT, its target) = sequences resident, x the blocks each
+  their expected decode tokens x decode's recent TPOT = sequences resident, x the blocks each
   holds (prompt + half its output), over a replica's blocks at the KV target. The held KV alone
   is a snapshot that lags: in a benchmark's prompt-heavy phase decode read 14 % used, gave a
   replica to prefill, and 15 s later its one replica was full with 7 sequences waiting. Expected
@@ -135,6 +135,7 @@ class DecodeSignals:
     expected_output_tokens: float = 0.0
     inflow_prompt_tokens: float = 0.0
     blocks_per_replica: int = 0  # a decode replica's KV blocks
+    residency_tpot_s: float | None = None  # decode's recent TPOT, kept while idle; None: never measured
     block_size: int = 16
 
 
@@ -192,14 +193,20 @@ def held_need(s: DecodeSignals, config: PolicyConfig) -> float:
 
 def inflow_need(s: DecodeSignals, config: PolicyConfig) -> float:
     """Replicas whose KV holds what prefill hands over, by Little's law: sequences resident =
-    arrivals/s x residency, residency = expected decode tokens x max(TPOT, its target) (a pool
-    sized for sequences that run at the target), each holding its prompt and, on average over
-    its stay, half its output; at ``kv_usage_target`` of a replica's blocks. It leads the held
-    KV: a 2048-token prompt handed over is 128 blocks a replica will hold, before it holds them."""
-    if s.inflow_seqs_per_s <= 0 or s.expected_output_tokens <= 0 or s.blocks_per_replica <= 0:
+    arrivals/s x residency, residency = expected decode tokens x decode's recent TPOT, each
+    holding its prompt and, on average over its stay, half its output; at ``kv_usage_target`` of
+    a replica's blocks. It leads the held KV: a 2048-token prompt handed over is 128 blocks a
+    replica will hold, before it holds them. The TPOT is the measured one, not the target: a
+    loose target (5 s a token) would size decode for sequences that stay 50x longer than they
+    do. Until decode has run anything there is no inflow need."""
+    if (
+        s.inflow_seqs_per_s <= 0
+        or s.expected_output_tokens <= 0
+        or s.blocks_per_replica <= 0
+        or s.residency_tpot_s is None
+    ):
         return 0.0
-    tpot = max(s.tpot_s or 0.0, config.tpot_target_s)
-    resident = s.inflow_seqs_per_s * s.expected_output_tokens * tpot
+    resident = s.inflow_seqs_per_s * s.expected_output_tokens * s.residency_tpot_s
     blocks = (s.inflow_prompt_tokens + s.expected_output_tokens / 2) / s.block_size + 1
     return resident * blocks / (s.blocks_per_replica * config.kv_usage_target)
 

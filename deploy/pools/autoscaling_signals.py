@@ -12,7 +12,8 @@ status`` shows) two samples at a time: rates are the counters' deltas over the i
 - decode's inflow: requests prefill handed over per second and their ``max_tokens`` per
   second (both smoothed alike; their ratio is the mean ``max_tokens``) x the share of ``max_tokens`` that
   sequences finished on decode produced over the last ``USED_WINDOW`` reads (1 until any
-  finish), and prefill's mean prompt length; a decode replica's blocks.
+  finish), and prefill's mean prompt length; a decode replica's blocks; decode's TPOT over intervals
+  that produced tokens, smoothed and kept while none do (how long a handed-over sequence stays).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class SignalReader:
     _max_tokens: float = 0.0  # the two's ratio: mean max_tokens of recent hand-overs
     _used: deque = field(default_factory=lambda: deque(maxlen=USED_WINDOW))  # (produced, max_tokens)
     _blocks_per_replica: int = 0
+    _tpot: float | None = None  # decode's TPOT, smoothed, kept while no sequence runs
 
     def read(
         self,
@@ -136,6 +138,7 @@ class SignalReader:
 
     def _decode(self, now: float, replicas: list[dict[str, Any]], target: int) -> DecodeSignals:
         weighted_tpot = weight = 0.0
+        flowing = flowing_weight = 0.0  # replicas that produced tokens: the residency's TPOT
         for r in replicas:
             d_gen = self._delta(now, r, "generated_tokens")
             if d_gen is None:
@@ -148,14 +151,22 @@ class SignalReader:
             tpot = running / tokens_per_s if tokens_per_s > 0 else d_gen[1]  # stalled: a whole interval
             weighted_tpot += tpot * running
             weight += running
+            if tokens_per_s > 0:
+                flowing += tpot * running
+                flowing_weight += running
         usage = [r["kv_usage"] for r in replicas]
+        tpot_now = weighted_tpot / weight if weight else None
+        if flowing_weight:  # a stalled or draining interval says nothing about how long sequences stay
+            a, tpot = INFLOW_SMOOTHING, flowing / flowing_weight
+            self._tpot = tpot if self._tpot is None else a * tpot + (1 - a) * self._tpot
         return DecodeSignals(
             replicas=target,
             ready_replicas=len(replicas),
             running_seqs=sum(r["num_running"] for r in replicas),
             waiting_seqs=sum(r["num_waiting"] for r in replicas),
             kv_usage=sum(usage) / len(usage) if usage else 0.0,
-            tpot_s=weighted_tpot / weight if weight else None,
+            tpot_s=tpot_now,
+            residency_tpot_s=self._tpot,
             inflow_seqs_per_s=self._inflow,
             expected_output_tokens=self._max_tokens * self.used_share(),
             inflow_prompt_tokens=self._mean_prompt_tokens,

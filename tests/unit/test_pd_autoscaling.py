@@ -103,7 +103,9 @@ def test_decode_need_follows_tpot_kv_and_waiting_sequences():
     assert follow(2, decode_need(decode(running=0, waiting=3), CONFIG), CONFIG.decode, CONFIG) == 3
 
 
-def _inflow(replicas=2, running=0, kv=0.0, tpot=None, rate=1.0, output=511.0, prompt=64.0) -> DecodeSignals:
+def _inflow(
+    replicas=2, running=0, kv=0.0, tpot=None, rate=1.0, output=511.0, prompt=64.0, residency=0.05
+) -> DecodeSignals:
     return replace(
         decode(replicas=replicas, running=running, kv=kv, tpot=tpot),
         inflow_seqs_per_s=rate,
@@ -111,30 +113,33 @@ def _inflow(replicas=2, running=0, kv=0.0, tpot=None, rate=1.0, output=511.0, pr
         inflow_prompt_tokens=prompt,
         blocks_per_replica=448,
         block_size=16,
+        residency_tpot_s=residency,
     )
 
 
 def test_decode_need_counts_what_prefill_hands_over_before_decode_holds_it():
-    # an output-heavy phase begins: decode holds nothing yet, but 1 sequence/s of 64 + 511 tokens
-    # arrives. At the 50 ms target each stays 25.55 s: 25.55 sequences resident, each holding
-    # 64 + 255.5 tokens on average (21 blocks) of a replica's 448 at 80 %: 1.49 replicas
+    # an output-heavy phase begins: decode holds nothing now, but 1 sequence/s of 64 + 511 tokens
+    # arrives. At decode's recent 50 ms a token each stays 25.55 s: 25.55 sequences resident,
+    # each holding 64 + 255.5 tokens on average (21 blocks) of a replica's 448 at 80 %: 1.49 replicas
     d = _inflow()
     assert held_need(d, CONFIG) == 0.0
     expected = 1.0 * 511 * 0.05 * ((64 + 255.5) / 16 + 1) / (448 * 0.8)
     assert inflow_need(d, CONFIG) == pytest.approx(expected) and expected == pytest.approx(1.49, abs=0.01)
     assert decode_need(d, CONFIG) == pytest.approx(expected)
     assert follow(1, decode_need(d, CONFIG), CONFIG.decode, CONFIG) == 2  # one replica would not do
-    # a slower TPOT than the target: sequences stay longer
-    assert inflow_need(_inflow(tpot=0.1), CONFIG) == pytest.approx(2 * expected)
-    # a faster one does not shrink it below the target's
-    assert inflow_need(_inflow(tpot=0.01), CONFIG) == pytest.approx(expected)
+    # residency follows decode's measured TPOT, not the target: twice as slow, twice the need
+    assert inflow_need(_inflow(residency=0.1), CONFIG) == pytest.approx(2 * expected)
+    assert inflow_need(_inflow(residency=0.01), CONFIG) == pytest.approx(expected / 5)
+    loose = replace(CONFIG, tpot_target_s=5.0)  # a loose target sizes nothing
+    assert inflow_need(_inflow(), loose) == pytest.approx(expected)
     # the larger of held and inflow
     busy = _inflow(running=40, kv=0.9, tpot=0.05)
     assert held_need(busy, CONFIG) == pytest.approx(2.25) and inflow_need(busy, CONFIG) < 2.25
     assert decode_need(busy, CONFIG) == pytest.approx(2.25)
-    # nothing handed over, or nothing known about it: no inflow need
+    # nothing handed over, nothing known about it, or decode never ran: no inflow need
     assert inflow_need(_inflow(rate=0.0), CONFIG) == 0.0
     assert inflow_need(replace(_inflow(), blocks_per_replica=0), CONFIG) == 0.0
+    assert inflow_need(_inflow(residency=None), CONFIG) == 0.0
 
 
 # ------------------------------------------------------------------ dead band, bounds, budget
@@ -398,6 +403,14 @@ def test_signals_come_from_two_samples_of_the_replicas_stats():
     assert p.queued_prompt_tokens == 2 * 2000 and p.held_kv_fraction == pytest.approx(0.5)
     assert d.tpot_s == pytest.approx(8 / 200.0)  # 8 running, 200 tokens/s
     assert (d.replicas, d.ready_replicas, d.running_seqs, d.kv_usage) == (2, 1, 8, 0.6)
+    assert first_d.residency_tpot_s is None and d.residency_tpot_s == pytest.approx(8 / 200.0)
+    # the running sequences end with no token counted (a stalled interval: its TPOT, the whole
+    # 2 s, is the held need's), then nothing runs: the residency keeps the last flowing TPOT
+    idle = [_replica("d1", generated_tokens=1400, num_running=0, kv_usage=0.0)]
+    _, d2 = reader.read(104.0, p1, idle, 1, 1)
+    assert d2.tpot_s == pytest.approx(2.0) and d2.residency_tpot_s == pytest.approx(8 / 200.0)
+    _, d3 = reader.read(106.0, p1, idle, 1, 1)
+    assert d3.tpot_s is None and d3.residency_tpot_s == pytest.approx(8 / 200.0)
 
 
 def test_decode_inflow_comes_from_prefills_hand_overs_and_decodes_finished_sequences():
