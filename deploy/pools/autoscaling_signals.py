@@ -25,7 +25,7 @@ from typing import Any
 from deploy.pools.autoscaling import DecodeSignals, PrefillSignals
 
 SMOOTHING = 0.5  # weight of the newest busy interval in tokens/s per replica
-INFLOW_SMOOTHING = 0.3  # weight of the newest interval in decode's inflow (sequences/s)
+INFLOW_SMOOTHING = 0.3  # weight of the newest interval in decode's inflow rates and residency TPOT
 USED_WINDOW = 30  # reads over which finished sequences' produced / max_tokens is summed
 
 
@@ -39,7 +39,6 @@ class SignalReader:
     _mean_prompt_tokens: float = 0.0
     _inflow: float = 0.0  # hand-overs/s, smoothed
     _inflow_tokens: float = 0.0  # their max_tokens/s, smoothed alike
-    _max_tokens: float = 0.0  # the two's ratio: mean max_tokens of recent hand-overs
     _used: deque = field(default_factory=lambda: deque(maxlen=USED_WINDOW))  # (produced, max_tokens)
     _blocks_per_replica: int = 0
     _tpot: float | None = None  # decode's TPOT, smoothed, kept while no sequence runs
@@ -85,16 +84,18 @@ class SignalReader:
             a = INFLOW_SMOOTHING
             self._inflow = a * handed / seconds + (1 - a) * self._inflow
             self._inflow_tokens = a * asked / seconds + (1 - a) * self._inflow_tokens
-        if self._inflow > 0:
-            # the two smoothed alike: their product with the arrival rate is the smoothed
-            # max_tokens/s, not this interval's max_tokens times a rate that lags a shift
-            self._max_tokens = self._inflow_tokens / self._inflow
         produced = self._sum_deltas(now, decode, "finished_output_tokens")[0]
         asked = self._sum_deltas(now, decode, "finished_max_tokens")[0]
         if asked > 0:
             self._used.append((produced, asked))
         if decode:
             self._blocks_per_replica = round(sum(r["total_blocks"] for r in decode) / len(decode))
+
+    def mean_max_tokens(self) -> float:
+        """Mean ``max_tokens`` of recent hand-overs: the two smoothed rates' ratio, so that times
+        the arrival rate it is the smoothed max_tokens/s, not one interval's max_tokens times a
+        rate that lags a shift."""
+        return self._inflow_tokens / self._inflow if self._inflow > 0 else 0.0
 
     def used_share(self) -> float:
         """Produced / max_tokens of the sequences finished over the window (1 until any finish)."""
@@ -168,7 +169,7 @@ class SignalReader:
             tpot_s=tpot_now,
             residency_tpot_s=self._tpot,
             inflow_seqs_per_s=self._inflow,
-            expected_output_tokens=self._max_tokens * self.used_share(),
+            expected_output_tokens=self.mean_max_tokens() * self.used_share(),
             inflow_prompt_tokens=self._mean_prompt_tokens,
             blocks_per_replica=self._blocks_per_replica,
             block_size=self.block_size,
