@@ -43,10 +43,27 @@ def complete(base: str, prompt, max_tokens: int = MAX_TOKENS, timeout: float = 1
     return httpx.post(f"{base}/v1/completions", json=body, timeout=timeout)
 
 
+def all_decode_pairs(base: str, wait_s: float = 30.0) -> list[dict]:
+    """The status's pair rows, read once every decode replica answers its stats call.
+
+    A pair's counters live on its decode replica, and the status leaves out the rows of a replica
+    whose stats call did not answer in time (a loaded machine): a read then would lose counters,
+    so it is read again until all answer, up to `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        status = httpx.get(f"{base}/v1/cluster/status", timeout=30).json()
+        decode = status["pools"].get("decode") or []
+        unread = {r.get("worker_id"): r.get("error") for r in decode if not r.get("healthy")}
+        if not unread:
+            return status["pairs"]
+        assert time.monotonic() < deadline, f"decode replicas' stats unreadable for {wait_s:.0f}s: {unread}"
+        time.sleep(0.5)
+
+
 def pair_totals(base: str, prefill_ids: set[str] | None = None) -> dict[str, int]:
     """Transfers, failures and recomputes over the prefill -> decode pairs (decode's counters),
     all of them or those of the prefill replicas `prefill_ids`."""
-    pairs = httpx.get(f"{base}/v1/cluster/status", timeout=30).json()["pairs"]
+    pairs = all_decode_pairs(base)
     pairs = [p for p in pairs if prefill_ids is None or p["prefill"] in prefill_ids]
     return {
         key: sum(p.get(key, 0) for p in pairs)
@@ -56,7 +73,7 @@ def pair_totals(base: str, prefill_ids: set[str] | None = None) -> dict[str, int
 
 def pair_rows(base: str, prefill_ids: set[str] | None = None) -> dict[tuple[str, str], dict]:
     """{(prefill id, decode id): that pair's counters} from the cluster status."""
-    pairs = httpx.get(f"{base}/v1/cluster/status", timeout=30).json()["pairs"]
+    pairs = all_decode_pairs(base)
     return {(p["prefill"], p["decode"]): p for p in pairs if prefill_ids is None or p["prefill"] in prefill_ids}
 
 
@@ -208,7 +225,8 @@ def test_prefill_link_down_during_transfers_recomputes_then_transfers_resume(app
     # Distinct prompts: every one needs a transfer. The clients go on until a cut has made a
     # transfer fail (or the prompts run out), so a cut that lands between transfers is tried again.
     prompts = random_prompts((300,) * 40, seed=63)
-    prefill_ids = replica_placement(testbed)["prefill"]
+    placement = replica_placement(testbed)
+    prefill_ids, decode_before = placement["prefill"], set(placement["decode"])
     host_ids = {host.ip: {rid for rid, ip in prefill_ids.items() if ip == host.ip} for host in testbed.role("prefill")}
     totals_before = {ip: pair_totals(app, ids) for ip, ids in host_ids.items()}
     rows_before = pair_rows(app)
@@ -282,6 +300,9 @@ def test_prefill_link_down_during_transfers_recomputes_then_transfers_resume(app
         assert text == expected_text(wide_tiny_model, prompts[i]), f"prompt {i} differs from transformers"
     in_flight = [i for i, (start, end, _, _) in results.items() if start < cut_at < end]
     assert in_flight, "no request was in flight when the link went down"
+    # The pair counters live on the decode replicas: a prefill host's link must not cost one.
+    decode_after = set(replica_placement(testbed)["decode"])
+    assert decode_after == decode_before, f"decode replicas replaced during the cut: {decode_before} -> {decode_after}"
     cut_ids = host_ids[cut.ip]
     before = totals_before[cut.ip]
     pairs_before = {key: pair for key, pair in rows_before.items() if key[0] in cut_ids}
