@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from workers.engine import LLMEngine, RequestOutput, SamplingParams
+from workers.engine.engine import KVReservation
 from workers.engine_loop import EngineLoop
 from workers.protocol import GenerateRequest, KVHandle, PrefillResult, TokenChunk, TokenLogprobs, TransferRequest
 from workers.transfer import KVTransferClient, KVTransferError, TransferConfig, Transport
@@ -29,6 +31,11 @@ from workers.worker_stats import WorkerStats
 logger = logging.getLogger(__name__)
 
 RELEASE_TIMEOUT_S = 5.0  # a release is advisory (the lease frees the blocks anyway)
+KV_WAIT_S = 30.0  # a handed-over prompt waits this long for KV room here before it is recomputed
+KV_WAIT_POLL_S = 0.02  # first retry of a waiting reservation; doubles up to KV_WAIT_MAX_POLL_S
+KV_WAIT_MAX_POLL_S = 0.2
+KV_WAIT_LEASE_MARGIN_S = 1.0  # extend the prefill worker's lease this long before it ends
+KV_WAIT_LEASE_EXTENSION_S = 10.0
 
 
 def worker_params(request: GenerateRequest) -> SamplingParams:
@@ -92,6 +99,7 @@ class DecodeWorker(ColocatedWorker):
         transfer_config: TransferConfig | None = None,
         on_step=None,
         control: ControlClient | None = None,
+        kv_wait_s: float | None = None,
     ) -> None:
         super().__init__(engine, worker_id, role="decode", on_step=on_step)
         self.transfer_config = transfer_config or TransferConfig()
@@ -118,6 +126,8 @@ class DecodeWorker(ColocatedWorker):
             self.tp_puller.identities += [r.address for r in reports if r.address is not None]
             logger.info("decode %s: %d tensor-parallel ranks receive KV", worker_id, len(self.tp_puller.identities))
         self._background: set[asyncio.Task] = set()
+        self.kv_wait_s = KV_WAIT_S if kv_wait_s is None else kv_wait_s
+        self._kv_waiters = asyncio.Lock()  # FIFO: prompts waiting for KV room take it in order
         self._receivers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-recv")
 
     async def generate(self, request: GenerateRequest, prefill: PrefillResult) -> AsyncIterator[TokenChunk]:
@@ -135,12 +145,13 @@ class DecodeWorker(ColocatedWorker):
         pull: asyncio.Future | None = None
         produced = 0
         try:
-            reservation = await self.loop.call(
-                lambda e: e.reserve_remote_kv(rid, prompt, prefill.first_token_id, params, request.cache_salt)
+            reservation, handle = await self._reserve(
+                handle, lambda e: e.reserve_remote_kv(rid, prompt, prefill.first_token_id, params, request.cache_salt)
             )
             if reservation is None:
-                # No room for the prompt now: queue it here as a recompute; blocks free up as
-                # other sequences finish. The prefill worker's copy is not needed.
+                # No room for the prompt within the wait (or never: it is larger than this
+                # worker's KV): queue it here as a recompute; blocks free up as other sequences
+                # finish. The prefill worker's copy is not needed.
                 self._release_remote(handle)
                 self.stats.recomputed_prefills += 1
                 self.stats.peer(handle.prefill_worker_id).recomputed_prefills += 1  # per-pair figures
@@ -197,6 +208,62 @@ class DecodeWorker(ColocatedWorker):
                     pull.add_done_callback(abort_after_pull)
                 else:
                     self.loop.abort(rid)
+
+    async def _reserve(self, handle: KVHandle, reserve) -> tuple[KVReservation | None, KVHandle]:
+        """The prompt's blocks, reserved (``reserve`` on the engine thread), and the handle with
+        its lease as extended. With no room now the request waits for room here, in arrival
+        order, up to ``kv_wait_s``, extending the prefill worker's lease on the prompt's blocks
+        while it waits: sequences finish and free blocks within seconds, while recomputing the
+        prompt here costs this worker a prefill, which stalls every sequence it decodes (under
+        the autoscaling benchmark's emulated device a 2048-token prompt makes one decode step
+        last 1.3 s instead of about 60 ms). None: no room by then, the lease could not be kept, or the prompt
+        can never fit (more blocks than this worker has); the caller recomputes."""
+        if not self._kv_waiters.locked():  # nobody waits: no queue to join
+            reservation = await self.loop.call(reserve)
+            if reservation is not None or self.kv_wait_s <= 0:
+                return reservation, handle
+        blocks = len(handle.block_ids)
+        if blocks > await self.loop.call(lambda e: e.block_manager.num_blocks):
+            return None, handle
+        give_up = time.monotonic() + self.kv_wait_s
+        poll = KV_WAIT_POLL_S
+        self.stats.kv_waits += 1
+        self.stats.kv_waiting += 1
+        try:
+            async with self._kv_waiters:
+                while True:
+                    reservation = await self.loop.call(reserve)
+                    if reservation is not None or time.monotonic() + poll > give_up:
+                        return reservation, handle
+                    if time.time() + poll + KV_WAIT_LEASE_MARGIN_S > handle.lease_expires_at:
+                        extended = await self._extend_lease(handle)
+                        if extended is None:
+                            return None, handle
+                        handle = extended
+                    await asyncio.sleep(poll)
+                    poll = min(poll * 2, KV_WAIT_MAX_POLL_S)
+        except asyncio.CancelledError:
+            self._release_remote(handle)  # the client left while waiting: the prefill copy can go
+            raise
+        finally:
+            self.stats.kv_waiting -= 1
+
+    async def _extend_lease(self, handle: KVHandle) -> KVHandle | None:
+        """``handle`` with the prefill worker's lease on its blocks extended, or None when that
+        worker cannot be asked (unreachable, or the lease already ended)."""
+        try:
+            left = await self.control.extend(
+                handle.address, handle.request_id, KV_WAIT_LEASE_EXTENSION_S, RELEASE_TIMEOUT_S
+            )
+        except KVTransferError as exc:
+            logger.info(
+                "request %s: lease on %s not extended while waiting for KV room: %s",
+                handle.request_id,
+                handle.prefill_worker_id,
+                exc,
+            )
+            return None
+        return replace(handle, lease_expires_at=time.time() + left)
 
     async def _pull(self, handle: KVHandle, reservation):
         loop = asyncio.get_running_loop()

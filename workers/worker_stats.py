@@ -83,6 +83,9 @@ class WorkerStats:
     transfer_failures: int = 0
     recomputed_prefills: int = 0
     leases_expired: int = 0
+    # decode: handed-over prompts that had to wait for KV room here, and those waiting now
+    kv_waits: int = 0
+    kv_waiting: int = 0
     # a tensor-parallel worker: bytes each rank moved (index = rank), summed over its transfers
     transfer_rank_bytes: list[int] = field(default_factory=list)
     # per peer worker id; a decode worker's peers are the prefill workers it pulls from
@@ -129,7 +132,7 @@ class WorkerStats:
             "free_blocks": state.num_free_blocks,
             "kv_usage": state.usage,
             "num_running": state.num_running,
-            "num_waiting": state.num_waiting,
+            "num_waiting": state.num_waiting + self.kv_waiting,  # queued in the engine or for KV room
             "num_held": state.num_held,
             "preemptions": state.preemptions,
             "prefix_queries": state.prefix_queries,

@@ -155,12 +155,14 @@ class _WorkerServer:
         }
         events = engine.take_events()
         worker = getattr(self, "worker", None)  # idle ticks can start before the worker is assigned
+        if worker is not None:  # a decode worker's prompts waiting for KV room wait here too
+            self._load["num_waiting"] += worker.stats.kv_waiting
         if worker is not None and self.metrics.due():
             self.metrics.refresh(worker.stats.snapshot(engine))
         if self.publisher is not None:
             if events:
                 self.publisher.submit(events)
-            self.publisher.set_load(state.num_free_blocks, state.num_running, state.num_waiting)
+            self.publisher.set_load(state.num_free_blocks, state.num_running, self._load["num_waiting"])
 
     async def record_routing_stats(self) -> dict:  # async: Serve runs a sync one on a new thread each second
         return dict(self._load)

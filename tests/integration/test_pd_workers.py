@@ -11,7 +11,7 @@ import pytest
 
 from kvstore.hashing import hash_prompt_blocks
 from tests.unit.engine_helpers import hf_greedy, random_prompts
-from workers.decode import DecodeWorker
+from workers.decode import DecodeWorker, worker_params
 from workers.engine import LLMEngine
 from workers.prefill import PrefillWorker
 from workers.protocol import GenerateRequest
@@ -175,4 +175,105 @@ async def test_32_concurrent_transfers_between_two_prefill_and_two_decode_worker
         for worker in (*prefills, *decodes):
             await wait_idle(worker)
             await worker.loop.call(lambda e: e.check_idle())
+            await worker.shutdown()
+
+
+@pytest.fixture
+async def small_decode(tiny_llama):
+    """A prefill worker with a short lease (0.5 s) and a decode worker with 8 KV blocks, so a
+    prompt can find no room on decode and wait past the lease it was handed."""
+    cfg = TransferConfig(transfer_timeout_s=5.0, connect_timeout_s=5.0)
+    prefill = PrefillWorker(
+        LLMEngine(tiny_llama, num_kv_blocks=64, load_progress=False), "prefill-0", cfg, lease_ttl_s=0.5
+    )
+    await prefill.start()
+    decode = DecodeWorker(LLMEngine(tiny_llama, num_kv_blocks=8, load_progress=False), "decode-0", cfg)
+    yield prefill, decode
+    for worker in (prefill, decode):
+        await worker.loop.call(lambda e: e.block_manager.check_idle())
+        await worker.shutdown()
+
+
+async def hog(decode: DecodeWorker, blocks: int) -> None:
+    """Take `blocks` of decode's KV for a request whose KV never arrives (until aborted)."""
+    prompt = random_prompts((blocks * 16 - 1,), seed=47)[0]
+    params = worker_params(request("hog", prompt))
+    assert await decode.loop.call(lambda e: e.reserve_remote_kv("hog", prompt, 1, params)) is not None
+
+
+async def collect(decode: DecodeWorker, req: GenerateRequest, result) -> list[int]:
+    tokens = [result.first_token_id]
+    async for chunk in decode.generate(req, result):
+        tokens.extend(chunk.token_ids)
+    return tokens
+
+
+async def test_a_prompt_with_no_room_on_decode_waits_for_it_keeping_the_prefill_lease(small_decode, tiny_llama):
+    prefill, decode = small_decode
+    await hog(decode, 6)  # 2 of 8 blocks left; the prompt below needs 4
+    prompt = random_prompts((50,), seed=48)[0]
+    req = request("w", prompt, max_tokens=8)
+    result = await prefill.prefill(req)
+    task = asyncio.create_task(collect(decode, req, result))
+    for _ in range(200):
+        if decode.stats.kv_waiting:
+            break
+        await asyncio.sleep(0.01)
+    assert decode.stats.kv_waiting == 1
+    snapshot = await decode.loop.call(lambda e: decode.stats.snapshot(e))
+    assert snapshot["num_waiting"] == 1  # the router and the autoscaler see it waiting
+    await asyncio.sleep(1.5)  # three times the prefill lease: decode must have extended it
+    assert not task.done() and prefill.stats.leases_expired == 0
+    assert await decode.loop.call(lambda e: e.abort("hog"))
+    tokens = await asyncio.wait_for(task, 30)
+    assert tokens == hf_greedy(tiny_llama, tuple(prompt), max_new_tokens=8)
+    assert decode.stats.kv_waits == 1 and decode.stats.kv_waiting == 0
+    assert decode.stats.transfers == 1 and decode.stats.recomputed_prefills == 0
+    await wait_idle(prefill)
+    await wait_idle(decode)
+
+
+async def test_a_prompt_still_without_room_when_its_wait_ends_is_recomputed(small_decode, tiny_llama):
+    prefill, decode = small_decode
+    decode.kv_wait_s = 0.3
+    await hog(decode, 5)  # 3 of 8 blocks left; the prompt below needs 4
+    prompt = random_prompts((50,), seed=49)[0]
+    req = request("r", prompt, max_tokens=8)
+    task = asyncio.create_task(collect(decode, req, await prefill.prefill(req)))
+    await asyncio.sleep(1.0)  # the wait is over: the prompt was queued here as a recompute
+    assert decode.stats.recomputed_prefills == 1 and decode.stats.kv_waiting == 0
+    assert await decode.loop.call(lambda e: e.abort("hog"))  # its blocks let the recompute run
+    tokens = await asyncio.wait_for(task, 30)
+    assert tokens == hf_greedy(tiny_llama, tuple(prompt), max_new_tokens=8)
+    assert decode.stats.transfers == 0
+    await wait_idle(prefill)
+    await wait_idle(decode)
+
+
+async def test_a_client_gone_while_its_prompt_waits_for_room_releases_the_prefill_copy(tiny_llama):
+    cfg = TransferConfig(transfer_timeout_s=5.0, connect_timeout_s=5.0)
+    prefill = PrefillWorker(
+        LLMEngine(tiny_llama, num_kv_blocks=64, load_progress=False), "prefill-0", cfg, lease_ttl_s=60.0
+    )
+    await prefill.start()
+    decode = DecodeWorker(LLMEngine(tiny_llama, num_kv_blocks=8, load_progress=False), "decode-0", cfg)
+    try:
+        await hog(decode, 6)
+        req = request("gone", random_prompts((50,), seed=50)[0], max_tokens=8)
+        task = asyncio.create_task(collect(decode, req, await prefill.prefill(req)))
+        for _ in range(200):
+            if decode.stats.kv_waiting:
+                break
+            await asyncio.sleep(0.01)
+        assert decode.stats.kv_waiting == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_idle(prefill)  # released at once: its 60 s lease would not have freed it yet
+        assert decode.stats.kv_waiting == 0 and prefill.stats.leases_expired == 0
+        assert await decode.loop.call(lambda e: e.abort("hog"))
+        await wait_idle(decode)
+    finally:
+        for worker in (prefill, decode):
+            await worker.loop.call(lambda e: e.block_manager.check_idle())
             await worker.shutdown()
