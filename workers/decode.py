@@ -148,6 +148,7 @@ class DecodeWorker(ColocatedWorker):
             reservation, handle = await self._reserve(
                 handle, lambda e: e.reserve_remote_kv(rid, prompt, prefill.first_token_id, params, request.cache_salt)
             )
+            held_since = time.monotonic()  # this worker holds the prompt's blocks (or queues it) from here
             if reservation is None:
                 # No room for the prompt within the wait (or never: it is larger than this
                 # worker's KV): queue it here as a recompute; blocks free up as other sequences
@@ -192,6 +193,7 @@ class DecodeWorker(ColocatedWorker):
                     self.stats.finished_seqs += 1
                     self.stats.finished_output_tokens += produced + 1  # and prefill's first token
                     self.stats.finished_max_tokens += params.max_tokens
+                    self.stats.finished_resident_s += time.monotonic() - held_since
                 yield to_chunk(item, extra, self.worker_id)
                 if finished:
                     return

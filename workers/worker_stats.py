@@ -77,6 +77,7 @@ class WorkerStats:
     finished_seqs: int = 0
     finished_output_tokens: int = 0
     finished_max_tokens: int = 0
+    finished_resident_s: float = 0.0  # decode: seconds finished sequences held KV here, summed
     transfers: int = 0
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0

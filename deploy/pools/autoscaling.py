@@ -44,7 +44,8 @@ The policy, per decision:
 - decode need = the larger of what it holds and what its inflow will hold. Held: replicas x
   max(TPOT / TPOT target, KV usage / KV target), scaled up by waiting / running sequences when
   sequences wait for blocks. Inflow (Little's law): sequences prefill hands over per second x
-  their expected decode tokens x decode's recent TPOT = sequences resident, x the blocks each
+  (their expected decode tokens x decode's recent TPOT + the measured overhead of a stay: its
+  pull, waits for a step) = sequences resident, x the blocks each
   holds (prompt + half its output), over a replica's blocks at the KV target. The held KV alone
   is a snapshot that lags: in a benchmark's prompt-heavy phase decode read 14 % used, gave a
   replica to prefill, and 15 s later its one replica was full with 7 sequences waiting. Expected
@@ -136,6 +137,9 @@ class DecodeSignals:
     inflow_prompt_tokens: float = 0.0
     blocks_per_replica: int = 0  # a decode replica's KV blocks
     residency_tpot_s: float | None = None  # decode's recent TPOT, kept while idle; None: never measured
+    # what a finished sequence held decode's KV beyond its tokens x TPOT (its pull, a wait in the
+    # engine's queue, a step that ran a prefill), recent mean
+    residency_overhead_s: float = 0.0
     block_size: int = 16
 
 
@@ -193,12 +197,15 @@ def held_need(s: DecodeSignals, config: PolicyConfig) -> float:
 
 def inflow_need(s: DecodeSignals, config: PolicyConfig) -> float:
     """Replicas whose KV holds what prefill hands over, by Little's law: sequences resident =
-    arrivals/s x residency, residency = expected decode tokens x decode's recent TPOT, each
-    holding its prompt and, on average over its stay, half its output; at ``kv_usage_target`` of
-    a replica's blocks. It leads the held KV: a 2048-token prompt handed over is 128 blocks a
-    replica will hold, before it holds them. The TPOT is the measured one, not the target: a
-    loose target (5 s a token) would size decode for sequences that stay 50x longer than they
-    do. Until decode has run anything there is no inflow need."""
+    arrivals/s x residency, residency = expected decode tokens x decode's recent TPOT + the
+    measured overhead of a stay, each holding its prompt and, on average over its stay, half its
+    output; at ``kv_usage_target`` of a replica's blocks. It leads the held KV: a 2048-token
+    prompt handed over is 128 blocks a replica will hold, before it holds them. The TPOT is the
+    measured one, not the target: a loose target (5 s a token) would size decode for sequences
+    that stay 50x longer than they do. The overhead matters for short outputs: in a benchmark's
+    prompt-heavy phase (16-token outputs) one decode replica read an inflow need of 0.61 from
+    tokens x TPOT while it was full, with two prompts waiting. Until decode has run anything
+    there is no inflow need."""
     if (
         s.inflow_seqs_per_s <= 0
         or s.expected_output_tokens <= 0
@@ -206,7 +213,7 @@ def inflow_need(s: DecodeSignals, config: PolicyConfig) -> float:
         or s.residency_tpot_s is None
     ):
         return 0.0
-    resident = s.inflow_seqs_per_s * s.expected_output_tokens * s.residency_tpot_s
+    resident = s.inflow_seqs_per_s * (s.expected_output_tokens * s.residency_tpot_s + s.residency_overhead_s)
     blocks = (s.inflow_prompt_tokens + s.expected_output_tokens / 2) / s.block_size + 1
     return resident * blocks / (s.blocks_per_replica * config.kv_usage_target)
 
@@ -345,7 +352,7 @@ def describe(decision: Decision, prefill: PrefillSignals, decode: DecodeSignals,
     if decode.inflow_seqs_per_s > 0:
         inflow = (
             f"inflow {decode.inflow_seqs_per_s:.2f} seq/s x {decode.expected_output_tokens:.0f} tokens "
-            f"(need {inflow_need(decode, config):.2f}), "
+            f"+ {decode.residency_overhead_s:.1f} s a stay (need {inflow_need(decode, config):.2f}), "
         )
     return (
         f"prefill {prefill.replicas} -> {decision.prefill}, decode {decode.replicas} -> {decision.decode} "

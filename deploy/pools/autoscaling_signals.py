@@ -13,7 +13,9 @@ status`` shows) two samples at a time: rates are the counters' deltas over the i
   second (both smoothed alike; their ratio is the mean ``max_tokens``) x the share of ``max_tokens`` that
   sequences finished on decode produced over the last ``USED_WINDOW`` reads (1 until any
   finish), and prefill's mean prompt length; a decode replica's blocks; decode's TPOT over intervals
-  that produced tokens, smoothed and kept while none do (how long a handed-over sequence stays).
+  that produced tokens, smoothed and kept while none do (how long a handed-over sequence stays,
+  per token), and the overhead of a stay: the seconds finished sequences held decode's KV over
+  the last ``USED_WINDOW`` reads, less their tokens x that TPOT, per sequence.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class SignalReader:
     _inflow: float = 0.0  # hand-overs/s, smoothed
     _inflow_tokens: float = 0.0  # their max_tokens/s, smoothed alike
     _used: deque = field(default_factory=lambda: deque(maxlen=USED_WINDOW))  # (produced, max_tokens)
+    # (sequences, their output tokens, seconds they held decode's KV), finished per read
+    _stays: deque = field(default_factory=lambda: deque(maxlen=USED_WINDOW))
     _blocks_per_replica: int = 0
     _tpot: float | None = None  # decode's TPOT, smoothed, kept while no sequence runs
 
@@ -88,6 +92,10 @@ class SignalReader:
         asked = self._sum_deltas(now, decode, "finished_max_tokens")[0]
         if asked > 0:
             self._used.append((produced, asked))
+        finished = self._sum_deltas(now, decode, "finished_seqs")[0]
+        if finished > 0:
+            held_s = self._sum_deltas(now, decode, "finished_resident_s")[0]
+            self._stays.append((finished, produced, held_s))
         if decode:
             self._blocks_per_replica = round(sum(r["total_blocks"] for r in decode) / len(decode))
 
@@ -96,6 +104,16 @@ class SignalReader:
         the arrival rate it is the smoothed max_tokens/s, not one interval's max_tokens times a
         rate that lags a shift."""
         return self._inflow_tokens / self._inflow if self._inflow > 0 else 0.0
+
+    def residency_overhead(self) -> float:
+        """Seconds a finished sequence held decode's KV beyond its tokens x the residency TPOT,
+        mean over the window (0 until a sequence finished and the TPOT is known)."""
+        seqs = sum(n for n, _, _ in self._stays)
+        if not seqs or self._tpot is None:
+            return 0.0
+        tokens = sum(t for _, t, _ in self._stays)
+        held_s = sum(h for _, _, h in self._stays)
+        return max(0.0, (held_s - tokens * self._tpot) / seqs)
 
     def used_share(self) -> float:
         """Produced / max_tokens of the sequences finished over the window (1 until any finish)."""
@@ -168,6 +186,7 @@ class SignalReader:
             kv_usage=sum(usage) / len(usage) if usage else 0.0,
             tpot_s=tpot_now,
             residency_tpot_s=self._tpot,
+            residency_overhead_s=self.residency_overhead(),
             inflow_seqs_per_s=self._inflow,
             expected_output_tokens=self.mean_max_tokens() * self.used_share(),
             inflow_prompt_tokens=self._mean_prompt_tokens,

@@ -70,6 +70,7 @@ async def test_disaggregated_output_matches_transformers(pd, tiny_llama):
     assert (prefill.stats.handed_over, prefill.stats.handed_over_max_tokens) == (3, 3 * max_tokens)
     assert decode.stats.finished_seqs == 3 and decode.stats.finished_max_tokens == 3 * max_tokens
     assert decode.stats.finished_output_tokens == sum(len(t) for t in results)
+    assert decode.stats.finished_resident_s > 0  # the seconds they held decode's KV, summed
     await wait_idle(prefill)
 
 

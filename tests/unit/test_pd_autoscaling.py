@@ -142,6 +142,23 @@ def test_decode_need_counts_what_prefill_hands_over_before_decode_holds_it():
     assert inflow_need(_inflow(residency=None), CONFIG) == 0.0
 
 
+def test_inflow_need_counts_a_stays_overhead_which_short_outputs_are_mostly_made_of():
+    # a prompt-heavy phase: 1.2 hand-overs/s of 2048-token prompts and 16 tokens each. At 33 ms a
+    # token a sequence would stay 0.53 s (0.61 replicas); its measured stay is 2.5 s longer (the
+    # pull, waits for a step), so 3.6 sequences of 129 blocks are resident: 1.3 replicas
+    short = replace(_inflow(rate=1.2, output=16.0, prompt=2048.0, residency=0.033))
+    blocks = (2048 + 8) / 16 + 1
+    assert inflow_need(short, CONFIG) == pytest.approx(1.2 * 16 * 0.033 * blocks / (448 * 0.8))
+    assert inflow_need(short, CONFIG) < 1.0
+    longer = replace(short, residency_overhead_s=2.5)
+    assert inflow_need(longer, CONFIG) == pytest.approx(1.2 * (16 * 0.033 + 2.5) * blocks / (448 * 0.8))
+    assert follow(1, decode_need(longer, CONFIG), CONFIG.decode, CONFIG) == 2
+    # for 511-token outputs the same overhead is a few percent
+    base = _inflow()
+    ratio = inflow_need(replace(base, residency_overhead_s=2.5), CONFIG) / inflow_need(base, CONFIG)
+    assert ratio == pytest.approx(1 + 2.5 / (511 * 0.05))
+
+
 # ------------------------------------------------------------------ dead band, bounds, budget
 @pytest.mark.parametrize(
     "need, wanted",
@@ -496,3 +513,34 @@ def test_status_table_shows_targets_signals_and_changes():
         "  10 s ago: prefill 2 -> 3, decode 2 -> 1 (budget 4) | ...",
     ]
     assert _autoscaling_lines(None, 100.0) == []
+
+
+def test_the_overhead_of_a_stay_is_what_finished_sequences_held_beyond_tokens_x_tpot():
+    reader = SignalReader(block_size=16)
+    d = lambda gen, running, seqs, out, held: [  # noqa: E731
+        _replica(
+            "d1",
+            total_blocks=448,
+            generated_tokens=gen,
+            num_running=running,
+            finished_seqs=seqs,
+            finished_output_tokens=out,
+            finished_max_tokens=16 * seqs,
+            finished_resident_s=held,
+        )
+    ]
+    p = [_replica("p1")]
+    reader.read(0.0, p, d(0, 2, 0, 0, 0.0), 1, 1)
+    # 2 running, 100 tokens in 2 s: 40 ms a token. 4 sequences of 16 tokens finished, having held
+    # KV 12 s together: 0.64 s of tokens each, 2.36 s more
+    _, first = reader.read(2.0, p, d(100, 2, 4, 64, 12.0), 1, 1)
+    assert first.residency_tpot_s == pytest.approx(0.04)
+    assert first.residency_overhead_s == pytest.approx((12.0 - 64 * 0.04) / 4)
+    # the window sums what finished: 4 more with no overhead halve the mean
+    _, second = reader.read(4.0, p, d(200, 2, 8, 128, 12.0 + 64 * 0.04), 1, 1)
+    assert second.residency_overhead_s == pytest.approx((12.0 - 64 * 0.04) / 8)
+    # a stay shorter than tokens x TPOT (the TPOT read high) is no negative overhead
+    fast = SignalReader(block_size=16)
+    fast.read(0.0, p, d(0, 2, 0, 0, 0.0), 1, 1)
+    _, none = fast.read(2.0, p, d(100, 2, 4, 64, 1.0), 1, 1)
+    assert none.residency_overhead_s == 0.0
