@@ -70,6 +70,11 @@ class WorkerStats:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # served from this worker's own prefix cache
     generated_tokens: int = 0
+    # prefill: requests that arrived (counted when they start, not when they finish) and their
+    # prompt tokens: what the pool is asked for, even while it cannot keep up
+    received: int = 0
+    received_prompt_tokens: int = 0
+    received_prompt_tokens_sq: int = 0  # their squares, summed: the lengths' spread
     # prefill: requests handed to decode and the max_tokens they asked for (decode's inflow);
     # decode: sequences finished here, the tokens they produced and the max_tokens they asked for
     handed_over: int = 0

@@ -9,6 +9,9 @@ status`` shows) two samples at a time: rates are the counters' deltas over the i
 - decode: running and waiting sequences and KV usage as reported; TPOT = mean running
   sequences / generated tokens per second (each running sequence gains one token per step),
   per replica, weighted by running sequences.
+- prefill's arrivals: requests (their prompt tokens, and the squares of those for the lengths'
+  spread) per second as they start on prefill, not as they finish, so that a saturated pool
+  still reads what it is asked for; smoothed alike.
 - decode's inflow: requests prefill handed over per second and their ``max_tokens`` per
   second (both smoothed alike; their ratio is the mean ``max_tokens``) x the share of ``max_tokens`` that
   sequences finished on decode produced over the last ``USED_WINDOW`` reads (1 until any
@@ -40,6 +43,9 @@ class SignalReader:
     _previous: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
     _mean_prompt_tokens: float = 0.0
     _inflow: float = 0.0  # hand-overs/s, smoothed
+    _arrivals: float = 0.0  # requests arriving at prefill per second, smoothed
+    _arrival_tokens: float = 0.0  # their prompt tokens per second, smoothed alike
+    _arrival_tokens_sq: float = 0.0  # the squares of their prompt lengths per second, alike
     _inflow_tokens: float = 0.0  # their max_tokens/s, smoothed alike
     _used: deque = field(default_factory=lambda: deque(maxlen=USED_WINDOW))  # (produced, max_tokens)
     # (sequences, their output tokens, seconds they held decode's KV), finished per read
@@ -84,6 +90,13 @@ class SignalReader:
     def _read_inflow(self, now: float, prefill: list[dict[str, Any]], decode: list[dict[str, Any]]) -> None:
         handed, seconds = self._sum_deltas(now, prefill, "handed_over")
         if seconds:
+            arrived = self._sum_deltas(now, prefill, "received")[0]
+            arrived_tokens = self._sum_deltas(now, prefill, "received_prompt_tokens")[0]
+            a = INFLOW_SMOOTHING
+            self._arrivals = a * arrived / seconds + (1 - a) * self._arrivals
+            self._arrival_tokens = a * arrived_tokens / seconds + (1 - a) * self._arrival_tokens
+            arrived_sq = self._sum_deltas(now, prefill, "received_prompt_tokens_sq")[0]
+            self._arrival_tokens_sq = a * arrived_sq / seconds + (1 - a) * self._arrival_tokens_sq
             asked = self._sum_deltas(now, prefill, "handed_over_max_tokens")[0]
             a = INFLOW_SMOOTHING
             self._inflow = a * handed / seconds + (1 - a) * self._inflow
@@ -104,6 +117,14 @@ class SignalReader:
         the arrival rate it is the smoothed max_tokens/s, not one interval's max_tokens times a
         rate that lags a shift."""
         return self._inflow_tokens / self._inflow if self._inflow > 0 else 0.0
+
+    def prompt_tokens_cv2(self) -> float:
+        """Squared coefficient of variation of recent prompt lengths (E[L²] / E[L]² - 1; 1, an
+        exponential spread, until any arrived)."""
+        if self._arrivals <= 0 or self._arrival_tokens <= 0:
+            return 1.0
+        mean = self._arrival_tokens / self._arrivals
+        return max(0.0, self._arrival_tokens_sq / self._arrivals / (mean * mean) - 1.0)
 
     def residency_overhead(self) -> float:
         """Seconds a finished sequence held decode's KV beyond its tokens x the residency TPOT,
@@ -153,6 +174,9 @@ class SignalReader:
             prompt_tokens_per_s=computed / seconds if seconds else 0.0,
             tokens_per_s_per_replica=self.tokens_per_s_per_replica,
             held_kv_fraction=min(1.0, held / capacity) if capacity else 0.0,
+            arrivals_per_s=self._arrivals,
+            mean_prompt_tokens=self._arrival_tokens / self._arrivals if self._arrivals > 0 else 0.0,
+            prompt_tokens_cv2=self.prompt_tokens_cv2(),
         )
 
     def _decode(self, now: float, replicas: list[dict[str, Any]], target: int) -> DecodeSignals:

@@ -18,12 +18,14 @@ from deploy.pools.autoscaling import (
     decide,
     decode_need,
     describe,
+    erlang_c,
     fill_budget,
     fit_budget,
     follow,
     held_need,
     inflow_need,
     prefill_need,
+    ttft_need,
 )
 from deploy.pools.autoscaling_signals import SignalReader
 
@@ -101,6 +103,37 @@ def test_decode_need_follows_tpot_kv_and_waiting_sequences():
     assert decode_need(decode(running=8, waiting=8, tpot=0.05), CONFIG) == pytest.approx(4.0)
     # nothing running, something waiting: at least one more replica
     assert follow(2, decode_need(decode(running=0, waiting=3), CONFIG), CONFIG.decode, CONFIG) == 3
+
+
+def test_erlang_c_matches_its_closed_forms():
+    assert erlang_c(1, 0.5) == pytest.approx(0.5)  # one server: the chance it is busy
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)  # 2 a^2 / ((2 - a)(2 + a)) at a = 1
+    assert erlang_c(2, 2.0) == 1.0 and erlang_c(3, 4.0) == 1.0  # overloaded: every arrival waits
+    assert erlang_c(100, 80.0) < erlang_c(10, 8.0)  # the same utilization, more servers: less waiting
+
+
+def test_prefill_is_sized_so_that_arrivals_wait_no_longer_than_the_ttft_allows():
+    # the benchmark's prompt-heavy phase: 1.2 prompts/s of 2048 tokens at 1600 tokens/s (1.28 s
+    # each), TTFT target 2 s. Keeping up at 80 % reads 1.92 replicas; but at 2 replicas 40 % of
+    # equal prompts wait longer than the 0.72 s left to them, at 3 replicas 5 %
+    service = 2048 / 1600
+    config = replace(CONFIG, ttft_target_s=2.0)
+    assert ttft_need(1.2, service, config, service_cv2=0.0) == 3.0
+    p = replace(prefill(rate=1.2 * 2048, per_replica=1600.0), arrivals_per_s=1.2, mean_prompt_tokens=2048.0)
+    assert 1.9 < 1.2 * 2048 / (1600 * 0.8) < 2.0  # the keep-up term alone
+    assert prefill_need(replace(p, prompt_tokens_cv2=0.0), config) == pytest.approx(3.0)
+    # lengths spread like an exponential wait twice as long: one more replica
+    assert ttft_need(1.2, service, config, service_cv2=1.0) == 4.0
+    # a lighter load, a looser target, nothing arriving
+    assert ttft_need(0.1, service, config, service_cv2=0.0) == 1.0
+    assert ttft_need(0.3, service, config, service_cv2=0.0) == 2.0  # 1 replica: 19 % would wait too long
+    assert ttft_need(1.2, service, replace(config, ttft_target_s=10.0), service_cv2=0.0) == 2.0
+    assert ttft_need(0.0, service, config) == 0.0
+    # a prompt alone takes longer than the target: no count meets it, the load at 80 % it is
+    assert ttft_need(1.2, 2.5, config) == pytest.approx(1.2 * 2.5 / 0.8)
+    # with decode saturated and prefill holding its KV, only what prefill computes counts
+    blocked = replace(p, held_kv_fraction=0.9, prompt_tokens_cv2=0.0)
+    assert prefill_need(blocked, config, decode_saturated=True) == pytest.approx(1.2 * 2048 / (1600 * 0.8))
 
 
 def _inflow(
@@ -544,3 +577,23 @@ def test_the_overhead_of_a_stay_is_what_finished_sequences_held_beyond_tokens_x_
     fast.read(0.0, p, d(0, 2, 0, 0, 0.0), 1, 1)
     _, none = fast.read(2.0, p, d(100, 2, 4, 64, 1.0), 1, 1)
     assert none.residency_overhead_s == 0.0
+
+
+def test_prefill_arrivals_count_requests_as_they_start_with_their_lengths_spread():
+    reader = SignalReader(block_size=16)
+    p = lambda n, tokens, sq: [  # noqa: E731
+        _replica("p1", received=n, received_prompt_tokens=tokens, received_prompt_tokens_sq=sq)
+    ]
+    d = [_replica("d1")]
+    first, _ = reader.read(0.0, p(0, 0, 0), d, 1, 1)
+    assert first.arrivals_per_s == 0.0 and first.prompt_tokens_cv2 == 1.0
+    # 2 s: 2 prompts of 2048 and 2 of 64 arrived (none finished: a saturated pool still reads them)
+    second, _ = reader.read(2.0, p(4, 2 * 2048 + 2 * 64, 2 * 2048**2 + 2 * 64**2), d, 1, 1)
+    assert second.arrivals_per_s == pytest.approx(0.3 * 2.0)
+    assert second.mean_prompt_tokens == pytest.approx(1056.0)
+    assert second.prompt_tokens_cv2 == pytest.approx((2048**2 + 64**2) / 2 / 1056**2 - 1)
+    # then 4 prompts of 64 tokens in 2 s: smoothed alike, the mean and the spread follow
+    third, _ = reader.read(4.0, p(8, 2 * 2048 + 6 * 64, 2 * 2048**2 + 6 * 64**2), d, 1, 1)
+    n, tokens, sq = 0.3 * 2.0 + 0.7 * 0.6, 0.3 * 128 + 0.7 * (0.3 * 2112), 0.3 * 8192 + 0.7 * (0.3 * 4198400)
+    assert third.arrivals_per_s == pytest.approx(n) and third.mean_prompt_tokens == pytest.approx(tokens / n)
+    assert third.prompt_tokens_cv2 == pytest.approx(sq / n / (tokens / n) ** 2 - 1)
