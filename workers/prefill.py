@@ -116,6 +116,9 @@ class PrefillWorker:
         if finish is None:
             self.stats.handed_over += 1
             self.stats.handed_over_max_tokens += params.max_tokens
+            self.stats.handed_over_prompt_tokens += len(request.prompt_token_ids)
+            self.stats.handed_over_prompt_x_max += len(request.prompt_token_ids) * params.max_tokens
+            self.stats.handed_over_max_sq += params.max_tokens**2
         result = PrefillResult(
             request_id=rid,
             first_token_id=first,

@@ -79,6 +79,12 @@ class WorkerStats:
     # decode: sequences finished here, the tokens they produced and the max_tokens they asked for
     handed_over: int = 0
     handed_over_max_tokens: int = 0
+    # ... their prompt tokens, and per request prompt x max_tokens and max_tokens², summed: the
+    # decode KV they will hold (a long prompt often comes with a short output: the means' product
+    # is not the product's mean)
+    handed_over_prompt_tokens: int = 0
+    handed_over_prompt_x_max: int = 0
+    handed_over_max_sq: int = 0
     finished_seqs: int = 0
     finished_output_tokens: int = 0
     finished_max_tokens: int = 0

@@ -148,6 +148,10 @@ class DecodeSignals:
     # what a finished sequence held decode's KV beyond its tokens x TPOT (its pull, a wait in the
     # engine's queue, a step that ran a prefill), recent mean
     residency_overhead_s: float = 0.0
+    # means over the hand-overs of prompt tokens x expected output tokens and of expected output
+    # tokens²; None: taken as independent (the products of the means)
+    inflow_prompt_x_output: float | None = None
+    inflow_output_sq: float | None = None
     block_size: int = 16
 
 
@@ -268,9 +272,16 @@ def inflow_need(s: DecodeSignals, config: PolicyConfig) -> float:
         or s.residency_tpot_s is None
     ):
         return 0.0
-    resident = s.inflow_seqs_per_s * (s.expected_output_tokens * s.residency_tpot_s + s.residency_overhead_s)
-    blocks = (s.inflow_prompt_tokens + s.expected_output_tokens / 2) / s.block_size + 1
-    return resident * blocks / (s.blocks_per_replica * config.kv_usage_target)
+    # Per sequence: stay x KV tokens held = (o x TPOT + overhead) x (p + o / 2 + a block), for
+    # prompt p and output o. Its mean needs E[p o] and E[o²], not E[p] E[o]: in a mix of long
+    # prompts with short outputs and short prompts with long outputs (a benchmark's steady mix,
+    # which 2 decode replicas served) the means' product put decode's need at 2.5 to 10 replicas.
+    p, o, bs = s.inflow_prompt_tokens, s.expected_output_tokens, s.block_size
+    p_o = p * o if s.inflow_prompt_x_output is None else s.inflow_prompt_x_output
+    o_sq = o * o if s.inflow_output_sq is None else s.inflow_output_sq
+    token_seconds = s.residency_tpot_s * (p_o + o_sq / 2 + bs * o) + s.residency_overhead_s * (p + o / 2 + bs)
+    blocks = s.inflow_seqs_per_s * token_seconds / bs
+    return blocks / (s.blocks_per_replica * config.kv_usage_target)
 
 
 def follow(current: int, need: float, bounds: PoolBounds, config: PolicyConfig) -> int:

@@ -32,6 +32,17 @@ from deploy.pools.autoscaling import DecodeSignals, PrefillSignals
 SMOOTHING = 0.5  # weight of the newest busy interval in tokens/s per replica
 INFLOW_SMOOTHING = 0.3  # weight of the newest interval in decode's inflow rates and residency TPOT
 USED_WINDOW = 30  # reads over which finished sequences' produced / max_tokens is summed
+# prefill's counters read as smoothed rates: arrivals (as requests start) and hand-overs to decode
+SMOOTHED = (
+    "received",
+    "received_prompt_tokens",
+    "received_prompt_tokens_sq",
+    "handed_over",
+    "handed_over_max_tokens",
+    "handed_over_prompt_tokens",
+    "handed_over_prompt_x_max",
+    "handed_over_max_sq",
+)
 
 
 @dataclass
@@ -42,11 +53,9 @@ class SignalReader:
     tokens_per_s_per_replica: float | None = None
     _previous: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
     _mean_prompt_tokens: float = 0.0
-    _inflow: float = 0.0  # hand-overs/s, smoothed
-    _arrivals: float = 0.0  # requests arriving at prefill per second, smoothed
-    _arrival_tokens: float = 0.0  # their prompt tokens per second, smoothed alike
-    _arrival_tokens_sq: float = 0.0  # the squares of their prompt lengths per second, alike
-    _inflow_tokens: float = 0.0  # their max_tokens/s, smoothed alike
+    # prefill's counters in SMOOTHED as per-second rates, each smoothed alike, so that their
+    # ratios are means over the same recent requests
+    _rates: dict[str, float] = field(default_factory=dict)
     _used: deque = field(default_factory=lambda: deque(maxlen=USED_WINDOW))  # (produced, max_tokens)
     # (sequences, their output tokens, seconds they held decode's KV), finished per read
     _stays: deque = field(default_factory=lambda: deque(maxlen=USED_WINDOW))
@@ -88,19 +97,12 @@ class SignalReader:
         return total, seconds
 
     def _read_inflow(self, now: float, prefill: list[dict[str, Any]], decode: list[dict[str, Any]]) -> None:
-        handed, seconds = self._sum_deltas(now, prefill, "handed_over")
+        seconds = self._sum_deltas(now, prefill, "handed_over")[1]
         if seconds:
-            arrived = self._sum_deltas(now, prefill, "received")[0]
-            arrived_tokens = self._sum_deltas(now, prefill, "received_prompt_tokens")[0]
             a = INFLOW_SMOOTHING
-            self._arrivals = a * arrived / seconds + (1 - a) * self._arrivals
-            self._arrival_tokens = a * arrived_tokens / seconds + (1 - a) * self._arrival_tokens
-            arrived_sq = self._sum_deltas(now, prefill, "received_prompt_tokens_sq")[0]
-            self._arrival_tokens_sq = a * arrived_sq / seconds + (1 - a) * self._arrival_tokens_sq
-            asked = self._sum_deltas(now, prefill, "handed_over_max_tokens")[0]
-            a = INFLOW_SMOOTHING
-            self._inflow = a * handed / seconds + (1 - a) * self._inflow
-            self._inflow_tokens = a * asked / seconds + (1 - a) * self._inflow_tokens
+            for key in SMOOTHED:
+                rate = self._sum_deltas(now, prefill, key)[0] / seconds
+                self._rates[key] = a * rate + (1 - a) * self._rates.get(key, 0.0)
         produced = self._sum_deltas(now, decode, "finished_output_tokens")[0]
         asked = self._sum_deltas(now, decode, "finished_max_tokens")[0]
         if asked > 0:
@@ -112,19 +114,28 @@ class SignalReader:
         if decode:
             self._blocks_per_replica = round(sum(r["total_blocks"] for r in decode) / len(decode))
 
+    def rate(self, key: str) -> float:
+        """A prefill counter's smoothed per-second rate (0 before any interval)."""
+        return self._rates.get(key, 0.0)
+
+    def per(self, key: str, per: str) -> float:
+        """Mean of ``key`` per ``per`` over recent requests: the two smoothed rates' ratio, so
+        that times the rate of ``per`` it is the smoothed rate of ``key``, not one interval's
+        mean times a rate that lags a shift (0 when nothing came)."""
+        base = self.rate(per)
+        return self.rate(key) / base if base > 0 else 0.0
+
     def mean_max_tokens(self) -> float:
-        """Mean ``max_tokens`` of recent hand-overs: the two smoothed rates' ratio, so that times
-        the arrival rate it is the smoothed max_tokens/s, not one interval's max_tokens times a
-        rate that lags a shift."""
-        return self._inflow_tokens / self._inflow if self._inflow > 0 else 0.0
+        """Mean ``max_tokens`` of recent hand-overs."""
+        return self.per("handed_over_max_tokens", "handed_over")
 
     def prompt_tokens_cv2(self) -> float:
         """Squared coefficient of variation of recent prompt lengths (E[L²] / E[L]² - 1; 1, an
         exponential spread, until any arrived)."""
-        if self._arrivals <= 0 or self._arrival_tokens <= 0:
+        mean = self.per("received_prompt_tokens", "received")
+        if mean <= 0:
             return 1.0
-        mean = self._arrival_tokens / self._arrivals
-        return max(0.0, self._arrival_tokens_sq / self._arrivals / (mean * mean) - 1.0)
+        return max(0.0, self.per("received_prompt_tokens_sq", "received") / (mean * mean) - 1.0)
 
     def residency_overhead(self) -> float:
         """Seconds a finished sequence held decode's KV beyond its tokens x the residency TPOT,
@@ -174,8 +185,8 @@ class SignalReader:
             prompt_tokens_per_s=computed / seconds if seconds else 0.0,
             tokens_per_s_per_replica=self.tokens_per_s_per_replica,
             held_kv_fraction=min(1.0, held / capacity) if capacity else 0.0,
-            arrivals_per_s=self._arrivals,
-            mean_prompt_tokens=self._arrival_tokens / self._arrivals if self._arrivals > 0 else 0.0,
+            arrivals_per_s=self.rate("received"),
+            mean_prompt_tokens=self.per("received_prompt_tokens", "received"),
             prompt_tokens_cv2=self.prompt_tokens_cv2(),
         )
 
@@ -202,6 +213,8 @@ class SignalReader:
         if flowing_weight:  # a stalled or draining interval says nothing about how long sequences stay
             a, tpot = INFLOW_SMOOTHING, flowing / flowing_weight
             self._tpot = tpot if self._tpot is None else a * tpot + (1 - a) * self._tpot
+        share = self.used_share()
+        prompt = self.per("handed_over_prompt_tokens", "handed_over")  # 0: a prefill without these counters
         return DecodeSignals(
             replicas=target,
             ready_replicas=len(replicas),
@@ -211,9 +224,11 @@ class SignalReader:
             tpot_s=tpot_now,
             residency_tpot_s=self._tpot,
             residency_overhead_s=self.residency_overhead(),
-            inflow_seqs_per_s=self._inflow,
-            expected_output_tokens=self.mean_max_tokens() * self.used_share(),
-            inflow_prompt_tokens=self._mean_prompt_tokens,
+            inflow_seqs_per_s=self.rate("handed_over"),
+            expected_output_tokens=self.mean_max_tokens() * share,
+            inflow_prompt_tokens=prompt or self._mean_prompt_tokens,
+            inflow_prompt_x_output=self.per("handed_over_prompt_x_max", "handed_over") * share if prompt else None,
+            inflow_output_sq=self.per("handed_over_max_sq", "handed_over") * share * share if prompt else None,
             blocks_per_replica=self._blocks_per_replica,
             block_size=self.block_size,
         )

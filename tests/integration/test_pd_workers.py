@@ -68,6 +68,12 @@ async def test_disaggregated_output_matches_transformers(pd, tiny_llama):
     # the pd autoscaler's inflow counters: what prefill handed over and what decode finished
     max_tokens = request("x", [1]).sampling["max_tokens"]
     assert (prefill.stats.handed_over, prefill.stats.handed_over_max_tokens) == (3, 3 * max_tokens)
+    lengths = [len(p) for p in prompts]
+    assert prefill.stats.handed_over_prompt_tokens == sum(lengths)
+    assert prefill.stats.handed_over_prompt_x_max == sum(lengths) * max_tokens
+    assert prefill.stats.handed_over_max_sq == 3 * max_tokens**2
+    assert (prefill.stats.received, prefill.stats.received_prompt_tokens) == (3, sum(lengths))
+    assert prefill.stats.received_prompt_tokens_sq == sum(n * n for n in lengths)
     assert decode.stats.finished_seqs == 3 and decode.stats.finished_max_tokens == 3 * max_tokens
     assert decode.stats.finished_output_tokens == sum(len(t) for t in results)
     assert decode.stats.finished_resident_s > 0  # the seconds they held decode's KV, summed

@@ -175,6 +175,27 @@ def test_decode_need_counts_what_prefill_hands_over_before_decode_holds_it():
     assert inflow_need(_inflow(residency=None), CONFIG) == 0.0
 
 
+def test_inflow_need_of_a_mix_weighs_each_requests_prompt_by_its_own_output():
+    # half 2048-token prompts with 16-token outputs, half 64-token prompts with 512: at 57 ms a
+    # token the long prompts stay 0.9 s and the short ones 29 s. Resident blocks per request:
+    # (2048 + 8 + 16) x 0.912 / 16 = 118 and (64 + 256 + 16) x 29.2 / 16 = 613: 1 request/s
+    # holds 365 blocks, 1.02 replicas. The means (1056 and 264 tokens) would say 3.1
+    tpot, mix = 0.057, [(2048, 16), (64, 512)]
+    mean = lambda f: sum(f(p, o) for p, o in mix) / len(mix)  # noqa: E731
+    independent = replace(_inflow(rate=1.0, output=mean(lambda p, o: o), prompt=mean(lambda p, o: p), residency=tpot))
+    joint = replace(
+        independent, inflow_prompt_x_output=mean(lambda p, o: p * o), inflow_output_sq=mean(lambda p, o: o * o)
+    )
+    blocks = mean(lambda p, o: (p + o / 2 + 16) * o * tpot / 16)
+    assert inflow_need(joint, CONFIG) == pytest.approx(blocks / (448 * 0.8)) and 1.0 < inflow_need(joint, CONFIG) < 1.05
+    assert inflow_need(independent, CONFIG) > 3.0
+    # with one kind of request only, both are the same
+    one = _inflow(rate=1.0, output=512.0, prompt=64.0, residency=tpot)
+    assert inflow_need(replace(one, inflow_prompt_x_output=64 * 512.0, inflow_output_sq=512.0**2), CONFIG) == (
+        pytest.approx(inflow_need(one, CONFIG))
+    )
+
+
 def test_inflow_need_counts_a_stays_overhead_which_short_outputs_are_mostly_made_of():
     # a prompt-heavy phase: 1.2 hand-overs/s of 2048-token prompts and 16 tokens each. At 33 ms a
     # token a sequence would stay 0.53 s (0.61 replicas); its measured stay is 2.5 s longer (the
@@ -597,3 +618,29 @@ def test_prefill_arrivals_count_requests_as_they_start_with_their_lengths_spread
     n, tokens, sq = 0.3 * 2.0 + 0.7 * 0.6, 0.3 * 128 + 0.7 * (0.3 * 2112), 0.3 * 8192 + 0.7 * (0.3 * 4198400)
     assert third.arrivals_per_s == pytest.approx(n) and third.mean_prompt_tokens == pytest.approx(tokens / n)
     assert third.prompt_tokens_cv2 == pytest.approx(sq / n / (tokens / n) ** 2 - 1)
+
+
+def test_decode_inflow_keeps_each_hand_overs_prompt_with_its_own_max_tokens():
+    reader = SignalReader(block_size=16)
+    p = lambda n, prompt, asked, pm, mm: [  # noqa: E731
+        _replica(
+            "p1",
+            handed_over=n,
+            handed_over_prompt_tokens=prompt,
+            handed_over_max_tokens=asked,
+            handed_over_prompt_x_max=pm,
+            handed_over_max_sq=mm,
+        )
+    ]
+    d = [_replica("d1", total_blocks=448)]
+    reader.read(0.0, p(0, 0, 0, 0, 0), d, 1, 1)
+    # one (2048, 16) and one (64, 512) handed over: E[p m] = (2048 x 16 + 64 x 512) / 2
+    _, got = reader.read(2.0, p(2, 2112, 528, 2048 * 16 + 64 * 512, 16**2 + 512**2), d, 1, 1)
+    assert got.inflow_prompt_tokens == pytest.approx(1056.0) and got.expected_output_tokens == pytest.approx(264.0)
+    assert got.inflow_prompt_x_output == pytest.approx((2048 * 16 + 64 * 512) / 2)
+    assert got.inflow_output_sq == pytest.approx((16**2 + 512**2) / 2)
+    # a prefill that does not report them: no joint means, the independent estimate
+    old = SignalReader(block_size=16)
+    old.read(0.0, [_replica("p1", handed_over=0, handed_over_max_tokens=0)], d, 1, 1)
+    _, legacy = old.read(2.0, [_replica("p1", handed_over=2, handed_over_max_tokens=528)], d, 1, 1)
+    assert legacy.inflow_prompt_x_output is None and legacy.inflow_output_sq is None
