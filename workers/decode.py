@@ -218,8 +218,8 @@ class DecodeWorker(ColocatedWorker):
         while it waits: sequences finish and free blocks within seconds, while recomputing the
         prompt here costs this worker a prefill, which stalls every sequence it decodes (under
         the autoscaling benchmark's emulated device a 2048-token prompt makes one decode step
-        last 1.3 s instead of about 60 ms). None: no room by then, the lease could not be kept, or the prompt
-        can never fit (more blocks than this worker has); the caller recomputes."""
+        last 1.3 s instead of about 60 ms). None: no room by then, the lease could not be kept,
+        or the prompt can never fit (more blocks than this worker has); the caller recomputes."""
         if not self._kv_waiters.locked():  # nobody waits: no queue to join
             reservation = await self.loop.call(reserve)
             if reservation is not None or self.kv_wait_s <= 0:

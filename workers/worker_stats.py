@@ -147,6 +147,7 @@ class WorkerStats:
             "num_waiting": state.num_waiting + self.kv_waiting,  # queued in the engine or for KV room
             "num_held": state.num_held,
             "preemptions": state.preemptions,
+            "busy_s": state.busy_s,
             "prefix_queries": state.prefix_queries,
             "prefix_hits": state.prefix_hits,
             "cached_blocks": state.num_cached_blocks,

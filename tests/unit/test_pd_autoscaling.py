@@ -644,3 +644,21 @@ def test_decode_inflow_keeps_each_hand_overs_prompt_with_its_own_max_tokens():
     old.read(0.0, [_replica("p1", handed_over=0, handed_over_max_tokens=0)], d, 1, 1)
     _, legacy = old.read(2.0, [_replica("p1", handed_over=2, handed_over_max_tokens=528)], d, 1, 1)
     assert legacy.inflow_prompt_x_output is None and legacy.inflow_output_sq is None
+
+
+def test_prefill_tokens_per_s_is_measured_over_the_models_busy_time():
+    reader = SignalReader()
+    p = lambda requests, busy_s, waiting: [  # noqa: E731
+        _replica("p1", requests=requests, prompt_tokens=2048 * requests, busy_s=busy_s, num_waiting=waiting)
+    ]
+    d = [_replica("d1")]
+    reader.read(0.0, p(0, 0.0, 0), d, 1, 1)
+    # one 2048-token prompt in a 2 s interval, 1.28 s of model time: 1600 tokens/s, not 1024
+    first, _ = reader.read(2.0, p(1, 1.28, 0), d, 1, 1)
+    assert first.tokens_per_s_per_replica == pytest.approx(1600.0)
+    # two in the next (2.56 s of model time, a step started before the read): still 1600
+    second, _ = reader.read(4.0, p(3, 3.84, 1), d, 1, 1)
+    assert second.tokens_per_s_per_replica == pytest.approx(1600.0)
+    # an interval with too little model time to tell keeps the measure
+    third, _ = reader.read(6.0, p(3, 4.0, 0), d, 1, 1)
+    assert third.tokens_per_s_per_replica == pytest.approx(1600.0)

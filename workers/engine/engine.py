@@ -148,6 +148,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cfg.block_size, self.model_key, cfg.enable_prefix_caching)
         # The scheduler owns the request table and every status change (RequestStatus).
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, max_chunk)
+        self.busy_seconds = 0.0  # model time of the steps run (EngineStats.busy_s)
         compiled = (
             None
             if cfg.enforce_eager
@@ -218,6 +219,7 @@ class LLMEngine:
             evictions=bm.stats.evictions,
             prefix_queries=sched.prefix_queries,
             prefix_hits=sched.prefix_hits,
+            busy_s=self.busy_seconds,
         )
 
     def take_events(self) -> list[KVEvent]:
@@ -425,6 +427,7 @@ class LLMEngine:
                 + per_context_token * sum(item.seq.num_tokens for item in out.decodes)
             )
             time.sleep(max(0.0, started + lasts - time.monotonic()))
+        self.busy_seconds += time.monotonic() - started
         for seq, first, scored in prompt:
             seq.prompt_logprobs[first + 1 :] = scored  # position p scores entry p + 1
         for item in out.decodes + out.prefills:

@@ -23,6 +23,7 @@ class EngineStats:
     evictions: int  # cached blocks handed out again (each one a BlockRemoved event)
     prefix_queries: int  # prompt tokens looked up in the prefix cache, once per request
     prefix_hits: int  # of those, tokens found cached
+    busy_s: float = 0.0  # seconds spent running the model (steps with work), since the start
 
     @property
     def usage(self) -> float:
