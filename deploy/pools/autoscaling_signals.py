@@ -16,12 +16,14 @@ status`` shows) two samples at a time: rates are the counters' deltas over the i
   spread) per second as they start on prefill, not as they finish, so that a saturated pool
   still reads what it is asked for; smoothed alike.
 - decode's inflow: requests prefill handed over per second and their ``max_tokens`` per
-  second (both smoothed alike; their ratio is the mean ``max_tokens``) x the share of ``max_tokens`` that
-  sequences finished on decode produced over the last ``USED_WINDOW`` reads (1 until any
-  finish), and prefill's mean prompt length; a decode replica's blocks; decode's TPOT over intervals
-  that produced tokens, smoothed and kept while none do (how long a handed-over sequence stays,
-  per token), and the overhead of a stay: the seconds finished sequences held decode's KV over
-  the last ``USED_WINDOW`` reads, less their tokens x that TPOT, per sequence.
+  second (both smoothed alike; their ratio is the mean ``max_tokens``) x the share of
+  ``max_tokens`` that sequences finished on decode produced over the last ``USED_WINDOW``
+  reads (1 until any finish); the hand-overs' mean prompt and, per request, the means of
+  prompt x ``max_tokens`` and ``max_tokens``² (x that share, and its square: what the inflow
+  need weighs each prompt by); a decode replica's blocks; decode's TPOT over intervals that
+  produced tokens, smoothed and kept while none do (how long a handed-over sequence stays, per
+  token), and the overhead of a stay: the seconds finished sequences held decode's KV over the
+  last ``USED_WINDOW`` reads, less their tokens x that TPOT, per sequence.
 """
 
 from __future__ import annotations
