@@ -46,8 +46,8 @@ class PoolReader:
         self.timeout_s = timeout_s
 
     async def read(self, deployment: str) -> list[dict[str, Any]]:
-        if self.directory is None:
-            self.directory = await asyncio.to_thread(worker_directory.find, self.app_name)
+        if self.directory is None:  # gone (its node or its owner died): made again, workers re-register
+            self.directory = await asyncio.to_thread(worker_directory.get_or_create, self.app_name)
         ids, addresses = await asyncio.gather(
             asyncio.to_thread(replica_ids, self.app_name, deployment),
             worker_directory.lookup(self.directory, deployment),

@@ -1,7 +1,9 @@
 """The application's worker directory: where each worker replica's KV control server listens.
 
-One small Ray actor per application (named ``pdserve-workers:<app>``, no CPU), created by the
-first ingress replica that starts (and again by a later one if it is gone). Every worker replica
+One small Ray actor per application (named ``pdserve-workers:<app>``, no CPU, on the head node,
+where the GCS is: a worker host whose link goes down must not take the directory with it),
+created by the first ingress replica that starts, and again by a status reader (in an ingress
+replica or the pd autoscaler) that finds it gone. Every worker replica
 registers its control address there when it starts and re-registers every
 ``HEARTBEAT_S`` (which also refills a directory that was recreated); it leaves when it stops.
 An entry not refreshed for ``EXPIRE_S`` is dropped.
@@ -29,6 +31,8 @@ logger = logging.getLogger("pdserve")
 
 NAMESPACE = "pdserve"
 HEARTBEAT_S = 2.0
+FIRST_REGISTRATION_RETRY_S = 0.1  # until a replica's first registration lands (the ingress may start later)
+HEAD_NODE = "node:__internal_head__"  # the resource every Ray head node has
 EXPIRE_S = 10.0
 CALL_TIMEOUT_S = 5.0
 
@@ -59,7 +63,7 @@ def get_or_create(app_name: str) -> ActorHandle:
     """The application's directory, created if it does not exist (the ingress's call). Blocking."""
     # An ActorClass: mypy keeps a decorated class's own type (python/mypy#3135).
     directory = WorkerDirectory.options(  # type: ignore[attr-defined]
-        name=directory_name(app_name), namespace=NAMESPACE, get_if_exists=True
+        name=directory_name(app_name), namespace=NAMESPACE, get_if_exists=True, resources={HEAD_NODE: 0.001}
     )
     return directory.remote()
 
@@ -84,6 +88,7 @@ class Registration:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
+        registered = False
         while True:
             try:
                 if self._directory is None:
@@ -92,12 +97,16 @@ class Registration:
                     await asyncio.wait_for(
                         self._directory.register.remote(self.deployment, self.address), CALL_TIMEOUT_S
                     )
+                    registered = True
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the directory was replaced: look it up again
                 logger.debug("worker %s: registering in the directory failed: %s", self.address.worker_id, exc)
                 self._directory = None
-            await asyncio.sleep(HEARTBEAT_S)
+            # Until the first registration lands the replica is invisible to the status: a replica
+            # that started before the ingress had created the directory looked again only 2 s
+            # later, and a status read right after the application was ready missed it.
+            await asyncio.sleep(HEARTBEAT_S if registered else FIRST_REGISTRATION_RETRY_S)
 
     async def stop(self) -> None:
         if self._task is not None:
