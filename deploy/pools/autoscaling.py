@@ -36,7 +36,7 @@ The policy, per decision:
 - prefill need (replicas, fractional) = max(queued prompt tokens / (tokens/s per replica x
   ``drain_fraction`` x TTFT target), pool prompt tokens/s / (tokens/s per replica x
   ``utilization``), the fewest replicas at which ``ttft_quantile`` of arriving prompts wait no
-  longer than the TTFT target leaves after their own prefill, by an M/M/c queue of the recent
+  longer than the TTFT target leaves after their own prefill, by an M/G/c queue of the recent
   arrivals/s and mean prompt): enough replicas to drain the queue well within the TTFT target,
   to keep up with what arrives, and to keep queueing out of the TTFT. Tokens/s per replica is
   measured while replicas are busy (a prior until then, never below what the pool computes per
