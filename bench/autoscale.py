@@ -65,6 +65,8 @@ class Run:
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (s since start, prefill, decode)
     phase_starts: list[tuple[float, str]] = field(default_factory=list)
     decisions: list[str] = field(default_factory=list)
+    # the pd policy's last round at each sample: (s since start, prefill need, decode need, held)
+    rounds: list[tuple[float, float, float, str | None]] = field(default_factory=list)
     duration_s: float = 0.0
 
 
@@ -100,6 +102,10 @@ async def _sample(base: str, run: Run, start: float, stop: asyncio.Event) -> Non
                 run.timeline.append((time.time() - start, prefill, decode))
                 status = (await client.get(f"{base}/v1/cluster/status")).json()
                 auto = status.get("autoscaling") or {}
+                last = auto.get("last")
+                if last:
+                    needs = round(last["prefill_need"], 2), round(last["decode_need"], 2)
+                    run.rounds.append((last["time"] - start, *needs, last["held"]))
                 for change in auto.get("decisions") or []:
                     line = f"{change['time'] - start:7.1f} s  {change['line']}"
                     if line not in run.decisions:
@@ -372,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                 "timeline": run.timeline,
                 "phase_starts": run.phase_starts,
                 "decisions": run.decisions,
+                "rounds": run.rounds,
                 "duration_s": run.duration_s,
             }
         )

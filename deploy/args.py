@@ -146,6 +146,12 @@ class AutoscalingArgs(BaseModel):
     upscale_delay_s: float = Field(default=4.0, ge=0, description="a change that grows a pool must hold this long")
     downscale_delay_s: float = Field(default=30.0, ge=0, description="a change that only shrinks must hold this long")
     cooldown_s: float = Field(default=10.0, ge=0, description="no change this soon after the last one")
+    look_back_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="each pool's need is the median of the decision rounds' needs over this many seconds, so a "
+        "one-round spike changes nothing (0: the last round's alone)",
+    )
     fill_budget: bool = Field(
         default=True,
         description="budget neither pool's own need asks for goes to the pool with the least covered need, while "

@@ -51,6 +51,7 @@ def policy_config(args: PDServeArgs) -> PolicyConfig:
         upscale_delay_s=a.upscale_delay_s,
         downscale_delay_s=a.downscale_delay_s,
         cooldown_s=a.cooldown_s,
+        look_back_s=a.look_back_s,
         fill_budget=a.fill_budget,
         move_step=a.move_step,
         take_ratio=a.take_ratio,

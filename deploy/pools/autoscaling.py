@@ -72,6 +72,10 @@ The policy, per decision:
   2048-token sequences land), and a benchmark run swung 3:1 -> 1:3 -> 2:2 -> 1:3 -> 3:1 within
   two minutes, each move a replica stopping and another loading its model. A larger shift takes
   one change per cooldown.
+- each pool's need is the median of the rounds' needs over ``look_back_s`` (10 s, five rounds):
+  one round's need is a snapshot of a few sequences (decode read 0.4, 2.4, 0.4, 8.4 on
+  consecutive rounds of a prompt-heavy phase as bursts waited for blocks), and each flip
+  restarted the delay below.
 - a proposed change is applied only once it has held for ``upscale_delay_s`` (some pool grows,
   by its own need or by taking budget another pool gives up) or ``downscale_delay_s`` (only
   shrinking), and not while the last change is still landing (replicas starting or stopping) or
@@ -81,6 +85,7 @@ The policy, per decision:
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -114,6 +119,7 @@ class PolicyConfig:
     move_step: int = 1  # with the budget full, replicas one change moves between the pools (0: any)
     take_ratio: float = 1.5  # a pool takes replicas the other would keep only when its need is this x its count
     ttft_quantile: float = 0.9  # prefill is sized so that this share of prompts waits no longer than the TTFT allows
+    look_back_s: float = 10.0  # each pool's need is the median of its rounds' needs over this window (0: the last)
 
 
 @dataclass(frozen=True)
@@ -160,6 +166,8 @@ class PolicyState:
     pending: tuple[int, int] | None = None  # the proposal waiting out its delay
     pending_since: float | None = None
     last_change: float | None = None  # the controller starts it at its own start
+    # recent rounds' (time, prefill need, decode need), within the look-back window
+    needs: tuple[tuple[float, float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -364,7 +372,10 @@ def decide(
     prefill: PrefillSignals, decode: DecodeSignals, config: PolicyConfig, state: PolicyState, now: float
 ) -> Decision:
     """One decision for both pools (pure: the caller keeps ``Decision.state`` for the next)."""
-    needs = (prefill_need(prefill, config, decode_saturated=decode.waiting_seqs > 0), decode_need(decode, config))
+    now_needs = (prefill_need(prefill, config, decode_saturated=decode.waiting_seqs > 0), decode_need(decode, config))
+    history = tuple(r for r in state.needs if now - r[0] < config.look_back_s) + ((now, *now_needs),)
+    state = replace(state, needs=history)
+    needs = look_back(history)
     current = (prefill.replicas, decode.replicas)
     wanted = fit_budget(
         (
@@ -402,7 +413,18 @@ def decide(
     delay = config.upscale_delay_s if grows else config.downscale_delay_s
     if now - pending_since < delay:
         return keep(f"{'upscale' if grows else 'downscale'} delay ({delay:g} s)", state)
-    return Decision(wanted[0], wanted[1], True, needs[0], needs[1], PolicyState(last_change=now))
+    return Decision(wanted[0], wanted[1], True, needs[0], needs[1], PolicyState(last_change=now, needs=history))
+
+
+def look_back(history: tuple[tuple[float, float, float], ...]) -> tuple[float, float]:
+    """Each pool's need over the recent rounds: their median. One round's need is a snapshot of
+    a few sequences: on a benchmark's prompt-heavy phase (1.2 prompts/s of 2048 tokens, three of
+    which fill a decode replica's KV) decode's need read 0.4, 2.4, 0.4, 8.4, 1.9, 4.3 on
+    consecutive rounds (a burst of hand-overs waiting for blocks) and prefill's 2 or 3 (its
+    arrivals, counted over a few seconds); each flip restarted the upscale delay and the pools
+    stayed 2:2 for the whole phase. The median drops a lone spike and follows a load that lasts
+    half the window."""
+    return statistics.median(r[1] for r in history), statistics.median(r[2] for r in history)
 
 
 def _direction(proposal: tuple[int, int], current: tuple[int, int]) -> tuple[int, int]:

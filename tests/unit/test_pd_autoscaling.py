@@ -378,12 +378,52 @@ def test_noise_inside_the_dead_band_never_changes_anything():
 
 
 def test_a_flapping_proposal_restarts_its_delay():
-    state = decide(prefill(queued=2500), decode(running=1, tpot=0.01), CONFIG, PolicyState(), 0.0).state
+    config = replace(CONFIG, look_back_s=0.0)  # each round's needs as they are
+    state = decide(prefill(queued=2500), decode(running=1, tpot=0.01), config, PolicyState(), 0.0).state
     # at t=2 the queue is gone and the idle prefill pool would shrink instead: a new delay starts
-    state = decide(prefill(queued=0), decode(running=1, tpot=0.01), CONFIG, state, 2.0).state
+    state = decide(prefill(queued=0), decode(running=1, tpot=0.01), config, state, 2.0).state
     assert state.pending == (1, 1) and state.pending_since == 2.0
-    again = decide(prefill(queued=2500), decode(running=1, tpot=0.01), CONFIG, state, 4.0)
+    again = decide(prefill(queued=2500), decode(running=1, tpot=0.01), config, state, 4.0)
     assert not again.changed and again.state.pending_since == 4.0
+
+
+def test_needs_are_the_median_over_the_look_back_so_that_lone_spikes_restart_no_delay():
+    """A prompt-heavy phase as a benchmark run read it: prefill's need 3 on two rounds of three
+    (2 on the third), decode's 0.4 between spikes of a burst waiting for blocks (2.4, 8, 4).
+    Round by round, each spike flips the proposal and restarts the upscale delay: nothing moves.
+    Over the look-back window the medians read 3 and 0.4, and prefill takes a decode replica."""
+    queued = [1500, 1500, 1000]  # prefill's need 3, 3, 2 (drain term: queued / 500)
+    tpot = [0.01, 0.06, 0.01, 0.2, 0.01, 0.1]  # decode's need 0.4, 2.4, 0.4, 8, 0.4, 4 (2 x tpot / 0.05)
+
+    def moves(config: PolicyConfig) -> list[tuple[float, int, int]]:
+        state, seen = PolicyState(), []
+        for i in range(30):  # 60 s, a round every 2 s
+            t = 2.0 * i
+            decision = decide(prefill(queued=queued[i % 3]), decode(running=2, tpot=tpot[i % 6]), config, state, t)
+            state = decision.state
+            if decision.changed:
+                seen.append((t, decision.prefill, decision.decode))
+                break
+        return seen
+
+    assert moves(replace(CONFIG, look_back_s=0.0)) == []
+    seen = moves(CONFIG)
+    assert [(p, d) for _, p, d in seen] == [(3, 1)]
+    assert seen[0][0] <= 20.0  # once three rounds fill the window's middle, then the 4 s delay
+
+
+def test_the_look_back_keeps_only_its_window_and_follows_a_load_that_lasts():
+    state, needs = PolicyState(), []
+    for i in range(12):  # decode's need jumps from 0.4 to 4.0 at t=10 s and stays
+        t = 2.0 * i
+        decision = decide(prefill(), decode(running=2, tpot=0.01 if t < 10 else 0.1), CONFIG, state, t)
+        state = decision.state
+        needs.append(round(decision.decode_need, 2))
+        assert all(t - r[0] < CONFIG.look_back_s for r in state.needs)
+    assert needs[:5] == [0.4] * 5
+    assert needs[5] == 0.4 and needs[6] == 0.4  # one and two high rounds of five or six: still the low
+    assert needs[7] == 4.0  # three of five
+    assert len(state.needs) == 5
 
 
 # ------------------------------------------------------------------ a load that shifts
