@@ -65,8 +65,9 @@ class Run:
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (s since start, prefill, decode)
     phase_starts: list[tuple[float, str]] = field(default_factory=list)
     decisions: list[str] = field(default_factory=list)
-    # the pd policy's last round at each sample: (s since start, prefill need, decode need, held)
-    rounds: list[tuple[float, float, float, str | None]] = field(default_factory=list)
+    # the pd policy's last round at each sample: s since start, prefill need, decode need, held,
+    # prefill arrivals/s, mean prompt, tokens/s per replica, decode running, waiting, KV usage
+    rounds: list[tuple] = field(default_factory=list)
     duration_s: float = 0.0
 
 
@@ -105,7 +106,16 @@ async def _sample(base: str, run: Run, start: float, stop: asyncio.Event) -> Non
                 last = auto.get("last")
                 if last:
                     needs = round(last["prefill_need"], 2), round(last["decode_need"], 2)
-                    run.rounds.append((last["time"] - start, *needs, last["held"]))
+                    p, d = last.get("prefill") or {}, last.get("decode") or {}
+                    seen = (
+                        round(p.get("arrivals_per_s", 0.0), 2),
+                        round(p.get("mean_prompt_tokens", 0.0)),
+                        round(p.get("tokens_per_s_per_replica") or 0.0),
+                        d.get("running_seqs", 0),
+                        d.get("waiting_seqs", 0),
+                        round(d.get("kv_usage", 0.0), 2),
+                    )
+                    run.rounds.append((round(last["time"] - start, 1), *needs, last["held"], *seen))
                 for change in auto.get("decisions") or []:
                     line = f"{change['time'] - start:7.1f} s  {change['line']}"
                     if line not in run.decisions:

@@ -148,6 +148,7 @@ class WorkerStats:
             "num_held": state.num_held,
             "preemptions": state.preemptions,
             "busy_s": state.busy_s,
+            "prefill_tokens_computed": state.prefill_tokens_computed,
             "prefix_queries": state.prefix_queries,
             "prefix_hits": state.prefix_hits,
             "cached_blocks": state.num_cached_blocks,

@@ -4,8 +4,9 @@ status`` shows) two samples at a time: rates are the counters' deltas over the i
 - prefill: queued prompt tokens = (waiting + running sequences) x the recent mean prompt
   length (a prefill replica's running sequences are the ones still prefilling; held KV is
   not counted); held KV share = held prompts x the mean prompt length / the pool's KV tokens;
-  tokens/s per replica = computed (uncached) prompt tokens per second of the replica's model
-  time (the engine's ``busy_s``; an interval with at least ``MIN_BUSY_S`` of it), smoothed, so
+  tokens/s per replica = the prompt tokens the replica's steps computed (the engine's
+  ``prefill_tokens_computed``) per second of its model time in them (the engine's ``busy_s``;
+  an interval with at least ``MIN_BUSY_S`` of it), smoothed, so
   an idle pool keeps its last measure. Per second of a busy interval instead, a 2 s read
   caught one or two 1.28 s prompts: on an emulated device computing 1600 tokens/s the
   benchmark logged 1174 to 2005.
@@ -173,10 +174,16 @@ class SignalReader:
             prev = self._previous[r["worker_id"]][1]
             busy = (prev["num_waiting"] + prev["num_running"]) and (r["num_waiting"] + r["num_running"])
             d_busy = self._delta(now, r, "busy_s")
+            # the tokens the model computed in that busy time, step by step (a replica that does
+            # not report them: the prompts finished in the interval, whose steps may have run in
+            # the interval before; a 2 s read then caught 0.6 s of a 2048-token prompt's steps
+            # and read 2740 tokens/s from a device computing at most 1667)
+            d_computed = self._delta(now, r, "prefill_tokens_computed") if "prefill_tokens_computed" in r else None
+            computed_in_busy = d_computed[0] if d_computed is not None else d_prompt[0] - d_cached[0]
             rate = None
-            if d_busy is not None and d_busy[0] >= MIN_BUSY_S and d_prompt[0] - d_cached[0] > 0:
+            if d_busy is not None and d_busy[0] >= MIN_BUSY_S and computed_in_busy > 0:
                 # over the model's own busy time, whatever share of the interval it was
-                rate = (d_prompt[0] - d_cached[0]) / d_busy[0]
+                rate = computed_in_busy / d_busy[0]
             elif "busy_s" not in r and busy and d_prompt[0] - d_cached[0] > 0:
                 rate = (d_prompt[0] - d_cached[0]) / d_prompt[1]  # a replica that reports no busy time
             if rate is not None:

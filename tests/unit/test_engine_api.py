@@ -85,6 +85,7 @@ def test_logprobs_are_the_model_distribution(engine, tiny_llama):
 
 
 def test_step_wise_interface_and_abort_free_blocks(engine):
+    before = engine.stats()
     engine.add_request("a", random_prompts((50,), seed=8)[0], SamplingParams(max_tokens=100, temperature=0.0))
     engine.add_request("b", random_prompts((20,), seed=9)[0], SamplingParams(max_tokens=3, temperature=0.0))
     seen: dict[str, list[int]] = {"a": [], "b": []}
@@ -96,7 +97,12 @@ def test_step_wise_interface_and_abort_free_blocks(engine):
             if out.finished:
                 finished.add(out.request_id)
     assert finished == {"b"} and len(seen["b"]) == 3
-    assert engine.stats().num_free_blocks < engine.num_kv_blocks
+    after = engine.stats()
+    assert after.num_free_blocks < engine.num_kv_blocks
+    # the model's time and the prompt tokens it computed in it (what prefill's tokens/s is read from)
+    hits = after.prefix_hits - before.prefix_hits
+    assert after.prefill_tokens_computed - before.prefill_tokens_computed == 50 + 20 - hits
+    assert after.busy_s > before.busy_s
     assert engine.abort("a")
     assert not engine.abort("a")
     assert not engine.has_unfinished()

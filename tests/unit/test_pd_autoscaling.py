@@ -702,3 +702,29 @@ def test_prefill_tokens_per_s_is_measured_over_the_models_busy_time():
     # an interval with too little model time to tell keeps the measure
     third, _ = reader.read(6.0, p(3, 4.0, 0), d, 1, 1)
     assert third.tokens_per_s_per_replica == pytest.approx(1600.0)
+
+
+def test_prefill_tokens_per_s_counts_the_tokens_computed_in_that_busy_time():
+    """A prompt counts when it finishes; its steps may have run in the read before. With the
+    engine's own count of the tokens its steps computed, tokens and model time are the same
+    steps' (a 2048-token prompt, 1.28 s of model time, split 0.68 s / 0.6 s across two reads)."""
+    reader = SignalReader()
+
+    def p(requests: int, busy_s: float, computed: int) -> list[dict]:
+        return [
+            _replica(
+                "p1",
+                requests=requests,
+                prompt_tokens=2048 * requests,
+                busy_s=busy_s,
+                prefill_tokens_computed=computed,
+                num_waiting=1,
+            )
+        ]
+
+    d = [_replica("d1")]
+    reader.read(0.0, p(0, 0.0, 0), d, 1, 1)
+    first, _ = reader.read(2.0, p(0, 0.68, 1088), d, 1, 1)  # running, not finished
+    assert first.tokens_per_s_per_replica == pytest.approx(1600.0)
+    second, _ = reader.read(4.0, p(1, 1.28, 2048), d, 1, 1)  # finished: 2048 counted, 0.6 s busy
+    assert second.tokens_per_s_per_replica == pytest.approx(1600.0)  # not 2048 / 0.6 = 3413

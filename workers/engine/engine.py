@@ -149,6 +149,7 @@ class LLMEngine:
         # The scheduler owns the request table and every status change (RequestStatus).
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, max_chunk)
         self.busy_seconds = 0.0  # model time of the steps run (EngineStats.busy_s)
+        self.prefill_tokens_computed = 0  # prompt tokens those steps computed (EngineStats)
         compiled = (
             None
             if cfg.enforce_eager
@@ -220,6 +221,7 @@ class LLMEngine:
             prefix_queries=sched.prefix_queries,
             prefix_hits=sched.prefix_hits,
             busy_s=self.busy_seconds,
+            prefill_tokens_computed=self.prefill_tokens_computed,
         )
 
     def take_events(self) -> list[KVEvent]:
@@ -428,6 +430,7 @@ class LLMEngine:
             )
             time.sleep(max(0.0, started + lasts - time.monotonic()))
         self.busy_seconds += time.monotonic() - started
+        self.prefill_tokens_computed += sum(item.num_new_tokens for item in out.prefills)
         for seq, first, scored in prompt:
             seq.prompt_logprobs[first + 1 :] = scored  # position p scores entry p + 1
         for item in out.decodes + out.prefills:

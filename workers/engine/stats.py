@@ -24,6 +24,8 @@ class EngineStats:
     prefix_queries: int  # prompt tokens looked up in the prefix cache, once per request
     prefix_hits: int  # of those, tokens found cached
     busy_s: float = 0.0  # seconds spent running the model (steps with work), since the start
+    # prompt tokens those steps computed (prefill chunks, cached tokens not included), since the start
+    prefill_tokens_computed: int = 0
 
     @property
     def usage(self) -> float:
