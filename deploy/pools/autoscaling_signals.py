@@ -176,8 +176,8 @@ class SignalReader:
             d_busy = self._delta(now, r, "busy_s")
             # the tokens the model computed in that busy time, step by step (a replica that does
             # not report them: the prompts finished in the interval, whose steps may have run in
-            # the interval before; a 2 s read then caught 0.6 s of a 2048-token prompt's steps
-            # and read 2740 tokens/s from a device computing at most 1667)
+            # the interval before; with those, a benchmark run's smoothed rate read 2740 tokens/s
+            # on an emulated device that computes at most 1667)
             d_computed = self._delta(now, r, "prefill_tokens_computed") if "prefill_tokens_computed" in r else None
             computed_in_busy = d_computed[0] if d_computed is not None else d_prompt[0] - d_cached[0]
             rate = None
