@@ -2,7 +2,7 @@
 
 import random
 
-from deploy.pools.routers import demote_failing, power_of_two, rank_by_prefix, rank_for_decode
+from deploy.pools.routers import demote_failing, least_loaded, power_of_two, rank_by_prefix, rank_for_decode
 
 
 def test_longest_prefix_wins_when_balanced():
@@ -22,7 +22,22 @@ def test_short_match_or_overload_falls_back_to_load():
     _, by_prefix = rank_by_prefix(["a", "b"], {"a": 1, "b": 0}, {}, 2, 4)
     assert not by_prefix
     ranks, by_prefix = rank_by_prefix(["a", "b"], {"a": 9, "b": 0}, {"a": 10, "b": 1}, 2, 4)
-    assert not by_prefix and ranks == [["b", "a"]]  # the overloaded holder loses to the idle replica
+    assert not by_prefix and ranks == [["b"], ["a"]]  # the overloaded holder loses to the idle replica
+
+
+def test_load_alone_goes_to_the_shortest_queue_with_ties_at_random():
+    queues = {"a": 1, "b": 0, "c": 1, "d": 0}
+    firsts = set()
+    for seed in range(20):
+        ranks = least_loaded(["a", "b", "c", "d"], queues, rng=random.Random(seed))
+        assert all(len(rank) == 1 for rank in ranks)
+        order = [rank[0] for rank in ranks]
+        assert [queues[r] for r in order] == [0, 0, 1, 1]
+        firsts.add(order[0])
+    assert firsts == {"b", "d"}  # both idle replicas get first turns
+    # the cache-aware fallback (a short match): never a busy replica while one is idle
+    ranks, by_prefix = rank_by_prefix(["a", "b", "c"], {"a": 1}, {"a": 1, "b": 1, "c": 0}, 2, 4)
+    assert not by_prefix and ranks[0] == ["c"]
 
 
 def test_power_of_two_orders_the_pair_by_queue():
