@@ -149,6 +149,8 @@ class WorkerStats:
             "preemptions": state.preemptions,
             "busy_s": state.busy_s,
             "prefill_tokens_computed": state.prefill_tokens_computed,
+            "decode_tokens": state.decode_tokens,
+            "decode_token_s": state.decode_token_s,
             "prefix_queries": state.prefix_queries,
             "prefix_hits": state.prefix_hits,
             "cached_blocks": state.num_cached_blocks,

@@ -103,6 +103,10 @@ def test_step_wise_interface_and_abort_free_blocks(engine):
     hits = after.prefix_hits - before.prefix_hits
     assert after.prefill_tokens_computed - before.prefill_tokens_computed == 50 + 20 - hits
     assert after.busy_s > before.busy_s
+    # each token after a prompt's first came from a decode row; its step's seconds are counted once per row
+    decoded = after.decode_tokens - before.decode_tokens
+    assert decoded == len(seen["a"]) + len(seen["b"]) - 2
+    assert 0 < after.decode_token_s - before.decode_token_s <= decoded * (after.busy_s - before.busy_s)
     assert engine.abort("a")
     assert not engine.abort("a")
     assert not engine.has_unfinished()

@@ -728,3 +728,24 @@ def test_prefill_tokens_per_s_counts_the_tokens_computed_in_that_busy_time():
     assert first.tokens_per_s_per_replica == pytest.approx(1600.0)
     second, _ = reader.read(4.0, p(1, 1.28, 2048), d, 1, 1)  # finished: 2048 counted, 0.6 s busy
     assert second.tokens_per_s_per_replica == pytest.approx(1600.0)  # not 2048 / 0.6 = 3413
+
+
+def test_decode_tpot_is_the_engines_step_seconds_per_token():
+    """Short outputs run between two reads: the running counts at the reads (2 and 2) over 16
+    tokens in 2 s would read 250 ms; the engine's steps took 54 ms per token they produced."""
+    reader = SignalReader()
+    p = [_replica("p1")]
+
+    def d(tokens: int, row_s: float) -> list[dict]:
+        return [_replica("d1", generated_tokens=tokens, num_running=2, decode_tokens=tokens, decode_token_s=row_s)]
+
+    reader.read(0.0, p, d(0, 0.0), 1, 1)
+    _, got = reader.read(2.0, p, d(16, 16 * 0.054), 1, 1)
+    assert got.tpot_s == pytest.approx(0.054)
+    assert got.residency_tpot_s == pytest.approx(0.054)
+    # a replica without the engine's counters: the reads' running counts, as before
+    old = SignalReader()
+    legacy = lambda tokens: [_replica("d1", generated_tokens=tokens, num_running=2)]  # noqa: E731
+    old.read(0.0, p, legacy(0), 1, 1)
+    _, before = old.read(2.0, p, legacy(16), 1, 1)
+    assert before.tpot_s == pytest.approx(0.25)

@@ -150,6 +150,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, max_chunk)
         self.busy_seconds = 0.0  # model time of the steps run (EngineStats.busy_s)
         self.prefill_tokens_computed = 0  # prompt tokens those steps computed (EngineStats)
+        self.decode_tokens = 0  # tokens of decode rows, and their steps' seconds per token (EngineStats)
+        self.decode_token_s = 0.0
         compiled = (
             None
             if cfg.enforce_eager
@@ -222,6 +224,8 @@ class LLMEngine:
             prefix_hits=sched.prefix_hits,
             busy_s=self.busy_seconds,
             prefill_tokens_computed=self.prefill_tokens_computed,
+            decode_tokens=self.decode_tokens,
+            decode_token_s=self.decode_token_s,
         )
 
     def take_events(self) -> list[KVEvent]:
@@ -429,8 +433,11 @@ class LLMEngine:
                 + per_context_token * sum(item.seq.num_tokens for item in out.decodes)
             )
             time.sleep(max(0.0, started + lasts - time.monotonic()))
-        self.busy_seconds += time.monotonic() - started
+        took = time.monotonic() - started
+        self.busy_seconds += took
         self.prefill_tokens_computed += sum(item.num_new_tokens for item in out.prefills)
+        self.decode_tokens += len(out.decodes)
+        self.decode_token_s += took * len(out.decodes)
         for seq, first, scored in prompt:
             seq.prompt_logprobs[first + 1 :] = scored  # position p scores entry p + 1
         for item in out.decodes + out.prefills:

@@ -26,6 +26,10 @@ class EngineStats:
     busy_s: float = 0.0  # seconds spent running the model (steps with work), since the start
     # prompt tokens those steps computed (prefill chunks, cached tokens not included), since the start
     prefill_tokens_computed: int = 0
+    # tokens decode rows produced, and the seconds of the steps that produced them summed per token
+    # (their ratio is the time per output token of the sequences decoding, since the start)
+    decode_tokens: int = 0
+    decode_token_s: float = 0.0
 
     @property
     def usage(self) -> float:
