@@ -372,11 +372,20 @@ def decide(
     prefill: PrefillSignals, decode: DecodeSignals, config: PolicyConfig, state: PolicyState, now: float
 ) -> Decision:
     """One decision for both pools (pure: the caller keeps ``Decision.state`` for the next)."""
+    current = (prefill.replicas, decode.replicas)
+    blind = [name for name, s in (("prefill", prefill), ("decode", decode)) if s.replicas and not s.ready_replicas]
+    if blind:
+        # nothing read from a pool says nothing about its need: no round for the look-back, no
+        # delay accrued (a benchmark run read neither pool for its first 42 s; the zero needs of
+        # those rounds and a shrink proposal dated from the first of them moved the pools to 1:1
+        # on the first round that read them)
+        why = f"no replica of the {' and '.join(blind)} pool answered"
+        state = replace(state, pending=None, pending_since=None)
+        return Decision(current[0], current[1], False, 0.0, 0.0, state, why)
     now_needs = (prefill_need(prefill, config, decode_saturated=decode.waiting_seqs > 0), decode_need(decode, config))
     history = tuple(r for r in state.needs if now - r[0] < config.look_back_s) + ((now, *now_needs),)
     state = replace(state, needs=history)
     needs = look_back(history)
-    current = (prefill.replicas, decode.replicas)
     wanted = fit_budget(
         (
             follow(prefill.replicas, needs[0], config.prefill, config),
@@ -404,10 +413,15 @@ def decide(
         or _direction(state.pending, current) != _direction(wanted, current)
     ):
         pending_since = now
-    state = replace(state, pending=wanted, pending_since=pending_since)
     landing = prefill.ready_replicas != prefill.replicas or decode.ready_replicas != decode.replicas
     if landing and state.last_change is not None and now - state.last_change < config.landing_timeout_s:
-        return keep("the last change is still landing (replicas starting or stopping)", state)
+        # the delay starts once the pools are as last set: a proposal from pools in flux is not
+        # one that has held
+        return keep(
+            "the last change is still landing (replicas starting or stopping)",
+            replace(state, pending=None, pending_since=None),
+        )
+    state = replace(state, pending=wanted, pending_since=pending_since)
     if state.last_change is not None and now - state.last_change < config.cooldown_s:
         return keep(f"cooldown ({config.cooldown_s:g} s after the last change)", state)
     delay = config.upscale_delay_s if grows else config.downscale_delay_s

@@ -749,3 +749,20 @@ def test_decode_tpot_is_the_engines_step_seconds_per_token():
     old.read(0.0, p, legacy(0), 1, 1)
     _, before = old.read(2.0, p, legacy(16), 1, 1)
     assert before.tpot_s == pytest.approx(0.25)
+
+
+def test_a_pool_not_read_adds_no_round_and_a_landing_accrues_no_delay():
+    """A benchmark run read neither pool for 42 s: those rounds' zero needs, and a shrink proposal
+    dated from the first of them, moved the pools to 1:1 on the first round that read them."""
+    blind = decide(prefill(ready=0), decode(ready=0), CONFIG, PolicyState(last_change=0.0), 2.0)
+    assert not blind.changed and blind.held == "no replica of the prefill and decode pool answered"
+    assert blind.state.needs == () and blind.state.pending is None
+    # a landing: the idle pools would shrink, but the proposal is not dated before they landed
+    state = PolicyState(last_change=0.0)
+    for t in (2.0, 10.0, 30.0, 40.0):
+        decision = decide(prefill(ready=1), decode(), CONFIG, state, t)
+        assert not decision.changed and decision.held.startswith("the last change is still landing")
+        state = decision.state
+    assert state.pending is None
+    landed = decide(prefill(), decode(), CONFIG, state, 42.0)
+    assert not landed.changed and landed.state.pending_since == 42.0  # the downscale delay starts here
