@@ -66,7 +66,8 @@ class Run:
     phase_starts: list[tuple[float, str]] = field(default_factory=list)
     decisions: list[str] = field(default_factory=list)
     # the pd policy's last round at each sample: s since start, prefill need, decode need, held,
-    # prefill arrivals/s, mean prompt, tokens/s per replica, decode running, waiting, KV usage
+    # prefill arrivals/s, mean prompt, tokens/s per replica, decode running, waiting, KV usage,
+    # the pools not read that round (why)
     rounds: list[tuple] = field(default_factory=list)
     duration_s: float = 0.0
 
@@ -115,7 +116,8 @@ async def _sample(base: str, run: Run, start: float, stop: asyncio.Event) -> Non
                         d.get("waiting_seqs", 0),
                         round(d.get("kv_usage", 0.0), 2),
                     )
-                    run.rounds.append((round(last["time"] - start, 1), *needs, last["held"], *seen))
+                    t = round(last["time"] - start, 1)
+                    run.rounds.append((t, *needs, last["held"], *seen, last.get("unread") or None))
                 for change in auto.get("decisions") or []:
                     line = f"{change['time'] - start:7.1f} s  {change['line']}"
                     if line not in run.decisions:

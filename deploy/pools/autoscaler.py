@@ -58,6 +58,15 @@ def policy_config(args: PDServeArgs) -> PolicyConfig:
     )
 
 
+def unread_pools(pools: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
+    """Pools with replicas listed and none of them answering, each with one replica's reason."""
+    return {
+        name: next((str(r.get("error")) for r in replicas if r.get("error")), "no answer")
+        for name, replicas in pools.items()
+        if replicas and not any(r.get("healthy") for r in replicas)
+    }
+
+
 def dashboard_urls(configured: str | None) -> list[str]:
     """Where to find the Ray dashboard's REST API: the configured URL, else port 8265 on the head
     (the GCS's host, from the public runtime context) and on this node (the autoscaler is placed
@@ -134,6 +143,7 @@ class PDAutoscaler:
         self.timeline: deque[tuple[float, int, int, int, int]] = deque()
         self.last: dict[str, Any] | None = None
         self.error: str | None = None
+        self.unread: dict[str, str] = {}  # pool -> why none of its replicas answered, last round
         self._task: asyncio.Task | None = None
         self.scaler = DashboardScaler(dashboard_urls(self.args.autoscaling.dashboard_url))
         self.pool_reader = PoolReader(self.app_name, None, ControlClient("autoscaler"), timeout_s=STATS_TIMEOUT_S)
@@ -169,6 +179,13 @@ class PDAutoscaler:
         """Read both pools, decide, apply a change (one round of the loop)."""
         prefill, decode = await asyncio.gather(self._read_pool("prefill"), self._read_pool("decode"))
         now = time.time()
+        unread = unread_pools({"prefill": prefill, "decode": decode})
+        if unread != self.unread:  # one line per change: which pool could not be read, and why
+            if unread:
+                logger.warning("autoscaling: cannot read %s", "; ".join(f"{k}: {v}" for k, v in unread.items()))
+            else:
+                logger.info("autoscaling: every pool is readable again")
+            self.unread = unread
         p, d = self.reader.read(now, prefill, decode, self.targets["prefill"], self.targets["decode"])
         decision = decide(p, d, self.config, self.state, now)
         self.state = decision.state
@@ -177,6 +194,7 @@ class PDAutoscaler:
             "prefill_need": decision.prefill_need,
             "decode_need": decision.decode_need,
             "held": decision.held,
+            "unread": unread,
             "pending": decision.state.pending,
             "prefill": p.__dict__,
             "decode": d.__dict__,

@@ -766,3 +766,14 @@ def test_a_pool_not_read_adds_no_round_and_a_landing_accrues_no_delay():
     assert state.pending is None
     landed = decide(prefill(), decode(), CONFIG, state, 42.0)
     assert not landed.changed and landed.state.pending_since == 42.0  # the downscale delay starts here
+
+
+def test_a_pool_none_of_whose_replicas_answer_is_named_with_a_reason():
+    from deploy.pools.autoscaler import unread_pools
+
+    pools = {
+        "prefill": [{"worker_id": "p1", "healthy": False, "error": "the worker directory is not readable"}],
+        "decode": [{"worker_id": "d1", "healthy": False, "error": "TimeoutError: "}, _replica("d2")],
+        "colocated": [],
+    }
+    assert unread_pools(pools) == {"prefill": "the worker directory is not readable"}
