@@ -316,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(default when given without a value: {','.join(map(str, EMULATED_DEVICE))} s: a prefill step 50 ms "
         "+ 0.6 ms per token, a decode step 50 ms + 2 ms per 1000 context tokens it reads)",
     )
+    ap.add_argument("--settle-s", type=float, default=20.0, help="idle seconds between the warm-up and the run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--png", type=Path, default=Path("autoscale.png"))
@@ -353,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
             model_id = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
             warm = [Phase("warm-up", 2048, 16, 4.0, 1.0), Phase("warm-up", 64, 32, 4.0, 1.0)]
             asyncio.run(drive(base, model_id, warm, "warm-up", opts.seed + 99, vocab, opts.timeout_s))
+            # idle until the warm-up's burst has left the pd policy's look-back and rates: a run
+            # that started at once moved to 3:1 0.7 s in, on the warm-up's prompts, not phase 1's
+            time.sleep(opts.settle_s)
             print(f"--- {LABELS[kind]}: running {sum(p.seconds for p in phases):.0f} s", flush=True)
             runs.append(asyncio.run(drive(base, model_id, phases, LABELS[kind], opts.seed, vocab, opts.timeout_s)))
             load.append(os.getloadavg())
