@@ -1,0 +1,96 @@
+"""A decode step's linears in eager mode: ``F.linear`` on plain fp32 weights against MKL's packed
+GEMM (``torch.ops.mkl._mkl_linear`` on weights packed once per batch size, what inductor's
+weight freezing uses on CPU), with SmolLM2-135M's shapes (30 layers of q/k/v/o and
+gate/up/down, then the tied LM head), random weights, at each batch size and thread count.
+
+    python bench/packed_linear.py                       # batches 1 8 32, threads 1 and 2
+    python bench/packed_linear.py --batches 8 --threads 2 --rounds 5
+
+Each figure is the minimum over ``--rounds`` rounds of ``--repeats`` steps, the two ways
+alternating round by round. "equal" says whether the packed output equals ``F.linear``'s bit
+for bit (on the LM head and a down projection): the engine's greedy output is held to
+transformers' token for token, which runs ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+HIDDEN, INNER, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30  # SmolLM2-135M
+SHAPES = [
+    (HIDDEN, HIDDEN),
+    (KV, HIDDEN),
+    (KV, HIDDEN),
+    (HIDDEN, HIDDEN),
+    (INNER, HIDDEN),
+    (INNER, HIDDEN),
+    (HIDDEN, INNER),
+]  # q, k, v, o, gate, up, down (down takes the inner width)
+
+
+def plain(layers: list, head: torch.Tensor, x: torch.Tensor, xi: torch.Tensor) -> None:
+    for layer in layers:
+        for j, w in enumerate(layer):
+            F.linear(xi if j == 6 else x, w)
+    F.linear(x, head)
+
+
+def packed_step(layers: list, packed: list, head, head_packed, x: torch.Tensor, xi: torch.Tensor, b: int) -> None:
+    for layer, pl in zip(layers, packed):
+        for j, (w, p) in enumerate(zip(layer, pl)):
+            torch.ops.mkl._mkl_linear(xi if j == 6 else x, p, w, None, b)
+    torch.ops.mkl._mkl_linear(x, head_packed, head, None, b)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    opts = ap.parse_args()
+    if not torch.backends.mkl.is_available():
+        raise SystemExit("this torch has no MKL: nothing to compare")
+    torch.manual_seed(0)
+    layers = [[torch.randn(o, i) * 0.02 for o, i in SHAPES] for _ in range(LAYERS)]
+    head = torch.randn(VOCAB, HIDDEN) * 0.02
+    print(f"# {os.uname().machine}, {os.cpu_count()} CPUs, torch {torch.__version__}, load {os.getloadavg()[0]:.2f}")
+    print("| batch | threads | F.linear (ms) | MKL packed (ms) | plain / packed | packed output equal |")
+    print("|---|---|---|---|---|---|")
+    for threads in opts.threads:
+        torch.set_num_threads(threads)
+        for b in opts.batches:
+            x, xi = torch.randn(b, HIDDEN), torch.randn(b, INNER)
+            packed = [[torch.ops.mkl._mkl_reorder_linear_weight(w, b) for w in layer] for layer in layers]
+            head_packed = torch.ops.mkl._mkl_reorder_linear_weight(head, b)
+
+            ways = {
+                "plain": functools.partial(plain, layers, head, x, xi),
+                "mkl": functools.partial(packed_step, layers, packed, head, head_packed, x, xi, b),
+            }
+            equal = torch.equal(F.linear(x, head), torch.ops.mkl._mkl_linear(x, head_packed, head, None, b))
+            equal &= torch.equal(
+                F.linear(xi, layers[0][6]), torch.ops.mkl._mkl_linear(xi, packed[0][6], layers[0][6], None, b)
+            )
+            for fn in ways.values():  # warm
+                fn()
+            best = {"plain": float("inf"), "mkl": float("inf")}
+            for _ in range(opts.rounds):
+                for name, fn in ways.items():
+                    t = time.perf_counter()
+                    for _ in range(opts.repeats):
+                        fn()
+                    best[name] = min(best[name], (time.perf_counter() - t) / opts.repeats * 1000)
+            ratio = best["plain"] / best["mkl"]
+            print(f"| {b} | {threads} | {best['plain']:.1f} | {best['mkl']:.1f} | {ratio:.2f}x | {equal} |", flush=True)
+    print(f"# load after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
