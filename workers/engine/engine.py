@@ -425,17 +425,18 @@ class LLMEngine:
             logits, sampled, prompt = self.tensor_parallel.execute(self.runner, out)  # every rank runs it
         else:
             logits, sampled, prompt = self.runner.execute(out)
+        prefill_tokens = sum(item.num_new_tokens for item in out.prefills)
         if self.config.emulated_step_s is not None:
             per_step, per_prefill_token, per_context_token = self.config.emulated_step_s
             lasts = (
                 per_step
-                + per_prefill_token * sum(item.num_new_tokens for item in out.prefills)
+                + per_prefill_token * prefill_tokens
                 + per_context_token * sum(item.seq.num_tokens for item in out.decodes)
             )
             time.sleep(max(0.0, started + lasts - time.monotonic()))
         took = time.monotonic() - started
         self.busy_seconds += took
-        self.prefill_tokens_computed += sum(item.num_new_tokens for item in out.prefills)
+        self.prefill_tokens_computed += prefill_tokens
         self.decode_tokens += len(out.decodes)
         self.decode_token_s += took * len(out.decodes)
         for seq, first, scored in prompt:
