@@ -5,6 +5,7 @@
 
     python bench/engine.py                      # SmolLM2-135M-Instruct (30 x 576), CPU
     python bench/engine.py --compile            # adds the compiled engine to (b) and (c)
+    python bench/engine.py --unpacked           # adds an eager engine on plain F.linear weights
     python bench/engine.py --model tiny         # the generated ~100M random llama (12 x 768)
     python bench/engine.py --device cuda --dtype bfloat16
 
@@ -229,6 +230,12 @@ def main(argv: list[str] | None = None) -> None:
         help="also build a compiled engine (enforce_eager=False) and compare it in (b) and (c)",
     )
     ap.add_argument(
+        "--unpacked",
+        action="store_true",
+        help="also build an eager engine without prepacked weights (prepack_weights=False, F.linear) "
+        "and compare it in (b) and (c), where it is the baseline",
+    )
+    ap.add_argument(
         "--compile-batches",
         type=int,
         nargs="+",
@@ -260,6 +267,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     engine = LLMEngine(str(model_dir), **engine_kwargs)
     engines = {"eager": engine}
+    if args.unpacked:  # first: (c) gives every engine's step as a ratio to the first's
+        engines = {"unpacked": LLMEngine(str(model_dir), prepack_weights=False, **engine_kwargs), "eager": engine}
     cfg = engine.model_config
     print(f"# bench/engine.py  {' '.join(sys.argv[1:]) or '(defaults)'}")
     print(

@@ -1,6 +1,8 @@
 """A decode step's linears in eager mode: ``F.linear`` on plain fp32 weights against MKL's packed
 GEMM (``torch.ops.mkl._mkl_linear`` on weights packed once per batch size, what inductor's
-weight freezing uses on CPU), with SmolLM2-135M's shapes (30 layers of q/k/v/o and
+weight freezing uses on CPU) and oneDNN's (``torch.ops.mkldnn._linear_pointwise`` on weights
+reordered once, for every batch size, with ``--onednn-hint`` as the batch-size hint: what the
+engine's ``packed_linears`` uses), with SmolLM2-135M's shapes (30 layers of q/k/v/o and
 gate/up/down, then the tied LM head), random weights, at each batch size and thread count.
 
     python bench/packed_linear.py                       # batches 1 8 32, threads 1 and 2
@@ -48,12 +50,20 @@ def packed_step(layers: list, packed: list, head, head_packed, x: torch.Tensor, 
     torch.ops.mkl._mkl_linear(x, head_packed, head, None, b)
 
 
+def onednn_step(packed: list, head_packed, x: torch.Tensor, xi: torch.Tensor) -> None:
+    for pl in packed:
+        for j, p in enumerate(pl):
+            torch.ops.mkldnn._linear_pointwise(xi if j == 6 else x, p, None, "none", [], "")
+    torch.ops.mkldnn._linear_pointwise(x, head_packed, None, "none", [], "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--onednn-hint", type=int, default=8, help="the batch size oneDNN's one reorder is made for")
     opts = ap.parse_args()
     if not torch.backends.mkl.is_available():
         raise SystemExit("this torch has no MKL: nothing to compare")
@@ -61,8 +71,14 @@ def main() -> None:
     layers = [[torch.randn(o, i) * 0.02 for o, i in SHAPES] for _ in range(LAYERS)]
     head = torch.randn(VOCAB, HIDDEN) * 0.02
     print(f"# {os.uname().machine}, {os.cpu_count()} CPUs, torch {torch.__version__}, load {os.getloadavg()[0]:.2f}")
-    print("| batch | threads | F.linear (ms) | MKL packed (ms) | plain / packed | packed output equal |")
-    print("|---|---|---|---|---|---|")
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    onednn = [[reorder(w, opts.onednn_hint) for w in layer] for layer in layers]
+    onednn_head = reorder(head, opts.onednn_hint)
+    print(
+        "| batch | threads | F.linear (ms) | MKL packed per batch (ms) | plain / MKL | MKL equal "
+        f"| oneDNN, one reorder (hint {opts.onednn_hint}) (ms) | plain / oneDNN | oneDNN equal |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for threads in opts.threads:
         torch.set_num_threads(threads)
         for b in opts.batches:
@@ -73,22 +89,30 @@ def main() -> None:
             ways = {
                 "plain": functools.partial(plain, layers, head, x, xi),
                 "mkl": functools.partial(packed_step, layers, packed, head, head_packed, x, xi, b),
+                "onednn": functools.partial(onednn_step, onednn, onednn_head, x, xi),
             }
             equal = torch.equal(F.linear(x, head), torch.ops.mkl._mkl_linear(x, head_packed, head, None, b))
             equal &= torch.equal(
                 F.linear(xi, layers[0][6]), torch.ops.mkl._mkl_linear(xi, packed[0][6], layers[0][6], None, b)
             )
+            one_equal = torch.equal(
+                F.linear(x, head), torch.ops.mkldnn._linear_pointwise(x, onednn_head, None, "none", [], "")
+            )
             for fn in ways.values():  # warm
                 fn()
-            best = {"plain": float("inf"), "mkl": float("inf")}
+            best = dict.fromkeys(ways, float("inf"))
             for _ in range(opts.rounds):
                 for name, fn in ways.items():
                     t = time.perf_counter()
                     for _ in range(opts.repeats):
                         fn()
                     best[name] = min(best[name], (time.perf_counter() - t) / opts.repeats * 1000)
-            ratio = best["plain"] / best["mkl"]
-            print(f"| {b} | {threads} | {best['plain']:.1f} | {best['mkl']:.1f} | {ratio:.2f}x | {equal} |", flush=True)
+            plain_ms, mkl_ms, one_ms = best["plain"], best["mkl"], best["onednn"]
+            print(
+                f"| {b} | {threads} | {plain_ms:.1f} | {mkl_ms:.1f} | {plain_ms / mkl_ms:.2f}x | {equal} "
+                f"| {one_ms:.1f} | {plain_ms / one_ms:.2f}x | {one_equal} |",
+                flush=True,
+            )
     print(f"# load after: {os.getloadavg()[0]:.2f}")
 
 

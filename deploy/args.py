@@ -227,6 +227,11 @@ class PDServeArgs(BaseModel):
         description="False: decode steps run compiled (torch.compile, a graph per batch bucket "
         "up to max_num_seqs, compiled when a replica starts)",
     )
+    prepack_weights: bool = Field(
+        default=True,
+        description="CPU fp32: linears multiply with oneDNN on weights reordered once at load "
+        "(faster; the linears' weights then take twice their memory); false: F.linear",
+    )
     conversation_reuse: bool = Field(
         default=True,
         description="a chat turn that extends an earlier one reuses its exact token ids "
@@ -402,6 +407,7 @@ class PDServeArgs(BaseModel):
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
             enforce_eager=self.enforce_eager,
+            prepack_weights=self.prepack_weights,
             model_key=self.model_key,
             tensor_parallel_size=getattr(self, role).tensor_parallel_size,
             emulated_step_s=self.emulated_step_s,

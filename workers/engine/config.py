@@ -30,6 +30,9 @@ class EngineConfig:
     # max_num_seqs, compiled at start-up; workers/engine/compiled.py); True: everything eager.
     enforce_eager: bool = True
     compile_batch_sizes: tuple[int, ...] | None = None  # decode buckets; None: powers of two to max_num_seqs
+    # CPU fp32: eager linears multiply with oneDNN on weights reordered once at load (1.2-2.5x
+    # faster than F.linear; workers/models/parallel.py). False: F.linear on the plain weights.
+    prepack_weights: bool = True
     # "sdpa": attention gathers the blocks it reads; "flex": FlexAttention over the physical cache
     # (full-precision cache only); "auto": the measured choice (workers/engine/model_runner.py)
     attention_backend: str = "auto"

@@ -187,6 +187,10 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope, attn)
         return self.model.norm(x)
 
+    @property
+    def head(self) -> VocabParallelEmbedding:
+        """What scores hidden states: the embedding when tied, else ``lm_head``."""
+        return self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
-        return head.logits(hidden).float()
+        return self.head.logits(hidden).float()

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from workers.models.config import ModelConfig
 from workers.models.llama import LlamaForCausalLM
-from workers.models.parallel import Shard, TPGroup
+from workers.models.parallel import Shard, TPGroup, prepack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +58,10 @@ def load_model(
     max_positions: int | None = None,
     progress: bool = True,
     tp: TPGroup | None = None,
+    prepack: bool = False,
 ) -> LlamaForCausalLM:
-    """The model (``tp``: this rank's shard of it) with its weights from ``model_dir``."""
+    """The model (``tp``: this rank's shard of it) with its weights from ``model_dir``.
+    ``prepack``: on a CPU, fp32 linears get a oneDNN copy of their weights (``prepack_linears``)."""
     model_dir = Path(model_dir)
     device = torch.device(device)
     cfg = ModelConfig.from_dir(model_dir)
@@ -130,4 +132,6 @@ def load_model(
         device,
         torch_dtype,
     )
+    if prepack and (packed := prepack_linears(model)):
+        logger.info("prepacked %d linear weights for oneDNN (CPU fp32)", packed)
     return model.eval()

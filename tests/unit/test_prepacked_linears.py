@@ -1,0 +1,93 @@
+"""Prepacked CPU linears (``prepack_weights``): every linear of an fp32 CPU model gets a oneDNN
+copy of its weight at load, the eager forward multiplies with it, the compiled graph and other
+dtypes keep ``F.linear``, and greedy output still equals transformers'. The parity suites
+(tiny models, and SmolLM2 in test_real_model.py) run with packing on, the default; here the
+switch and the op actually used are checked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from tests.unit.engine_helpers import random_prompts
+from tests.unit.test_engine_parity import GREEDY, assert_matches_hf, make_engine
+from workers.models.config import ModelConfig
+from workers.models.loader import load_model
+from workers.models.parallel import ColumnParallelLinear, PackedLinear, TPGroup, prepack_linears
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+
+
+def _ops(fn) -> set[str]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key for e in prof.key_averages()}
+
+
+@pytest.mark.parametrize("arch", ("llama", "qwen2"))
+def test_load_packs_every_linear_and_the_head(tiny_model_dirs, arch):
+    model_dir = tiny_model_dirs[arch]
+    cfg = ModelConfig.from_dir(model_dir)
+    model = load_model(model_dir, progress=False, prepack=True)
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear) and m.packed is not None]
+    # q, k, v, o, gate, up, down per layer, and the head that scores: the embedding when tied,
+    # else lm_head (an untied embedding only looks rows up: packing it would waste its size)
+    assert len(packed) == 7 * cfg.num_layers + 1
+    assert model.head.packed is not None
+    if not cfg.tie_word_embeddings:
+        assert model.model.embed_tokens.packed is None
+    plain = load_model(model_dir, progress=False)
+    assert not any(m.packed is not None for m in plain.modules() if isinstance(m, PackedLinear))
+
+
+def test_packed_forward_runs_onednn_and_agrees_with_f_linear():
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(64, 96, bias=True, tp=TPGroup())
+    with torch.no_grad():
+        layer.weight.normal_(0, 0.05)
+        layer.bias.normal_(0, 0.05)
+    x = torch.randn(3, 5, 64)
+    plain = layer(x)
+    assert "mkldnn::_linear_pointwise" not in _ops(lambda: layer(x))
+    assert layer.pack(8)
+    ops = _ops(lambda: layer(x))
+    assert "mkldnn::_linear_pointwise" in ops and "aten::linear" not in ops
+    for rows in (1, 2, 7, 8, 33):  # one reorder serves every batch size
+        xi = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(xi), F.linear(xi, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x), plain, rtol=1e-5, atol=1e-5)
+    assert layer(torch.empty(0, 64)).shape == (0, 96)
+
+
+def test_only_fp32_cpu_weights_are_packed():
+    layer = ColumnParallelLinear(64, 96, bias=False, tp=TPGroup()).to(torch.bfloat16)
+    assert not layer.pack(8) and layer.packed is None
+    model = torch.nn.Sequential(layer)
+    assert prepack_linears(model) == 0
+
+
+def test_compiled_graph_keeps_f_linear():
+    # Inside torch.compile the packed branch is never taken: the graph multiplies the plain weight
+    # (inductor's freezing packs it its own way) and the result equals the eager F.linear.
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(32, 48, bias=False, tp=TPGroup())
+    with torch.no_grad():
+        layer.weight.normal_(0, 0.05)
+    layer.pack(8)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, 32)
+    assert torch.equal(compiled(x), F.linear(x, layer.weight))
+
+
+@pytest.mark.parametrize("prepack", (True, False), ids=("packed", "plain"))
+def test_greedy_parity_both_ways(tiny_model_dirs, prepack):
+    model_dir = tiny_model_dirs["qwen2"]  # biased q/k/v: the packed path adds the bias
+    engine = make_engine(model_dir, prepack_weights=prepack)
+    lookup = engine.model.model.embed_tokens  # untied here: it only looks rows up, never packed
+    layers = [m for m in engine.model.modules() if isinstance(m, PackedLinear) and m is not lookup]
+    assert all((m.packed is not None) == prepack for m in layers)
+    prompts = random_prompts(seed=5)
+    assert_matches_hf(model_dir, prompts, engine.generate(prompts, GREEDY))
+    engine.check_idle()
