@@ -212,6 +212,41 @@ def summarize(run: Run, ttft_s: float, tpot_s: float, phase: str | None = None) 
     }
 
 
+def warm_up(base: str, model: str, vocab: int, seed: int, timeout_s: float) -> None:
+    """Two requests of each shape, one at a time: every code path (prefill, KV transfer, decode)
+    has run once, without a burst the pd policy would read as load (a Poisson warm-up of 2k-token
+    prompts moved the pools to 3:1 before the run began: runs u6 and u8)."""
+    rng = random.Random(seed)
+    with httpx.Client(base_url=base, timeout=timeout_s) as client:
+        for prompt_len, output_len in ((2048, 16), (64, 32), (2048, 16), (64, 32)):
+            body = {
+                "model": model,
+                "prompt": [rng.randrange(10, vocab - 10) for _ in range(prompt_len)],
+                "max_tokens": output_len,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
+            client.post(COMPLETIONS, json=body).raise_for_status()
+
+
+def settle(split: tuple[int, int], quiet_s: float, timeout_s: float) -> bool:
+    """Wait until each pool's RUNNING replicas equal ``split`` and have stayed so for ``quiet_s``
+    (the pd policy's look-back and rates then hold no warm-up). False if that did not happen in
+    ``timeout_s``: the run still goes, flagged as not a clean start."""
+    deadline = time.monotonic() + timeout_s
+    since: float | None = None
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        if running_replicas(APP) == split:
+            since = now if since is None else since
+            if now - since >= quiet_s:
+                return True
+        else:
+            since = None
+        time.sleep(1.0)
+    return False
+
+
 def app_args(kind: str, model: str, redis_url: str, opts) -> dict:
     pool = {"num_cpus": opts.cpus_per_replica, "resources": {"pd_slot": 1}}
     half = opts.budget // 2
@@ -316,7 +351,15 @@ def main(argv: list[str] | None = None) -> int:
         f"(default when given without a value: {','.join(map(str, EMULATED_DEVICE))} s: a prefill step 50 ms "
         "+ 0.6 ms per token, a decode step 50 ms + 2 ms per 1000 context tokens it reads)",
     )
-    ap.add_argument("--settle-s", type=float, default=20.0, help="idle seconds between the warm-up and the run")
+    ap.add_argument(
+        "--settle-s",
+        type=float,
+        default=20.0,
+        help="after the warm-up, the pools must sit at the starting split this long, unchanged, before the run",
+    )
+    ap.add_argument(
+        "--settle-timeout-s", type=float, default=150.0, help="give up waiting for a settled start (the run is flagged)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--png", type=Path, default=Path("autoscale.png"))
@@ -339,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = ModelConfig.from_dir(model).vocab_size
     port = find_free_port()
     runs: list[Run] = []
+    starts: list[bool] = []  # per configuration: did its run start at the initial split, settled
     load = [os.getloadavg()]
     ray_init = {"resources": {"pd_slot": opts.budget}, "log_to_driver": False}
     with LocalCluster(num_cpus=8, ray_init_kwargs=ray_init) as local:
@@ -352,11 +396,12 @@ def main(argv: list[str] | None = None) -> int:
                 app_args(kind, model, local.redis_url, opts), APP, "/", f"http://127.0.0.1:{port}", timeout_s=300
             )
             model_id = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
-            warm = [Phase("warm-up", 2048, 16, 4.0, 1.0), Phase("warm-up", 64, 32, 4.0, 1.0)]
-            asyncio.run(drive(base, model_id, warm, "warm-up", opts.seed + 99, vocab, opts.timeout_s))
-            # idle until the warm-up's burst has left the pd policy's look-back and rates: a run
-            # that started at once moved to 3:1 0.7 s in, on the warm-up's prompts, not phase 1's
-            time.sleep(opts.settle_s)
+            warm_up(base, model_id, vocab, opts.seed + 99, opts.timeout_s)
+            split = (opts.budget // 2, opts.budget - opts.budget // 2)
+            clean = settle(split, opts.settle_s, opts.settle_timeout_s)
+            starts.append(clean)
+            if not clean:
+                print(f"--- {LABELS[kind]}: pools not back at {split[0]}:{split[1]}; NOT a clean start", flush=True)
             print(f"--- {LABELS[kind]}: running {sum(p.seconds for p in phases):.0f} s", flush=True)
             runs.append(asyncio.run(drive(base, model_id, phases, LABELS[kind], opts.seed, vocab, opts.timeout_s)))
             load.append(os.getloadavg())
@@ -382,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     header = f"{'config':<24}{'requests':>9}{'good':>6}{'goodput':>9}{'good/s':>8}{'p90 TTFT':>10}{'p90 TPOT':>10}"
     print(header)
-    for run in runs:
+    for run, clean_start in zip(runs, starts, strict=True):
         s = summarize(run, opts.ttft_s, opts.tpot_s)
         phases = dict.fromkeys(p for p, _ in run.results)  # in order of first appearance
         per_phase = {name: summarize(run, opts.ttft_s, opts.tpot_s, name) for name in phases}
@@ -396,11 +441,13 @@ def main(argv: list[str] | None = None) -> int:
                 "decisions": run.decisions,
                 "rounds": run.rounds,
                 "duration_s": run.duration_s,
+                "clean_start": clean_start,
             }
         )
         print(
             f"{run.label:<24}{s['requests']:>9}{s['good']:>6}{s['goodput_fraction']:>9.1%}{s['goodput_req_s']:>8.2f}"
             f"{s['ttft_p90_s'] or 0:>9.2f}s{(s['tpot_p90_s'] or 0) * 1000:>8.0f}ms"
+            + ("" if clean_start else "  (not a clean start)")
         )
         for name, ps in per_phase.items():
             print(
