@@ -115,6 +115,7 @@ async def _sample(base: str, run: Run, start: float, stop: asyncio.Event) -> Non
                         d.get("running_seqs", 0),
                         d.get("waiting_seqs", 0),
                         round(d.get("kv_usage", 0.0), 2),
+                        round(d.get("kv_usage_ahead", d.get("kv_usage", 0.0)), 2),
                     )
                     t = round(last["time"] - start, 1)
                     run.rounds.append((t, *needs, last["held"], *seen, last.get("unread") or None))

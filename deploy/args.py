@@ -152,6 +152,13 @@ class AutoscalingArgs(BaseModel):
         description="each pool's need is the median of the decision rounds' needs over this many seconds, so a "
         "one-round spike changes nothing (0: the last round's alone)",
     )
+    kv_look_ahead_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="decode's KV need counts only the blocks running sequences will still hold this many seconds "
+        "from now (tokens they may still produce x TPOT): a change lands, and a replica given up drains, "
+        "seconds after it is decided (0: all the KV held now)",
+    )
     fill_budget: bool = Field(
         default=True,
         description="budget neither pool's own need asks for goes to the pool with the least covered need, while "

@@ -24,7 +24,15 @@ from ray import serve
 
 from deploy.args import PDServeArgs
 from deploy.ops.cluster_status import PoolReader
-from deploy.pools.autoscaling import Decision, PolicyConfig, PolicyState, PoolBounds, decide, describe
+from deploy.pools.autoscaling import (
+    Decision,
+    PolicyConfig,
+    PolicyState,
+    PoolBounds,
+    decide,
+    describe,
+    kv_usage_ahead,
+)
 from deploy.pools.autoscaling_signals import SignalReader
 from workers.transfer.control import ControlClient
 
@@ -52,6 +60,7 @@ def policy_config(args: PDServeArgs) -> PolicyConfig:
         downscale_delay_s=a.downscale_delay_s,
         cooldown_s=a.cooldown_s,
         look_back_s=a.look_back_s,
+        kv_look_ahead_s=a.kv_look_ahead_s,
         fill_budget=a.fill_budget,
         move_step=a.move_step,
         take_ratio=a.take_ratio,
@@ -197,7 +206,9 @@ class PDAutoscaler:
             "unread": unread,
             "pending": decision.state.pending,
             "prefill": p.__dict__,
-            "decode": d.__dict__,
+            # each running sequence's (tokens left, blocks) is summed up, not listed
+            "decode": {k: v for k, v in d.__dict__.items() if k != "running_left"}
+            | {"kv_usage_ahead": kv_usage_ahead(d, self.config)},
         }
         if decision.changed:
             line = describe(decision, p, d, self.config)

@@ -120,6 +120,8 @@ class PolicyConfig:
     take_ratio: float = 1.5  # a pool takes replicas the other would keep only when its need is this x its count
     ttft_quantile: float = 0.9  # prefill is sized so that this share of prompts waits no longer than the TTFT allows
     look_back_s: float = 10.0  # each pool's need is the median of its rounds' needs over this window (0: the last)
+    # decode's held KV counts only what running sequences will still hold this long from now (0: all of it)
+    kv_look_ahead_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,10 @@ class DecodeSignals:
     inflow_prompt_x_output: float | None = None
     inflow_output_sq: float | None = None
     block_size: int = 16
+    # every running sequence's (tokens it may still produce, KV blocks it holds), pool-wide, and
+    # the pool's blocks; None: not reported (the held KV is then taken as lasting)
+    running_left: tuple[tuple[int, int], ...] | None = None
+    total_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -248,11 +254,28 @@ def decode_need(s: DecodeSignals, config: PolicyConfig) -> float:
     return max(held_need(s, config), inflow_need(s, config))
 
 
+def kv_usage_ahead(s: DecodeSignals, config: PolicyConfig) -> float:
+    """Decode's KV usage ``kv_look_ahead_s`` from now: today's, less the blocks of running
+    sequences that will have finished by then (tokens they may still produce x TPOT; their
+    max_tokens is an upper bound, so this errs toward holding). A change of the split lands
+    seconds after it is decided, and a decode replica given up drains its sequences first: the
+    blocks that matter are those still held then. In a benchmark's third phase (prompt-heavy
+    after output-heavy) two decode replicas held 23 sequences of 512-token outputs at 83 % KV,
+    all due to end within 20 s; the held need kept both replicas, and prefill short of one, for
+    35 s of the 75 s phase."""
+    tpot = s.tpot_s if s.tpot_s is not None else s.residency_tpot_s
+    if not s.running_left or tpot is None or s.total_blocks <= 0 or config.kv_look_ahead_s <= 0:
+        return s.kv_usage
+    ending = sum(blocks for left, blocks in s.running_left if left * tpot <= config.kv_look_ahead_s)
+    return max(0.0, s.kv_usage - ending / s.total_blocks)
+
+
 def held_need(s: DecodeSignals, config: PolicyConfig) -> float:
-    """Replicas x max(TPOT / target, KV usage / target), scaled by waiting / running sequences."""
+    """Replicas x max(TPOT / target, KV usage ahead / target), scaled by waiting / running
+    sequences."""
     if s.running_seqs == 0 and s.waiting_seqs == 0:
         return 0.0
-    pressure = s.kv_usage / config.kv_usage_target
+    pressure = kv_usage_ahead(s, config) / config.kv_usage_target
     if s.tpot_s is not None:
         pressure = max(pressure, s.tpot_s / config.tpot_target_s)
     if s.waiting_seqs and s.running_seqs:
@@ -466,6 +489,7 @@ def describe(decision: Decision, prefill: PrefillSignals, decode: DecodeSignals,
         f"{prefill.prompt_tokens_per_s:.0f} tok/s, "
         f"{'prior ' if rate is None else ''}{rate or config.prefill_tokens_per_s:.0f} tok/s per replica, "
         f"need {decision.prefill_need:.2f} | decode: {decode.running_seqs} running, {decode.waiting_seqs} waiting, "
-        f"KV {decode.kv_usage:.0%}, TPOT {tpot} (target {config.tpot_target_s * 1000:.0f} ms), "
+        f"KV {decode.kv_usage:.0%} ({kv_usage_ahead(decode, config):.0%} in {config.kv_look_ahead_s:g} s), "
+        f"TPOT {tpot} (target {config.tpot_target_s * 1000:.0f} ms), "
         f"{inflow}need {decision.decode_need:.2f}"
     )

@@ -244,6 +244,9 @@ class SignalReader:
             self._tpot = tpot if self._tpot is None else a * tpot + (1 - a) * self._tpot
         share = self.used_share()
         prompt = self.per("handed_over_prompt_tokens", "handed_over")  # 0: a prefill without these counters
+        left = None  # every replica's running sequences (tokens left, blocks held); None: one did not say
+        if replicas and all("running_left" in r for r in replicas):
+            left = tuple((int(n), int(b)) for r in replicas for n, b in r["running_left"])
         return DecodeSignals(
             replicas=target,
             ready_replicas=len(replicas),
@@ -260,4 +263,6 @@ class SignalReader:
             inflow_output_sq=self.per("handed_over_max_sq", "handed_over") * share * share if prompt else None,
             blocks_per_replica=self._blocks_per_replica,
             block_size=self.block_size,
+            running_left=left,
+            total_blocks=sum(r.get("total_blocks", 0) for r in replicas),
         )

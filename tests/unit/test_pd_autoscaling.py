@@ -24,6 +24,7 @@ from deploy.pools.autoscaling import (
     follow,
     held_need,
     inflow_need,
+    kv_usage_ahead,
     prefill_need,
     ttft_need,
 )
@@ -464,7 +465,7 @@ def test_describe_names_the_change_and_its_signals():
     assert decision.changed
     assert describe(decision, p, d, CONFIG) == (
         "prefill 2 -> 3, decode 2 -> 1 (budget 4) | prefill: 2500 queued prompt tokens, 1800 tok/s, "
-        "1000 tok/s per replica, need 5.00 | decode: 3 running, 0 waiting, KV 20%, TPOT 12 ms "
+        "1000 tok/s per replica, need 5.00 | decode: 3 running, 0 waiting, KV 20% (20% in 10 s), TPOT 12 ms "
         "(target 50 ms), need 0.50"
     )
 
@@ -777,3 +778,64 @@ def test_a_pool_none_of_whose_replicas_answer_is_named_with_a_reason():
         "colocated": [],
     }
     assert unread_pools(pools) == {"prefill": "the worker directory is not readable"}
+
+
+# ------------------------------------------------------------ KV look-ahead
+def _draining(left: tuple[tuple[int, int], ...], kv: float = 0.83, tpot: float = 0.03) -> DecodeSignals:
+    """Two decode replicas of 100 blocks each, holding ``left``'s sequences."""
+    return replace(decode(running=len(left), kv=kv, tpot=tpot), running_left=left, total_blocks=200)
+
+
+def test_decode_kv_need_counts_only_what_running_sequences_will_still_hold():
+    # 15 sequences with 200 tokens left (6 s at 30 ms: gone within the 10 s look-ahead), 10 blocks
+    # each; one with 1000 left (30 s), 16 blocks: of 166 blocks held, 16 will still be
+    ending, lasting = ((200, 10),) * 15, ((1000, 16),)
+    s = _draining(ending + lasting)
+    assert kv_usage_ahead(s, CONFIG) == pytest.approx(0.83 - 150 / 200)
+    assert held_need(s, CONFIG) == pytest.approx(2 * max(0.08 / 0.8, 0.03 / 0.05))  # TPOT's pressure now leads
+    # no look-ahead, no report, or no TPOT yet: the KV held now
+    assert held_need(s, replace(CONFIG, kv_look_ahead_s=0)) == pytest.approx(2 * 0.83 / 0.8)
+    assert held_need(replace(s, running_left=None), CONFIG) == pytest.approx(2 * 0.83 / 0.8)
+    assert kv_usage_ahead(replace(s, tpot_s=None), CONFIG) == pytest.approx(0.83)
+    # a slower TPOT keeps them longer: at 60 ms, 200 tokens take 12 s
+    assert kv_usage_ahead(replace(s, tpot_s=0.06), CONFIG) == pytest.approx(0.83)
+    # it never goes below nothing (blocks shared by two sequences count twice in their sum)
+    assert kv_usage_ahead(_draining(((5, 200),), kv=0.5), CONFIG) == 0.0
+
+
+def test_prompts_after_long_outputs_get_prefill_the_replica_decode_is_about_to_free():
+    """A benchmark's third phase: prompt-heavy again, while decode drains the output-heavy
+    phase's sequences (83 % of its KV, all ending within the look-ahead). Prefill wants a third
+    replica; decode's held KV alone says it needs both of its own."""
+    p = prefill(queued=1500)  # need 3: the queue drains in half the TTFT target
+    draining = _draining(((200, 11),) * 15)
+    assert prefill_need(p, CONFIG) == pytest.approx(3.0)
+
+    def decisions(config: PolicyConfig) -> list:
+        state, out = PolicyState(), []
+        for t in range(0, 12, 2):
+            d = decide(p, draining, config, state, float(t))
+            state = d.state
+            out.append(d)
+        return out
+
+    ahead = decisions(CONFIG)
+    assert [(d.prefill, d.decode) for d in ahead if d.changed] == [(3, 1)]
+    # decode's need is now its TPOT's (30 ms of 50, on 2 replicas), not the KV about to be freed
+    assert next(d for d in ahead if d.changed).decode_need == pytest.approx(2 * 0.03 / 0.05)
+    held = decisions(replace(CONFIG, kv_look_ahead_s=0))
+    assert not any(d.changed for d in held) and held[-1].decode_need > 2.0
+
+
+def test_signals_pool_the_replicas_running_sequences():
+    reader = SignalReader()
+    p = [_replica("p1")]
+    d = [
+        _replica("d1", num_running=2, running_left=[[10, 3], [400, 5]]),
+        _replica("d2", num_running=1, running_left=[[7, 2]]),
+    ]
+    _, got = reader.read(0.0, p, d, 1, 2)
+    assert got.running_left == ((10, 3), (400, 5), (7, 2)) and got.total_blocks == 200
+    older = [d[0], _replica("d2", num_running=1)]  # a replica that does not report them
+    _, partial = reader.read(2.0, p, older, 1, 2)
+    assert partial.running_left is None

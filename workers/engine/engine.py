@@ -228,6 +228,13 @@ class LLMEngine:
             prefill_tokens_computed=self.prefill_tokens_computed,
             decode_tokens=self.decode_tokens,
             decode_token_s=self.decode_token_s,
+            running_left=tuple(
+                (
+                    max(0, min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)),
+                    len(seq.block_table),
+                )
+                for seq in sched.running
+            ),
         )
 
     def take_events(self) -> list[KVEvent]:
