@@ -28,7 +28,10 @@ from deploy.pools.autoscaling import (
     prefill_need,
     ttft_need,
 )
+from deploy.pools.autoscaling_signals import RATE_SMOOTHING as A
 from deploy.pools.autoscaling_signals import SignalReader
+
+B = 1 - A  # the previous smoothed rate's weight
 
 CONFIG = PolicyConfig(
     max_total_replicas=4,
@@ -536,22 +539,22 @@ def test_decode_inflow_comes_from_prefills_hand_overs_and_decodes_finished_seque
     reader.read(0.0, p(0, 0, 0), d(0, 0), 1, 1)
     # 4 hand-overs in 2 s, each asking for 512 tokens; nothing finished yet: expect all 512
     _, first = reader.read(2.0, p(2, 4, 2048), d(0, 0), 1, 1)
-    assert first.inflow_seqs_per_s == pytest.approx(0.3 * 2.0)  # smoothed from 0
+    assert first.inflow_seqs_per_s == pytest.approx(A * 2.0)  # smoothed from 0
     assert first.expected_output_tokens == pytest.approx(512.0)
     assert (first.inflow_prompt_tokens, first.blocks_per_replica, first.block_size) == (64.0, 448, 16)
     # sequences finished having used a quarter of their max_tokens (a chat asking for the whole context)
     _, second = reader.read(4.0, p(4, 8, 4096), d(256, 1024), 1, 1)
-    assert second.inflow_seqs_per_s == pytest.approx(0.3 * 2.0 + 0.7 * 0.6)
+    assert second.inflow_seqs_per_s == pytest.approx(A * 2.0 + B * (A * 2.0))
     assert second.expected_output_tokens == pytest.approx(128.0)
     # an interval with no hand-over: the inflow decays, its mean max_tokens stays
     _, third = reader.read(6.0, p(6, 8, 4096), d(256, 1024), 1, 1)
     assert third.expected_output_tokens == pytest.approx(128.0)
-    assert third.inflow_seqs_per_s == pytest.approx(0.7 * second.inflow_seqs_per_s)
+    assert third.inflow_seqs_per_s == pytest.approx(B * second.inflow_seqs_per_s)
     # a shift to 16-token requests moves max_tokens/s and hand-overs/s alike: the mean falls
     # gradually, so rate x max_tokens is the smoothed max_tokens/s (not a lagging rate x 16)
     _, fourth = reader.read(8.0, p(8, 12, 4096 + 64), d(256, 1024), 1, 1)
-    rate = 0.3 * 2.0 + 0.7 * third.inflow_seqs_per_s
-    tokens = 0.3 * 32.0 + 0.7 * (0.7 * (0.3 * 1024 + 0.7 * 0.3 * 1024))
+    rate = A * 2.0 + B * third.inflow_seqs_per_s
+    tokens = A * 32.0 + B * (B * (A * 1024 + B * A * 1024))
     assert fourth.inflow_seqs_per_s == pytest.approx(rate)
     assert fourth.expected_output_tokens == pytest.approx(tokens / rate * 0.25)
 
@@ -651,12 +654,12 @@ def test_prefill_arrivals_count_requests_as_they_start_with_their_lengths_spread
     assert first.arrivals_per_s == 0.0 and first.prompt_tokens_cv2 == 1.0
     # 2 s: 2 prompts of 2048 and 2 of 64 arrived (none finished: a saturated pool still reads them)
     second, _ = reader.read(2.0, p(4, 2 * 2048 + 2 * 64, 2 * 2048**2 + 2 * 64**2), d, 1, 1)
-    assert second.arrivals_per_s == pytest.approx(0.3 * 2.0)
+    assert second.arrivals_per_s == pytest.approx(A * 2.0)
     assert second.mean_prompt_tokens == pytest.approx(1056.0)
     assert second.prompt_tokens_cv2 == pytest.approx((2048**2 + 64**2) / 2 / 1056**2 - 1)
     # then 4 prompts of 64 tokens in 2 s: smoothed alike, the mean and the spread follow
     third, _ = reader.read(4.0, p(8, 2 * 2048 + 6 * 64, 2 * 2048**2 + 6 * 64**2), d, 1, 1)
-    n, tokens, sq = 0.3 * 2.0 + 0.7 * 0.6, 0.3 * 128 + 0.7 * (0.3 * 2112), 0.3 * 8192 + 0.7 * (0.3 * 4198400)
+    n, tokens, sq = A * 2.0 + B * (A * 2.0), A * 128 + B * (A * 2112), A * 8192 + B * (A * 4198400)
     assert third.arrivals_per_s == pytest.approx(n) and third.mean_prompt_tokens == pytest.approx(tokens / n)
     assert third.prompt_tokens_cv2 == pytest.approx(sq / n / (tokens / n) ** 2 - 1)
 
