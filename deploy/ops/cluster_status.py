@@ -50,10 +50,8 @@ class PoolReader:
             self.directory = await asyncio.to_thread(worker_directory.get_or_create, self.app_name)
         ids, addresses = await asyncio.gather(
             asyncio.to_thread(replica_ids, self.app_name, deployment),
-            worker_directory.lookup(self.directory, deployment),
+            self._lookup(deployment),
         )
-        if addresses is None:
-            self.directory = None  # look it up again next time (an ingress recreates it)
 
         async def one(replica_id: str) -> dict[str, Any]:
             address = (addresses or {}).get(replica_id)
@@ -70,6 +68,13 @@ class PoolReader:
                 return {"worker_id": replica_id, "healthy": False, "error": f"{type(exc).__name__}: {exc}"[:200]}
 
         return list(await asyncio.gather(*(one(i) for i in ids)))
+
+    async def _lookup(self, deployment: str) -> dict | None:
+        try:
+            return await worker_directory.lookup(self.directory, deployment)
+        except worker_directory.DirectoryGone:
+            self.directory = None  # dead: looked up (or made) again next time; a slow one is kept
+            return None
 
     async def read_all(self, names: list[str]) -> dict[str, list[dict[str, Any]]]:
         return dict(zip(names, await asyncio.gather(*(self.read(n) for n in names))))

@@ -120,12 +120,26 @@ class Registration:
                 )
 
 
+class DirectoryGone(Exception):
+    """The directory's actor is dead: look it up (or make it) again."""
+
+
 async def lookup(directory, deployment: str) -> dict[str, TransferAddress] | None:
-    """``deployment``'s registered workers, or None when the directory cannot be read."""
+    """``deployment``'s registered workers, or None when the directory did not answer (a
+    timeout: a directory just made may still be starting its process). Raises
+    ``DirectoryGone`` only when its actor is dead.
+
+    A caller keeps its handle on None: the directory is a named actor that lives as long as its
+    creator's handle, so a creator that dropped its handle on a slow answer killed it. On a busy
+    2-core machine a new directory's process took longer than the 5 s deadline to start; its
+    creator dropped it, the next reader made another, and the pd autoscaler read no replica
+    for the first 60 s of a benchmark run (23 directories made and killed in that minute)."""
     if directory is None:
         return None
     try:
         return await asyncio.wait_for(directory.lookup.remote(deployment), CALL_TIMEOUT_S)
+    except ray.exceptions.ActorDiedError as exc:
+        raise DirectoryGone(str(exc)[:200]) from exc
     except Exception as exc:  # noqa: BLE001 - shown as such by the caller
         logger.debug("worker directory lookup failed: %s", exc)
         return None
