@@ -151,7 +151,7 @@ class WorkerStats:
             "prefill_tokens_computed": state.prefill_tokens_computed,
             "decode_tokens": state.decode_tokens,
             "decode_token_s": state.decode_token_s,
-            "running_left": [list(pair) for pair in state.running_left],
+            "running_left": [list(pair) for pair in engine.running_left()],
             "prefix_queries": state.prefix_queries,
             "prefix_hits": state.prefix_hits,
             "cached_blocks": state.num_cached_blocks,

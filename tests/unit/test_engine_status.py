@@ -243,12 +243,12 @@ def test_the_scheduler_refuses_a_move_outside_its_transitions():
     bm.check_idle()
 
 
-def test_stats_give_each_running_sequences_tokens_left_and_blocks(engine):
+def test_each_running_sequences_tokens_left_and_blocks(engine):
     engine.add_request("a", PROMPT, greedy(10))
     engine.add_request("b", PROMPT[:20], greedy(3))
-    assert engine.stats().running_left == ()  # waiting: nothing runs yet
+    assert engine.running_left() == []  # waiting: nothing runs yet
     engine.step()  # both prompts computed, each its first token
-    left = dict(zip(("a", "b"), engine.stats().running_left, strict=True))
+    left = dict(zip(("a", "b"), engine.running_left(), strict=True))
     assert left == {"a": (9, 3), "b": (2, 2)}  # 40 + 1 tokens in 3 blocks of 16; 20 + 1 in 2
     run(engine)
-    assert engine.stats().running_left == ()
+    assert engine.running_left() == []

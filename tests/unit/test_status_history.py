@@ -268,7 +268,7 @@ def test_worker_snapshot_includes_its_pairs():
         prefix_queries=3,
         prefix_hits=1,
     )
-    engine = SimpleNamespace(stats=lambda: state)
+    engine = SimpleNamespace(stats=lambda: state, running_left=lambda: [(5, 2)])
     stats = WorkerStats("decode")
     stats.transfers += 1
     stats.peer("p1").transferred(64, 0.5)
@@ -276,6 +276,7 @@ def test_worker_snapshot_includes_its_pairs():
     assert snap["transfers"] == 1 and snap["free_blocks"] == 6 and snap["num_running"] == 1
     assert snap["kv_usage"] == 0.25 and snap["prefix_queries"] == 3 and snap["prefix_hits"] == 1
     assert snap["pairs"]["p1"]["transfer_bytes"] == 64
+    assert snap["running_left"] == [[5, 2]]
 
 
 def test_the_status_merges_every_decode_replicas_pairs():

@@ -228,14 +228,20 @@ class LLMEngine:
             prefill_tokens_computed=self.prefill_tokens_computed,
             decode_tokens=self.decode_tokens,
             decode_token_s=self.decode_token_s,
-            running_left=tuple(
-                (
-                    max(0, min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)),
-                    len(seq.block_table),
-                )
-                for seq in sched.running
-            ),
         )
+
+    def running_left(self) -> list[tuple[int, int]]:
+        """Per running sequence: (tokens it may still produce, to max_tokens or the context's
+        end; the KV blocks it holds), for an autoscaler's look-ahead at the KV that will still be
+        held. Apart from ``stats()``, which the serving loop reads after every step: this walks
+        every running sequence, and only the periodic stats read needs it."""
+        return [
+            (
+                max(0, min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)),
+                len(seq.block_table),
+            )
+            for seq in self.scheduler.running
+        ]
 
     def take_events(self) -> list[KVEvent]:
         """Block events (stored, removed, cleared) since the last call, oldest first, for the

@@ -30,9 +30,6 @@ class EngineStats:
     # (their ratio is the time per output token of the sequences decoding, since the start)
     decode_tokens: int = 0
     decode_token_s: float = 0.0
-    # per running sequence: (tokens it may still produce, to max_tokens or the context's end; the
-    # KV blocks it holds), for an autoscaler's look-ahead at the KV that will still be held
-    running_left: tuple[tuple[int, int], ...] = ()
 
     @property
     def usage(self) -> float:
