@@ -150,6 +150,14 @@ def schedule(phases: list[Phase], seed: int, vocab: int) -> list[tuple[float, st
     return plan
 
 
+def completion_body(model: str, prompt: list[int], output_len: int, stream: bool = False) -> dict:
+    """A greedy completion of exactly ``output_len`` tokens (``ignore_eos``); streamed with usage."""
+    body: dict = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    return body
+
+
 async def drive(base: str, model: str, phases: list[Phase], label: str, seed: int, vocab: int, timeout_s: float) -> Run:
     run = Run(label)
     plan = schedule(phases, seed, vocab)
@@ -161,15 +169,7 @@ async def drive(base: str, model: str, phases: list[Phase], label: str, seed: in
     async with httpx.AsyncClient(base_url=base, timeout=timeout_s, limits=limits) as client:
 
         async def one(phase_name: str, prompt: list[int], output_len: int) -> None:
-            body = {
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": output_len,
-                "ignore_eos": True,
-                "temperature": 0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
+            body = completion_body(model, prompt, output_len, stream=True)
             result = await send_request(client, COMPLETIONS, body, timeout_s)
             run.results.append((phase_name, result))
 
@@ -220,14 +220,8 @@ def warm_up(base: str, model: str, vocab: int, seed: int, timeout_s: float) -> N
     rng = random.Random(seed)
     with httpx.Client(base_url=base, timeout=timeout_s) as client:
         for prompt_len, output_len in ((2048, 16), (64, 32), (2048, 16), (64, 32)):
-            body = {
-                "model": model,
-                "prompt": [rng.randrange(10, vocab - 10) for _ in range(prompt_len)],
-                "max_tokens": output_len,
-                "ignore_eos": True,
-                "temperature": 0,
-            }
-            client.post(COMPLETIONS, json=body).raise_for_status()
+            prompt = [rng.randrange(10, vocab - 10) for _ in range(prompt_len)]
+            client.post(COMPLETIONS, json=completion_body(model, prompt, output_len)).raise_for_status()
 
 
 def settle(split: tuple[int, int], quiet_s: float, timeout_s: float) -> bool:
