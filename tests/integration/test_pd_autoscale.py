@@ -139,7 +139,10 @@ def test_pd_policy_grows_the_prefill_pool_under_prompt_load_and_logs_it(serve_cl
         "the change was not logged in the autoscaler's replica log",
     )
     # idle: back to the minimum
-    wait_for(lambda: targets(base).get("prefill") == 1, 180, "the idle prefill pool did not shrink back to 1")
+    try:
+        wait_for(lambda: targets(base).get("prefill") == 1, 180, "the idle prefill pool did not shrink back to 1")
+    except AssertionError as exc:  # say why: the autoscaler's last round (needs, signals, what held it)
+        raise AssertionError(f"{exc}; last round: {status(base)['autoscaling'].get('last')}") from None
     shrunk = status(base)["autoscaling"]["decisions"][-1]
     assert (shrunk["prefill"], shrunk["decode"]) == (1, 1)
     wait_for(lambda: len(status(base)["pools"]["prefill"]) == 1, 120, "the retired prefill replica did not stop")

@@ -34,7 +34,13 @@ class IncrementalDetokenizer:
     def __post_init__(self) -> None:
         # Seed the window with the prompt's tail so the first output token decodes in context
         # (a leading-space token after a prompt renders as a space, not stripped).
+        # A prompt that ends inside a character (its tail decodes to U+FFFD) is left out: output
+        # bytes completing that character would otherwise render the whole character in context
+        # and its replacement would vanish from the output text, which then differs from the
+        # output ids' own decoding ("\ufffdable" decoded alone, "able" after "...\xdb").
         tail = self.prompt_token_ids[-_WINDOW:]
+        if tail and self._decode(tail).endswith("\ufffd"):
+            tail = []
         self._ids = list(tail)
         self._prefix_offset = 0
         self._read_offset = len(tail)
