@@ -35,9 +35,10 @@ The policy, per decision:
 
 - prefill need (replicas, fractional) = max(queued prompt tokens / (tokens/s per replica x
   ``drain_fraction`` x TTFT target), pool prompt tokens/s / (tokens/s per replica x
-  ``utilization``), the fewest replicas at which ``ttft_quantile`` of arriving prompts wait no
+  ``utilization``), the replicas at which ``ttft_quantile`` of arriving prompts wait no
   longer than the TTFT target leaves after their own prefill, by an M/G/c queue of the recent
-  arrivals/s and mean prompt): enough replicas to drain the queue well within the TTFT target,
+  arrivals/s and mean prompt: the fewest whole replicas c that do, less how far c - 1 are from
+  it, interpolated in log scale of the late share): enough replicas to drain the queue well within the TTFT target,
   to keep up with what arrives, and to keep queueing out of the TTFT. Tokens/s per replica is
   measured while replicas are busy (a prior until then, never below what the pool computes per
   replica). While decode sequences wait for
@@ -219,9 +220,25 @@ def erlang_c(servers: int, load: float) -> float:
     return blocking / (1.0 - (load / servers) * (1.0 - blocking))
 
 
+def late_share(servers: int, arrivals_per_s: float, service_s: float, slack_s: float, spread: float) -> float:
+    """The share of arrivals that wait longer than ``slack_s`` at ``servers`` replicas: Erlang C
+    times the M/M/c wait's exponential tail, its time scaled by ``spread`` (1 when the queue
+    grows, or with no server)."""
+    load = arrivals_per_s * service_s
+    if servers < 1 or load >= servers:
+        return 1.0
+    return min(1.0, erlang_c(servers, load) * math.exp(-(servers / service_s - arrivals_per_s) * slack_s / spread))
+
+
 def ttft_need(arrivals_per_s: float, service_s: float, config: PolicyConfig, service_cv2: float = 1.0) -> float:
-    """The fewest prefill replicas at which ``ttft_quantile`` of arriving prompts start within
-    the TTFT target less their own prefill time. The pool is an M/G/c queue: Poisson arrivals,
+    """The prefill replicas at which ``ttft_quantile`` of arriving prompts start within the TTFT
+    target less their own prefill time, as a fraction: the fewest whole replicas that meet it,
+    c, less how far c - 1 replicas are from meeting it (the late share interpolated between
+    c - 1 and c in log scale; 0 replicas leave every arrival late). So c - 1 < need <= c, and the
+    need falls with the load: as a whole count, a trickle of arrivals needed exactly 1 replica,
+    and a pool of 2 never shrank (its dead band keeps 2 for a need above 0.7 x 1); an idle pool
+    held a test's second replica for minutes.
+    The pool is an M/G/c queue: Poisson arrivals,
     and the wait of an M/M/c queue (Erlang C, an exponential tail) scaled by (1 + cv²) / 2 for
     the service times' variability (Allen-Cunneen; ``service_cv2`` = the squared coefficient of
     variation of the prompts' lengths: 0 for equal prompts, whose waits are half an M/M/c's).
@@ -241,9 +258,11 @@ def ttft_need(arrivals_per_s: float, service_s: float, config: PolicyConfig, ser
     spread = (1.0 + max(0.0, service_cv2)) / 2.0
     servers = max(1, math.floor(load) + 1)
     while servers < MAX_TTFT_REPLICAS:
-        late = erlang_c(servers, load) * math.exp(-(servers / service_s - arrivals_per_s) * slack / spread)
+        late = late_share(servers, arrivals_per_s, service_s, slack, spread)
         if late <= allowed:
-            return float(servers)
+            before = late_share(servers - 1, arrivals_per_s, service_s, slack, spread)
+            short = math.log(before / allowed) / math.log(before / max(late, 1e-300))
+            return servers - 1 + min(1.0, max(0.0, short))
         servers += 1
     return float(MAX_TTFT_REPLICAS)
 

@@ -25,6 +25,7 @@ from deploy.pools.autoscaling import (
     held_need,
     inflow_need,
     kv_usage_ahead,
+    late_share,
     prefill_need,
     ttft_need,
 )
@@ -122,22 +123,47 @@ def test_prefill_is_sized_so_that_arrivals_wait_no_longer_than_the_ttft_allows()
     # equal prompts wait longer than the 0.72 s left to them, at 3 replicas 5 %
     service = 2048 / 1600
     config = replace(CONFIG, ttft_target_s=2.0)
-    assert ttft_need(1.2, service, config, service_cv2=0.0) == 3.0
+    need = ttft_need(1.2, service, config, service_cv2=0.0)
+    assert 2.0 < need <= 3.0 and follow(2, need, config.prefill, config) == 3
     p = replace(prefill(rate=1.2 * 2048, per_replica=1600.0), arrivals_per_s=1.2, mean_prompt_tokens=2048.0)
     assert 1.9 < 1.2 * 2048 / (1600 * 0.8) < 2.0  # the keep-up term alone
-    assert prefill_need(replace(p, prompt_tokens_cv2=0.0), config) == pytest.approx(3.0)
+    assert prefill_need(replace(p, prompt_tokens_cv2=0.0), config) == pytest.approx(need)
     # lengths spread like an exponential wait twice as long: one more replica
-    assert ttft_need(1.2, service, config, service_cv2=1.0) == 4.0
+    assert 3.0 < ttft_need(1.2, service, config, service_cv2=1.0) <= 4.0
     # a lighter load, a looser target, nothing arriving
-    assert ttft_need(0.1, service, config, service_cv2=0.0) == 1.0
-    assert ttft_need(0.3, service, config, service_cv2=0.0) == 2.0  # 1 replica: 19 % would wait too long
-    assert ttft_need(1.2, service, replace(config, ttft_target_s=10.0), service_cv2=0.0) == 2.0
+    assert 0.0 < ttft_need(0.1, service, config, service_cv2=0.0) <= 1.0
+    assert 1.0 < ttft_need(0.3, service, config, service_cv2=0.0) <= 2.0  # 1 replica: 19 % would wait too long
+    assert 1.0 < ttft_need(1.2, service, replace(config, ttft_target_s=10.0), service_cv2=0.0) <= 2.0
     assert ttft_need(0.0, service, config) == 0.0
     # a prompt alone takes longer than the target: no count meets it, the load at 80 % it is
     assert ttft_need(1.2, 2.5, config) == pytest.approx(1.2 * 2.5 / 0.8)
     # with decode saturated and prefill holding its KV, only what prefill computes counts
     blocked = replace(p, held_kv_fraction=0.9, prompt_tokens_cv2=0.0)
     assert prefill_need(blocked, config, decode_saturated=True) == pytest.approx(1.2 * 2048 / (1600 * 0.8))
+
+
+def test_the_ttft_need_falls_with_the_load_so_an_idle_pool_shrinks():
+    """Fractional between whole counts: c - 1 < need <= c for the fewest c replicas that meet
+    the target, rising with the arrivals, and vanishing with them. As a whole count, a trickle
+    needed exactly 1 replica, and a pool of 2 kept its second replica (a test's idle prefill pool
+    held it for minutes: arrivals read 5e-144/s, the prefill need 1.0)."""
+    service = 2048 / 1600
+    config = replace(CONFIG, ttft_target_s=2.0)
+    loads = [0.001 * 1.2**k for k in range(40)]
+    needs = [ttft_need(a, service, config, service_cv2=0.0) for a in loads]
+    assert all(b > a for a, b in zip(needs, needs[1:])), needs
+    whole = [
+        next(c for c in range(1, 64) if late_share(c, a, service, config.ttft_target_s - service, 0.5) <= 0.1)
+        for a in loads
+    ]
+    assert all(c - 1 < n <= c for c, n in zip(whole, needs)), list(zip(whole, needs))
+    assert len(set(whole)) >= 3  # the loads span several whole counts
+    trickle = ttft_need(5e-144, 320 / 10109, replace(config, ttft_target_s=0.05), service_cv2=0.0)
+    assert 0.0 < trickle < 0.05
+    assert follow(2, trickle, config.prefill, config) == 1
+    idle = replace(prefill(replicas=2, per_replica=10109.0), arrivals_per_s=5e-144, mean_prompt_tokens=320.0)
+    decisions, _ = run(idle, decode(replicas=1))
+    assert [(d.prefill, d.decode) for d in decisions if d.changed] == [(1, 1)]
 
 
 def _inflow(
