@@ -26,6 +26,7 @@ from deploy.pools.autoscaling import (
     inflow_need,
     kv_usage_ahead,
     late_share,
+    move_limit,
     prefill_need,
     ttft_need,
 )
@@ -94,7 +95,9 @@ def test_a_prefill_queue_behind_a_saturated_decode_pool_is_not_prefills_need():
         PolicyState(pending=(1, 3), pending_since=0.0),
         20.0,
     )
-    assert (decision.prefill, decision.decode, decision.changed) == (2, 2, True)  # one replica moves
+    # decode far short (need 8.4 >= 1.5 x (1 + 2)): two replicas move in one change
+    assert decision.decode_need == pytest.approx(8.44, abs=0.01)
+    assert (decision.prefill, decision.decode, decision.changed) == (1, 3, True)
     # a prefill pool with its KV free is not waiting on decode: its own queue still counts
     free = prefill(queued=30000, rate=400.0, held=0.1)
     assert prefill_need(free, CONFIG, decode_saturated=True) == pytest.approx(60.0)
@@ -290,6 +293,30 @@ def test_over_budget_a_pool_keeps_what_its_own_need_keeps_unless_the_other_is_sh
         20.0,
     )
     assert (decision.prefill, decision.decode, decision.changed) == (3, 1, True)  # need 6 on 2
+
+
+def test_a_pool_far_short_takes_two_replicas_in_one_change():
+    # a benchmark's third phase: prefill shrank to 1 in the output-heavy phase; 20k prompt tokens
+    # queue (need 6.45 >= 1.5 x (1 + 2)) while decode's 3 drain: prefill takes two at once
+    far = decide(
+        prefill(replicas=1, queued=3225, rate=1000.0),
+        decode(replicas=3, running=3, kv=0.1, tpot=0.01),
+        CONFIG,
+        PolicyState(pending=(3, 1), pending_since=0.0),
+        20.0,
+    )
+    assert far.prefill_need == pytest.approx(6.45) and (far.prefill, far.decode, far.changed) == (3, 1, True)
+    # short, but not by 1.5 x 3 replicas (need 4): one replica per change, as before
+    near = decide(
+        prefill(replicas=1, queued=2000, rate=1000.0),
+        decode(replicas=3, running=3, kv=0.1, tpot=0.01),
+        CONFIG,
+        PolicyState(pending=(2, 2), pending_since=0.0),
+        20.0,
+    )
+    assert near.prefill_need == pytest.approx(4.0) and (near.prefill, near.decode, near.changed) == (2, 2, True)
+    assert move_limit((1, 3), (3, 1), (6.45, 0.3), CONFIG) == 2 and move_limit((1, 3), (3, 1), (4.0, 0.3), CONFIG) == 1
+    assert move_limit((3, 1), (1, 3), (0.2, 6.0), CONFIG) == 2  # either pool
 
 
 def test_a_decode_pool_at_nine_tenths_of_a_replica_keeps_its_second_through_a_prompt_heavy_phase():
