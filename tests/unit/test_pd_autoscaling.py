@@ -298,22 +298,14 @@ def test_over_budget_a_pool_keeps_what_its_own_need_keeps_unless_the_other_is_sh
 def test_a_pool_far_short_takes_two_replicas_in_one_change():
     # a benchmark's third phase: prefill shrank to 1 in the output-heavy phase; 20k prompt tokens
     # queue (need 6.45 >= 1.5 x (1 + 2)) while decode's 3 drain: prefill takes two at once
-    far = decide(
-        prefill(replicas=1, queued=3225, rate=1000.0),
-        decode(replicas=3, running=3, kv=0.1, tpot=0.01),
-        CONFIG,
-        PolicyState(pending=(3, 1), pending_since=0.0),
-        20.0,
-    )
+    def third_phase(queued: int, pending: tuple[int, int]):
+        d = decode(replicas=3, running=3, kv=0.1, tpot=0.01)
+        return decide(prefill(replicas=1, queued=queued, rate=1000.0), d, CONFIG, PolicyState(pending, 0.0), 20.0)
+
+    far = third_phase(3225, (3, 1))
     assert far.prefill_need == pytest.approx(6.45) and (far.prefill, far.decode, far.changed) == (3, 1, True)
     # short, but not by 1.5 x 3 replicas (need 4): one replica per change, as before
-    near = decide(
-        prefill(replicas=1, queued=2000, rate=1000.0),
-        decode(replicas=3, running=3, kv=0.1, tpot=0.01),
-        CONFIG,
-        PolicyState(pending=(2, 2), pending_since=0.0),
-        20.0,
-    )
+    near = third_phase(2000, (2, 2))
     assert near.prefill_need == pytest.approx(4.0) and (near.prefill, near.decode, near.changed) == (2, 2, True)
     assert move_limit((1, 3), (3, 1), (6.45, 0.3), CONFIG) == 2 and move_limit((1, 3), (3, 1), (4.0, 0.3), CONFIG) == 1
     assert move_limit((3, 1), (1, 3), (0.2, 6.0), CONFIG) == 2  # either pool
