@@ -38,8 +38,8 @@ The policy, per decision:
   ``utilization``), the replicas at which ``ttft_quantile`` of arriving prompts wait no
   longer than the TTFT target leaves after their own prefill, by an M/G/c queue of the recent
   arrivals/s and mean prompt: the fewest whole replicas c that do, less how far c - 1 are from
-  it, interpolated in log scale of the late share): enough replicas to drain the queue well within the TTFT target,
-  to keep up with what arrives, and to keep queueing out of the TTFT. Tokens/s per replica is
+  it, interpolated in log scale of the late share): enough replicas to drain the queue well
+  within the TTFT target, to keep up with what arrives, and to keep queueing out of the TTFT. Tokens/s per replica is
   measured while replicas are busy (a prior until then, never below what the pool computes per
   replica). While decode sequences wait for
   blocks and prefill replicas hold half their KV or more for prompts decode has not taken, the
@@ -228,7 +228,7 @@ def late_share(servers: int, arrivals_per_s: float, service_s: float, slack_s: f
     load = arrivals_per_s * service_s
     if servers < 1 or load >= servers:
         return 1.0
-    return min(1.0, erlang_c(servers, load) * math.exp(-(servers / service_s - arrivals_per_s) * slack_s / spread))
+    return erlang_c(servers, load) * math.exp(-(servers / service_s - arrivals_per_s) * slack_s / spread)
 
 
 def ttft_need(arrivals_per_s: float, service_s: float, config: PolicyConfig, service_cv2: float = 1.0) -> float:
@@ -258,12 +258,13 @@ def ttft_need(arrivals_per_s: float, service_s: float, config: PolicyConfig, ser
     allowed = 1.0 - config.ttft_quantile
     spread = (1.0 + max(0.0, service_cv2)) / 2.0
     servers = max(1, math.floor(load) + 1)
+    before = 1.0  # the late share at servers - 1: at most the load, where the queue grows
     while servers < MAX_TTFT_REPLICAS:
         late = late_share(servers, arrivals_per_s, service_s, slack, spread)
         if late <= allowed:
-            before = late_share(servers - 1, arrivals_per_s, service_s, slack, spread)
             short = math.log(before / allowed) / math.log(before / max(late, 1e-300))
             return servers - 1 + min(1.0, max(0.0, short))
+        before = late
         servers += 1
     return float(MAX_TTFT_REPLICAS)
 
