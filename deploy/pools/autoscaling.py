@@ -167,6 +167,11 @@ class DecodeSignals:
     # the pool's blocks; None: not reported (the held KV is then taken as lasting)
     running_left: tuple[tuple[int, int], ...] | None = None
     total_blocks: int = 0
+    # a decode step's seconds = fixed + per row x its rows, fitted over the pool's recent steps;
+    # None: not fitted (too few steps, or rows that hardly varied): TPOT is taken as growing in
+    # proportion to a replica's rows
+    step_fixed_s: float | None = None
+    step_per_row_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -292,18 +297,45 @@ def kv_usage_ahead(s: DecodeSignals, config: PolicyConfig) -> float:
 
 
 def held_need(s: DecodeSignals, config: PolicyConfig) -> float:
-    """Replicas x max(TPOT / target, KV usage ahead / target), scaled by waiting / running
-    sequences."""
+    """The larger of: replicas x KV usage ahead / target, and ``tpot_need``; the first scaled by
+    waiting / running sequences (a pool with sequences waiting and none running: at least one
+    replica more)."""
     if s.running_seqs == 0 and s.waiting_seqs == 0:
         return 0.0
-    pressure = kv_usage_ahead(s, config) / config.kv_usage_target
-    if s.tpot_s is not None:
-        pressure = max(pressure, s.tpot_s / config.tpot_target_s)
-    if s.waiting_seqs and s.running_seqs:
-        pressure *= (s.running_seqs + s.waiting_seqs) / s.running_seqs
-    elif s.waiting_seqs:
-        pressure = max(pressure, 1.0 + config.up_tolerance + 1e-9)  # nothing runs yet: at least one more
-    return s.replicas * pressure
+    if not s.running_seqs:
+        pressure = kv_usage_ahead(s, config) / config.kv_usage_target
+        if s.tpot_s is not None:
+            pressure = max(pressure, s.tpot_s / config.tpot_target_s)
+        return s.replicas * max(pressure, 1.0 + config.up_tolerance + 1e-9)  # nothing runs yet
+    kv = s.replicas * kv_usage_ahead(s, config) / config.kv_usage_target
+    return max(kv * (s.running_seqs + s.waiting_seqs) / s.running_seqs, tpot_need(s, config))
+
+
+def tpot_need(s: DecodeSignals, config: PolicyConfig) -> float:
+    """The replicas at which decode's TPOT, with its running and waiting sequences spread over
+    them, meets the target, as a fraction. A step lasts ``fixed + per_row x rows`` (the pool's
+    fitted ``step_fixed_s``, ``step_per_row_s``); the measured TPOT, at running / replicas rows
+    each, scales by that line's ratio at the rows c replicas would run: solved for c, TPOT(c) =
+    target. Without a fit (or a fixed part of 0) this is replicas x TPOT / target x (running +
+    waiting) / running: TPOT in proportion to the rows, a CPU's matmuls. A step's fixed part
+    (weights read once per step on an accelerator, Python overhead) does not shrink with fewer
+    rows: in a benchmark's prompt-heavy phase two decode replicas ran 3 sequences at a TPOT of
+    58 ms (target 100) on an emulated step of 50 ms + 2 ms per 1000 context tokens, and the
+    proportional rule read a need of 1.16 that kept both, while one replica would have run all
+    three at about 62 ms. When the fixed part alone reaches the target no count meets it: the
+    proportional rule's need then (more than the replicas there are)."""
+    if s.tpot_s is None or s.running_seqs <= 0:
+        return 0.0
+    rows = s.running_seqs + s.waiting_seqs
+    proportional = s.replicas * s.tpot_s / config.tpot_target_s * rows / s.running_seqs
+    fixed, per_row = s.step_fixed_s, s.step_per_row_s
+    if fixed is None or per_row is None or fixed <= 0 or per_row <= 0 or s.replicas <= 0:
+        return proportional
+    # the fitted step at today's rows, scaled to the measured TPOT: the TPOT target in the line's units
+    reach = config.tpot_target_s / s.tpot_s * (fixed + per_row * s.running_seqs / s.replicas)
+    if reach <= fixed:
+        return proportional
+    return per_row * rows / (reach - fixed)
 
 
 def inflow_need(s: DecodeSignals, config: PolicyConfig) -> float:
@@ -508,6 +540,12 @@ def describe(decision: Decision, prefill: PrefillSignals, decode: DecodeSignals,
     """The operator's line for a change: new counts and the signals that caused them."""
     rate = prefill.tokens_per_s_per_replica
     tpot = "-" if decode.tpot_s is None else f"{decode.tpot_s * 1000:.0f} ms"
+    step = ""
+    if decode.step_fixed_s is not None and decode.step_per_row_s is not None:
+        step = (
+            f"; a step {decode.step_fixed_s * 1000:.1f} + {decode.step_per_row_s * 1000:.2f} ms a row, "
+            f"need {tpot_need(decode, config):.2f}"
+        )
     inflow = ""
     if decode.inflow_seqs_per_s > 0:
         inflow = (
@@ -525,6 +563,6 @@ def describe(decision: Decision, prefill: PrefillSignals, decode: DecodeSignals,
         f"{'prior ' if rate is None else ''}{rate or config.prefill_tokens_per_s:.0f} tok/s per replica, "
         f"need {decision.prefill_need:.2f} | decode: {decode.running_seqs} running, {decode.waiting_seqs} waiting, "
         f"KV {decode.kv_usage:.0%} ({kv_usage_ahead(decode, config):.0%} in {config.kv_look_ahead_s:g} s), "
-        f"TPOT {tpot} (target {config.tpot_target_s * 1000:.0f} ms), "
+        f"TPOT {tpot} (target {config.tpot_target_s * 1000:.0f} ms{step}), "
         f"{inflow}need {decision.decode_need:.2f}"
     )

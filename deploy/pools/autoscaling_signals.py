@@ -26,6 +26,9 @@ status`` shows) two samples at a time: rates are the counters' deltas over the i
   produced tokens, smoothed and kept while none do (how long a handed-over sequence stays, per
   token), and the overhead of a stay: the seconds finished sequences held decode's KV over the
   last ``USED_WINDOW`` reads, less their tokens x that TPOT, per sequence.
+- decode's step line: a step's seconds = fixed + per row x rows, least squares over the steps
+  of recent reads (the engine's ``decode_steps``, ``decode_step_s``, ``decode_rows_sq`` with
+  its rows and row-seconds; each read's sums fading), for the TPOT a different count would see.
 """
 
 from __future__ import annotations
@@ -45,6 +48,13 @@ INFLOW_SMOOTHING = 0.3  # weight of the newest interval in decode's residency TP
 # 15-25 s of a 75 s phase (a benchmark's rounds: 0.29, 0.52, 0.71, 0.82, 0.95 req/s read 3 s
 # apart for 1.2 arriving).
 RATE_SMOOTHING = 0.6
+# Weight of each earlier read in the decode step fit's sums (older reads fade by this factor a
+# read: reads 2 s apart weigh half after about 4 s), and the least the fit needs: steps, and a
+# variance of their rows (a pool whose steps all ran the same rows says nothing of the slope)
+FIT_DECAY = 0.7
+FIT_MIN_STEPS = 20
+FIT_MIN_ROWS_VAR = 0.2
+FIT_SUMS = ("decode_steps", "decode_tokens", "decode_step_s", "decode_token_s", "decode_rows_sq")
 USED_WINDOW = 30  # reads over which finished sequences' produced / max_tokens is summed
 # prefill's counters read as smoothed rates: arrivals (as requests start) and hand-overs to decode
 SMOOTHED = (
@@ -75,6 +85,7 @@ class SignalReader:
     _stays: deque = field(default_factory=lambda: deque(maxlen=USED_WINDOW))
     _blocks_per_replica: int = 0
     _tpot: float | None = None  # decode's TPOT, smoothed, kept while no sequence runs
+    _fit: dict[str, float] = field(default_factory=dict)  # FIT_SUMS over decode's recent reads, fading
 
     def read(
         self,
@@ -248,6 +259,7 @@ class SignalReader:
         if flowing_weight:  # a stalled or draining interval says nothing about how long sequences stay
             a, tpot = INFLOW_SMOOTHING, flowing / flowing_weight
             self._tpot = tpot if self._tpot is None else a * tpot + (1 - a) * self._tpot
+        fixed, per_row = self._step_fit(now, replicas)
         share = self.used_share()
         prompt = self.per("handed_over_prompt_tokens", "handed_over")  # 0: a prefill without these counters
         left = None  # every replica's running sequences (tokens left, blocks held); None: one did not say
@@ -271,4 +283,29 @@ class SignalReader:
             block_size=self.block_size,
             running_left=left,
             total_blocks=sum(r.get("total_blocks", 0) for r in replicas),
+            step_fixed_s=fixed,
+            step_per_row_s=per_row,
         )
+
+    def _step_fit(self, now: float, replicas: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+        """A decode step's (fixed seconds, seconds per row), least squares over the steps the
+        pool ran in recent reads (each read's sums fading by ``FIT_DECAY``); (None, None) without
+        enough steps or spread in their rows, or from replicas that do not count them. A slope
+        that comes out negative (noise) is 0; an intercept below 0, a line through the origin."""
+        if not all("decode_steps" in r for r in replicas):
+            return None, None
+        for key in FIT_SUMS:
+            self._fit[key] = FIT_DECAY * self._fit.get(key, 0.0) + self._sum_deltas(now, replicas, key)[0]
+        n, sx, sy = self._fit["decode_steps"], self._fit["decode_tokens"], self._fit["decode_step_s"]
+        sxy, sxx = self._fit["decode_token_s"], self._fit["decode_rows_sq"]
+        if n < FIT_MIN_STEPS:
+            return None, None
+        mean_x, mean_y = sx / n, sy / n
+        var_x = sxx / n - mean_x * mean_x
+        if var_x < FIT_MIN_ROWS_VAR:
+            return None, None
+        per_row = max(0.0, (sxy / n - mean_x * mean_y) / var_x)
+        fixed = mean_y - per_row * mean_x
+        if fixed < 0:
+            return 0.0, sy / sx if sx else None
+        return fixed, per_row

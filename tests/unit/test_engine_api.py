@@ -107,6 +107,13 @@ def test_step_wise_interface_and_abort_free_blocks(engine):
     decoded = after.decode_tokens - before.decode_tokens
     assert decoded == len(seen["a"]) + len(seen["b"]) - 2
     assert 0 < after.decode_token_s - before.decode_token_s <= decoded * (after.busy_s - before.busy_s)
+    # the step-time fit's sums: steps with decode rows (at most 2 rows here), their seconds, rows²
+    steps = after.decode_steps - before.decode_steps
+    step_s = after.decode_step_s - before.decode_step_s
+    assert decoded / 2 <= steps <= decoded
+    assert decoded <= after.decode_rows_sq - before.decode_rows_sq <= 2 * decoded
+    assert 0 < step_s <= after.busy_s - before.busy_s
+    assert step_s <= after.decode_token_s - before.decode_token_s <= 2 * step_s
     assert engine.abort("a")
     assert not engine.abort("a")
     assert not engine.has_unfinished()

@@ -28,6 +28,7 @@ from deploy.pools.autoscaling import (
     late_share,
     move_limit,
     prefill_need,
+    tpot_need,
     ttft_need,
 )
 from deploy.pools.autoscaling_signals import RATE_SMOOTHING as A
@@ -798,6 +799,66 @@ def test_decode_tpot_is_the_engines_step_seconds_per_token():
     old.read(0.0, p, legacy(0), 1, 1)
     _, before = old.read(2.0, p, legacy(16), 1, 1)
     assert before.tpot_s == pytest.approx(0.25)
+
+
+def test_decode_step_line_is_fitted_from_the_engines_step_sums():
+    """Two replicas' steps, 30 ms + 4 ms a row, at 1 to 4 rows: the fit recovers the line; steps
+    that all ran the same rows, or too few of them, give none."""
+    reader = SignalReader()
+    p = [_replica("p1")]
+
+    def sums(rows_by_step: list[int]) -> dict:
+        took = [0.030 + 0.004 * r for r in rows_by_step]
+        return {
+            "decode_steps": len(rows_by_step),
+            "decode_tokens": sum(rows_by_step),
+            "decode_step_s": sum(took),
+            "decode_token_s": sum(t * r for t, r in zip(took, rows_by_step)),
+            "decode_rows_sq": sum(r * r for r in rows_by_step),
+        }
+
+    def d(a: list[int], b: list[int]) -> list[dict]:
+        return [_replica("d1", num_running=2, **sums(a)), _replica("d2", num_running=2, **sums(b))]
+
+    reader.read(0.0, p, d([], []), 1, 2)
+    _, got = reader.read(2.0, p, d([1, 2] * 10, [3, 4] * 10), 1, 2)
+    assert got.step_fixed_s == pytest.approx(0.030) and got.step_per_row_s == pytest.approx(0.004)
+    # equal rows say nothing of the slope
+    flat = SignalReader()
+    flat.read(0.0, p, d([], []), 1, 2)
+    _, none = flat.read(2.0, p, d([2] * 20, [2] * 20), 1, 2)
+    assert none.step_fixed_s is None and none.step_per_row_s is None
+    few = SignalReader()
+    few.read(0.0, p, d([], []), 1, 2)
+    _, none = few.read(2.0, p, d([1, 2], [3, 4]), 1, 2)
+    assert none.step_fixed_s is None
+    # replicas that do not count steps: no fit
+    assert SignalReader().read(0.0, p, [_replica("d1")], 1, 1)[1].step_per_row_s is None
+
+
+def test_decode_tpot_need_keeps_a_steps_fixed_part_at_fewer_replicas():
+    """A benchmark's prompt-heavy phase: 2 decode replicas ran 3 sequences at a TPOT of 58 ms
+    (target 100) on a step of 50 ms + 4 ms a row. In proportion to the rows that read 1.16
+    replicas, and kept both; by the step's line one replica runs all three at about 62 ms."""
+    c = replace(CONFIG, tpot_target_s=0.1)
+    s = decode(replicas=2, running=3, tpot=0.058)
+    assert tpot_need(s, c) == pytest.approx(2 * 0.058 / c.tpot_target_s)  # no line: in proportion
+    fitted = replace(s, step_fixed_s=0.050, step_per_row_s=0.004)
+    reach = c.tpot_target_s / 0.058 * (0.050 + 0.004 * 1.5)
+    assert tpot_need(fitted, c) == pytest.approx(0.004 * 3 / (reach - 0.050))
+    assert tpot_need(fitted, c) < 0.3 and held_need(fitted, c) < 0.3
+    # the line predicts the measured TPOT back at today's count: a need of exactly the replicas
+    # at a TPOT of exactly the target
+    at_target = replace(fitted, tpot_s=c.tpot_target_s)
+    assert tpot_need(at_target, c) == pytest.approx(2.0)
+    # a CPU's step (no fixed part) is the proportional rule; waiting sequences count as rows
+    cpu = replace(s, waiting_seqs=3, step_fixed_s=0.0, step_per_row_s=0.02)
+    assert tpot_need(cpu, c) == pytest.approx(2 * 0.58 * 6 / 3)
+    # a fixed part that alone misses the target: no count meets it, the proportional need grows the pool
+    slow = replace(s, tpot_s=0.2, step_fixed_s=0.15, step_per_row_s=0.01)
+    assert tpot_need(slow, c) == pytest.approx(2 * 2.0) and follow(2, tpot_need(slow, c), CONFIG.decode, c) > 2
+    # nothing runs: no TPOT need
+    assert tpot_need(decode(replicas=2, waiting=2, tpot=0.05), c) == 0.0
 
 
 def test_a_pool_not_read_adds_no_round_and_a_landing_accrues_no_delay():

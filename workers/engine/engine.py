@@ -154,6 +154,11 @@ class LLMEngine:
         self.prefill_tokens_computed = 0  # prompt tokens those steps computed (EngineStats)
         self.decode_tokens = 0  # tokens of decode rows, and their steps' seconds per token (EngineStats)
         self.decode_token_s = 0.0
+        # steps with decode rows, their seconds and their rows squared: with the two above, the
+        # sums a least-squares fit of step time against rows needs (EngineStats)
+        self.decode_steps = 0
+        self.decode_step_s = 0.0
+        self.decode_rows_sq = 0
         compiled = (
             None
             if cfg.enforce_eager
@@ -228,6 +233,9 @@ class LLMEngine:
             prefill_tokens_computed=self.prefill_tokens_computed,
             decode_tokens=self.decode_tokens,
             decode_token_s=self.decode_token_s,
+            decode_steps=self.decode_steps,
+            decode_step_s=self.decode_step_s,
+            decode_rows_sq=self.decode_rows_sq,
         )
 
     def running_left(self) -> list[tuple[int, int]]:
@@ -452,8 +460,13 @@ class LLMEngine:
         took = time.monotonic() - started
         self.busy_seconds += took
         self.prefill_tokens_computed += prefill_tokens
-        self.decode_tokens += len(out.decodes)
-        self.decode_token_s += took * len(out.decodes)
+        rows = len(out.decodes)
+        self.decode_tokens += rows
+        self.decode_token_s += took * rows
+        if rows:
+            self.decode_steps += 1
+            self.decode_step_s += took
+            self.decode_rows_sq += rows * rows
         for seq, first, scored in prompt:
             seq.prompt_logprobs[first + 1 :] = scored  # position p scores entry p + 1
         for item in out.decodes + out.prefills:

@@ -30,6 +30,11 @@ class EngineStats:
     # (their ratio is the time per output token of the sequences decoding, since the start)
     decode_tokens: int = 0
     decode_token_s: float = 0.0
+    # steps that ran decode rows, their seconds, and their rows squared, since the start: with the
+    # two above, the sums of a least-squares fit of a step's time against its rows
+    decode_steps: int = 0
+    decode_step_s: float = 0.0
+    decode_rows_sq: int = 0
 
     @property
     def usage(self) -> float:
