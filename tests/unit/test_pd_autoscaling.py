@@ -15,6 +15,7 @@ from deploy.pools.autoscaling import (
     PolicyState,
     PoolBounds,
     PrefillSignals,
+    ahead_need,
     decide,
     decode_need,
     describe,
@@ -199,10 +200,18 @@ def test_decode_need_counts_what_prefill_hands_over_before_decode_holds_it():
     assert inflow_need(_inflow(residency=0.01), CONFIG) == pytest.approx(expected / 5)
     loose = replace(CONFIG, tpot_target_s=5.0)  # a loose target sizes nothing
     assert inflow_need(_inflow(), loose) == pytest.approx(expected)
-    # the larger of held and inflow
+    # the KV held 10 s from now: what runs now still holds then (no report of it: all of it)
+    # plus the inflow that arrives meanwhile and stays (a stay is 511 x 50 ms = 25.55 s: 10 / 25.55
+    # of its steady need); more than either alone
     busy = _inflow(running=40, kv=0.9, tpot=0.05)
     assert held_need(busy, CONFIG) == pytest.approx(2.25) and inflow_need(busy, CONFIG) < 2.25
-    assert decode_need(busy, CONFIG) == pytest.approx(2.25)
+    assert ahead_need(busy, CONFIG) == pytest.approx(2.25 + expected * 10 / 25.55)
+    assert decode_need(busy, CONFIG) == pytest.approx(ahead_need(busy, CONFIG))
+    # short stays (16 tokens, 0.8 s): all of the inflow's steady need is there in 10 s
+    short = replace(busy, expected_output_tokens=16.0)
+    assert ahead_need(short, CONFIG) == pytest.approx(2.25 + inflow_need(short, CONFIG))
+    # nothing flows in: the KV ahead alone (below what is held now)
+    assert ahead_need(replace(busy, inflow_seqs_per_s=0.0), CONFIG) == pytest.approx(2.25)
     # nothing handed over, nothing known about it, or decode never ran: no inflow need
     assert inflow_need(_inflow(rate=0.0), CONFIG) == 0.0
     assert inflow_need(replace(_inflow(), blocks_per_replica=0), CONFIG) == 0.0
