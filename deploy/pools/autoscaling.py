@@ -285,9 +285,9 @@ def ahead_need(s: DecodeSignals, config: PolicyConfig) -> float:
     hold then (``kv_usage_ahead``) plus what the inflow brings in meanwhile and still holds then
     (its steady need x look-ahead / a stay, at most all of it). Either alone reads low while
     sequences end and others take their place: in a benchmark's steady mix decode's need read
-    0.30 by the KV ahead and 0.46 by the inflow, at 51 % of 2 replicas' KV; it shrank to 1 replica
-    and 10 s later held 94 % with 8 sequences waiting. (Until the TPOT need stopped over-counting,
-    its 1.12 had kept the second replica.)"""
+    0.30 by the KV ahead and 0.46 by the inflow, at 51 % of 2 replicas' KV; it shrank to 1 replica,
+    which at the next change, 67 s later, held 94 % with 8 sequences waiting. (Until the TPOT
+    need stopped over-counting, its 1.12 had kept the second replica.)"""
     inflow = inflow_need(s, config)
     if inflow > 0 and s.residency_tpot_s is not None and config.kv_look_ahead_s > 0:
         stay = s.expected_output_tokens * s.residency_tpot_s + s.residency_overhead_s
