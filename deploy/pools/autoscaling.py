@@ -317,12 +317,10 @@ def held_need(s: DecodeSignals, config: PolicyConfig) -> float:
     replica more)."""
     if s.running_seqs == 0 and s.waiting_seqs == 0:
         return 0.0
-    if not s.running_seqs:
-        pressure = kv_usage_ahead(s, config) / config.kv_usage_target
-        if s.tpot_s is not None:
-            pressure = max(pressure, s.tpot_s / config.tpot_target_s)
-        return s.replicas * max(pressure, 1.0 + config.up_tolerance + 1e-9)  # nothing runs yet
     kv = s.replicas * kv_usage_ahead(s, config) / config.kv_usage_target
+    if not s.running_seqs:  # nothing runs yet: at least one replica more
+        tpot = 0.0 if s.tpot_s is None else s.replicas * s.tpot_s / config.tpot_target_s
+        return max(kv, tpot, s.replicas * (1.0 + config.up_tolerance + 1e-9))
     return max(kv * (s.running_seqs + s.waiting_seqs) / s.running_seqs, tpot_need(s, config))
 
 
