@@ -64,6 +64,19 @@ def to_chunk(
     )
 
 
+class DecodeRetiring(RuntimeError):
+    """The decode replica ``worker_id`` is being stopped (a scale-down) and ended this stream
+    early: the ingress resumes the request on another decode replica from its prompt and the
+    tokens already sent, as it does for a replica that died."""
+
+    def __init__(self, message: str, worker_id: str = "") -> None:
+        super().__init__(message, worker_id)  # both in args: Ray pickles the error by them
+        self.worker_id = worker_id
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class ColocatedWorker:
     """One engine doing prefill and decode: the baseline, and the fast path for a decode worker
     that already holds nearly all of a prompt."""
@@ -129,12 +142,39 @@ class DecodeWorker(ColocatedWorker):
         self.kv_wait_s = KV_WAIT_S if kv_wait_s is None else kv_wait_s
         self._kv_waiters = asyncio.Lock()  # FIFO: prompts waiting for KV room take it in order
         self._receivers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-recv")
+        self.retiring = False
+
+    def _retiring(self, request_id: str) -> DecodeRetiring:
+        return DecodeRetiring(
+            f"decode replica {self.worker_id} is retiring; request {request_id} resumes elsewhere", self.worker_id
+        )
+
+    def retire(self) -> int:
+        """Serve is stopping this replica: end every stream here with ``DecodeRetiring`` (each
+        aborts, which frees its blocks, and the ingress resumes it on another decode replica), and
+        refuse new ones alike. Returns how many streams it ended. Waiting the streams out held
+        the replica's budget slot for the pools' whole drain time (15 s) while a replica of the
+        other pool waited for it: in a benchmark's prompt-heavy third phase prefill's new
+        replicas came up 25 s after the change."""
+        self.retiring = True
+        ended = self.loop.end_streams(self._retiring)
+        self.stats.retired_streams += len(ended)
+        return len(ended)
+
+    async def generate_local(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        if self.retiring:
+            raise self._retiring(request.request_id)
+        async for chunk in super().generate_local(request):
+            yield chunk
 
     async def generate(self, request: GenerateRequest, prefill: PrefillResult) -> AsyncIterator[TokenChunk]:
         """Continue a prefilled request: pull its KV (or recompute), then stream its tokens."""
         rid, handle = request.request_id, prefill.kv_handle
         if handle is None:
             raise ValueError(f"request {rid} finished at its first token: there is no KV to decode from")
+        if self.retiring:  # Serve routed it here just before it began stopping this replica
+            self._release_remote(handle)
+            raise self._retiring(rid)
         prompt = list(request.prompt_token_ids)
         params = worker_params(request)
         outputs = self.loop.attach(rid)

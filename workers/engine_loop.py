@@ -88,6 +88,14 @@ class EngineLoop:
     def detach(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
+    def end_streams(self, error: Callable[[str], BaseException]) -> list[str]:
+        """End every open stream with ``error(request_id)``: each consumer raises it and, having
+        not finished, aborts its request (which frees its blocks). Returns their request ids."""
+        ids = list(self._streams)
+        for request_id in ids:
+            self._deliver(request_id, error(request_id))
+        return ids
+
     def abort(self, request_id: str) -> concurrent.futures.Future | None:
         """Abort a request on the engine thread (frees its blocks wherever it is), without
         waiting: it runs even when the caller is being cancelled. A no-op once stopped."""

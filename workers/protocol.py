@@ -307,6 +307,8 @@ class GenerateRequest:
     cache_salt: str | None = None
     block_hashes: tuple[HashBytes, ...] = ()
     arrival_time: float = 0.0  # wall clock at the ingress, for queue-time metrics
+    # decode workers the decode router ranks last: those a continuation left because they retire
+    avoid_workers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

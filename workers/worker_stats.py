@@ -98,6 +98,7 @@ class WorkerStats:
     # decode: handed-over prompts that had to wait for KV room here, and those waiting now
     kv_waits: int = 0
     kv_waiting: int = 0
+    retired_streams: int = 0  # decode: streams ended early because Serve was stopping this replica
     # a tensor-parallel worker: bytes each rank moved (index = rank), summed over its transfers
     transfer_rank_bytes: list[int] = field(default_factory=list)
     # per peer worker id; a decode worker's peers are the prefill workers it pulls from

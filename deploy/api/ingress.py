@@ -167,6 +167,7 @@ class OpenAIIngress:
                     "prefill_retries": self.workers.prefill_retries,
                     "migrations": self.workers.migrations,
                     "failed_migrations": self.workers.failed_migrations,
+                    "retired_streams": self.workers.retired_streams,
                 },
                 "conversations": self.conversations.stats() if self.conversations is not None else None,
                 "autoscaling": await autoscaling_status(self.autoscaler),

@@ -69,6 +69,13 @@ class PoolReader:
 
         return list(await asyncio.gather(*(one(i) for i in ids)))
 
+    async def addresses(self, deployment: str) -> dict:
+        """Each registered replica's control address in ``deployment`` (empty when the worker
+        directory is not readable)."""
+        if self.directory is None:
+            self.directory = await asyncio.to_thread(worker_directory.get_or_create, self.app_name)
+        return await self._lookup(deployment) or {}
+
     async def _lookup(self, deployment: str) -> dict | None:
         try:
             return await worker_directory.lookup(self.directory, deployment)

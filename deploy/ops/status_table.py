@@ -155,6 +155,7 @@ def format_status(status: dict) -> str:
             f"routing: {routing.get('skipped_prefills', 0)} prefills skipped (decode held the prompt), "
             f"{routing.get('prefill_retries', 0)} prefills retried after their replica died, "
             f"{routing.get('migrations', 0)} decode streams resumed on another replica"
+            + (f" ({retired} handed over by retiring replicas)" if (retired := routing.get("retired_streams")) else "")
             + (f", {failed} ended after max_migrations" if failed else "")
         )
     lines += _autoscaling_lines(status.get("autoscaling"), status.get("time"))

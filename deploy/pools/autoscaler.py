@@ -43,6 +43,11 @@ TIMELINE_S = 600.0  # the targets' timeline covers the last 10 minutes
 STATS_TIMEOUT_S = 5.0
 SCALE_TIMEOUT_S = 10.0
 DEFAULT_DASHBOARD_PORT = 8265
+# After a change that shrinks decode: how long to look for the replicas Serve stops, how often,
+# and each Retire call's deadline
+RETIRE_WATCH_S = 10.0
+RETIRE_POLL_S = 0.5
+RETIRE_TIMEOUT_S = 5.0
 
 
 def policy_config(args: PDServeArgs) -> PolicyConfig:
@@ -132,6 +137,15 @@ class DashboardScaler:
             "dashboard's address (ray start --head --dashboard-port ...)"
         )
 
+    async def stopping_replicas(self, app_name: str, deployment: str) -> set[str]:
+        """Ids of ``deployment``'s replicas that Serve is stopping (``GET /api/serve/applications/``,
+        the Serve REST API's replica details)."""
+        resp = await self._client.get(f"{self.urls[0]}/api/serve/applications/")
+        resp.raise_for_status()
+        app = (resp.json().get("applications") or {}).get(app_name) or {}
+        replicas = ((app.get("deployments") or {}).get(deployment) or {}).get("replicas") or []
+        return {r["replica_id"] for r in replicas if r.get("state") == "STOPPING"}
+
 
 # On the head node: the dashboard (which it calls to set replica counts) listens there.
 @serve.deployment(
@@ -154,6 +168,7 @@ class PDAutoscaler:
         self.error: str | None = None
         self.unread: dict[str, str] = {}  # pool -> why none of its replicas answered, last round
         self._task: asyncio.Task | None = None
+        self._retiring: asyncio.Task | None = None
         self.scaler = DashboardScaler(dashboard_urls(self.args.autoscaling.dashboard_url))
         self.pool_reader = PoolReader(self.app_name, None, ControlClient("autoscaler"), timeout_s=STATS_TIMEOUT_S)
         self._ensure_running()
@@ -219,6 +234,10 @@ class PDAutoscaler:
                         self.targets[name] = count
                 self.error = None
                 logger.info("autoscaling: %s", line)
+                if decision.decode < d.replicas and self.args.max_migrations > 0:
+                    self._retiring = asyncio.get_running_loop().create_task(
+                        self._retire_stopping(d.replicas - decision.decode)
+                    )
                 self.decisions.append(
                     {
                         "time": now,
@@ -239,6 +258,39 @@ class PDAutoscaler:
         while self.timeline and self.timeline[0][0] < now - TIMELINE_S:
             self.timeline.popleft()
         return decision
+
+    async def _retire_stopping(self, count: int) -> None:
+        """Tell the ``count`` decode replicas Serve stops for a scale-down to hand their streams
+        over (``Retire`` on each one's control server; the ingress resumes each stream on another
+        decode replica, as ``max_migrations`` allows), instead of holding their budget slots while
+        their streams run out or the pools' drain time (15 s) cuts them: a benchmark's prefill
+        replicas, waiting for those slots, came up 25 s after the change. Serve picks which
+        replicas stop; the Serve REST API says which are stopping."""
+        retired: set[str] = set()
+        deadline = time.monotonic() + RETIRE_WATCH_S
+        while len(retired) < count and time.monotonic() < deadline:
+            try:
+                stopping = await self.scaler.stopping_replicas(self.app_name, "decode") - retired
+                addresses = await self.pool_reader.addresses("decode") if stopping else {}
+            except Exception as exc:  # noqa: BLE001 - they drain as before
+                logger.warning("autoscaling: cannot tell which decode replicas are stopping: %s", exc)
+                return
+            for replica_id in stopping:
+                address = addresses.get(replica_id)
+                if address is None:
+                    continue  # not registered (it never started): nothing runs there
+                retired.add(replica_id)
+                try:
+                    ended = await self.pool_reader.control.retire(address, RETIRE_TIMEOUT_S)
+                except Exception as exc:  # noqa: BLE001 - that replica drains as before
+                    logger.warning("autoscaling: decode replica %s did not take Retire: %s", replica_id, exc)
+                    continue
+                logger.info(
+                    "autoscaling: decode replica %s is stopping: %d stream(s) handed to the other decode replicas",
+                    replica_id,
+                    ended,
+                )
+            await asyncio.sleep(RETIRE_POLL_S)
 
     async def _read_pool(self, name: str) -> list[dict[str, Any]]:
         """Each live replica's figures, as the status endpoint reads them (a replica that does
@@ -269,8 +321,9 @@ class PDAutoscaler:
 
     async def __del__(self) -> None:
         """Serve's graceful stop: end the loop before the replica's executor goes."""
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._retiring):
+            if task is not None:
+                task.cancel()
 
     async def check_health(self) -> None:
         self._ensure_running()  # a loop that died of something unforeseen starts again

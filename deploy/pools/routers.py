@@ -225,4 +225,6 @@ class DecodeRouter(_IndexRouter):
         free = {r: int(r.routing_stats.get("free_blocks", 0)) for r in candidate_replicas}
         num_tokens = len(getattr(request, "prompt_token_ids", ())) + 1
         needed = -(-num_tokens // self._block_size)
-        return rank_for_decode(candidate_replicas, by_replica, free, needed)
+        ranks = rank_for_decode(candidate_replicas, by_replica, free, needed)
+        avoid = set(getattr(request, "avoid_workers", ()) or ())
+        return demote_failing(ranks, {r for r in candidate_replicas if r.replica_id.unique_id in avoid})

@@ -268,7 +268,16 @@ class DecodeServer(_WorkerServer):
         engine = self._setup(args)
         self.worker = DecodeWorker(engine, self.worker_id, transfer_config(self.args), on_step=self._on_step)
         await self._start_control()
+        self._own_control.handlers.retire = self.retire
         await self._start_publisher(engine, self.worker_id)
+
+    async def retire(self) -> int:
+        """The autoscaler's word that Serve is stopping this replica (``Retire`` on its control
+        server): hand every stream over now instead of holding the replica (and its budget slot)
+        until they finish or the drain time cuts them."""
+        ended = self.worker.retire()
+        logger.info("decode replica %s retiring: %d stream(s) handed to other decode replicas", self.worker_id, ended)
+        return ended
 
     async def generate(self, request: GenerateRequest, prefill: PrefillResult) -> AsyncIterator[TokenChunk]:
         async for chunk in self.worker.generate(request, prefill):

@@ -17,6 +17,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from deploy.api.http_errors import is_cancellation
 from deploy.api.openai_protocol import RequestError
 from deploy.args import Mode
+from workers.decode import DecodeRetiring
 from workers.protocol import GenerateRequest, PrefillResult, TokenChunk, TokenLogprobs
 from workers.transfer.control import ControlClient
 from workers.transfer.errors import KVTransferError
@@ -51,6 +52,16 @@ MAX_DECODE_WAIT_S = 120.0  # then the request fails with the decode pool's 503
 SKIP_PREFILL_FRACTION = 0.9  # decode holds this much of the prompt: it computes the rest itself
 # A worker replica's process is gone (killed, its node lost): the call did not fail on its own.
 REPLICA_DEATHS = (ray.exceptions.RayActorError,)  # ActorDiedError, ActorUnavailableError
+
+
+def retiring_worker(exc: BaseException) -> str | None:
+    """The decode worker that ended the stream early because Serve is stopping it
+    (``DecodeRetiring``, as Ray raises it: the error itself or a task error caused by it), or
+    None for any other error."""
+    for error in (exc, getattr(exc, "cause", None)):
+        if isinstance(error, DecodeRetiring):
+            return error.worker_id
+    return None
 
 
 class DecodeMigrationError(RuntimeError):
@@ -103,6 +114,7 @@ class WorkerCalls:
         self.prefill_retries = 0  # prefills re-sent to another replica after theirs died
         self.migrations = 0  # decode streams resumed on another replica
         self.failed_migrations = 0  # streams that broke once more than max_migrations allows
+        self.retired_streams = 0  # of the migrations: streams a retiring decode replica handed over
         self._background: set[asyncio.Task] = set()
 
     async def generate(self, choice: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
@@ -115,11 +127,12 @@ class WorkerCalls:
                 yield chunk
             return
         produced: list[int] = []
-        attempt, current = 0, choice
+        attempt, current, to_decode = 0, choice, False
+        avoid: tuple[str, ...] = ()
         while True:
             serving: str | None = None  # this attempt's decode replica, once its chunks name it
             try:
-                async for chunk in self._generate_once(current, allow_skip=attempt == 0):
+                async for chunk in self._generate_once(current, allow_skip=attempt == 0, to_decode=to_decode):
                     if chunk.worker_id is not None:
                         serving = chunk.worker_id
                     if attempt:  # the continuation's cache hits cover tokens the client already has
@@ -127,29 +140,52 @@ class WorkerCalls:
                     produced.extend(chunk.token_ids)
                     yield chunk
                 return
-            except REPLICA_DEATHS as exc:
-                if not produced:
+            except Exception as exc:
+                retired_from = retiring_worker(exc)
+                retiring = retired_from is not None
+                if not retiring and not isinstance(exc, REPLICA_DEATHS):
+                    raise
+                if not produced and not retiring:
                     raise  # nothing went out yet: the prefill stage retries on its own
-                if attempt >= self.max_migrations or not await self._another_decode_replica(serving):
+                if attempt >= self.max_migrations or not await self._another_decode_replica(serving or retired_from):
                     self.failed_migrations += 1
                     raise DecodeMigrationError(
-                        f"decode replica lost after {len(produced)} tokens and {attempt} migration(s) "
+                        f"decode replica {'retiring' if retiring else 'lost'} after {len(produced)} tokens and "
+                        f"{attempt} migration(s) "
                         f"(max_migrations {self.max_migrations}; another decode replica: "
                         f"{'none' if attempt < self.max_migrations else 'not tried'}): {type(exc).__name__}"
                     ) from exc
                 attempt += 1
                 self.migrations += 1
                 self.on_migration()
-                logger.warning(
-                    "request %s: decode replica lost after %d tokens (%s); resuming on another "
-                    "replica (migration %d of at most %d)",
-                    choice.request_id,
-                    len(produced),
-                    type(exc).__name__,
-                    attempt,
-                    self.max_migrations,
-                )
-                current = continuation(choice, produced, attempt, self.rehash)
+                if retiring:
+                    # a planned stop (a scale-down), not a failure: the rest goes straight to
+                    # another decode replica, which computes prompt + tokens so far itself,
+                    # rather than through a prefill pool that a scale-down is often growing for
+                    self.retired_streams += 1
+                    logger.info(
+                        "request %s: its decode replica is retiring after %d tokens; resuming on "
+                        "another decode replica (migration %d of at most %d)",
+                        choice.request_id,
+                        len(produced),
+                        attempt,
+                        self.max_migrations,
+                    )
+                else:
+                    logger.warning(
+                        "request %s: decode replica lost after %d tokens (%s); resuming on another "
+                        "replica (migration %d of at most %d)",
+                        choice.request_id,
+                        len(produced),
+                        type(exc).__name__,
+                        attempt,
+                        self.max_migrations,
+                    )
+                current = continuation(choice, produced, attempt, self.rehash) if produced else choice
+                to_decode = retiring
+                if retired_from:  # Serve stops routing to it; until the router hears, rank it last
+                    avoid += (retired_from,)
+                current = dataclasses.replace(current, avoid_workers=avoid)
 
     async def _another_decode_replica(self, lost: str | None) -> bool:
         """Whether a decode replica besides ``lost`` may take the rest: the index lists a live
@@ -166,10 +202,13 @@ class WorkerCalls:
             return len(workers) >= 2
         return any(worker_id != lost for worker_id in workers)
 
-    async def _generate_once(self, choice: GenerateRequest, allow_skip: bool) -> AsyncIterator[TokenChunk]:
-        holder = await self._decode_holding_prompt(choice) if allow_skip else None
-        if holder is not None:
-            self.skipped_prefills += 1
+    async def _generate_once(
+        self, choice: GenerateRequest, allow_skip: bool, to_decode: bool = False
+    ) -> AsyncIterator[TokenChunk]:
+        holder = await self._decode_holding_prompt(choice) if allow_skip and not to_decode else None
+        if to_decode or holder is not None:
+            if holder is not None:
+                self.skipped_prefills += 1
             # The decode router ranks the replica holding the prefix first (it looks the same
             # blocks up); if it has no room now, another computes the whole prompt itself.
             stream = self.decode.options(stream=True).generate_local.remote(choice)

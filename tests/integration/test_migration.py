@@ -5,6 +5,7 @@ seeded; a client that leaves during it aborts everything. Afterwards no replica 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -40,17 +41,22 @@ def status(base: str) -> dict:
     return httpx.get(f"{base}/v1/cluster/status", timeout=15).json()
 
 
-def kill_busy_decode_replica(base: str, timeout_s: float = 60) -> str:
-    """Kill the decode replica running a sequence now (the status endpoint says which)."""
+def busy_decode_replica(base: str, timeout_s: float = 60) -> str:
+    """The decode replica running a sequence now (the status endpoint says which)."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         busy = [r["worker_id"] for r in status(base)["pools"]["decode"] if r.get("healthy") and r["num_running"]]
         if busy:
-            victim = next(name for name in replicas(APP, "decode") if name.endswith(busy[0]))
-            kill(victim)
             return busy[0]
         time.sleep(0.1)
     raise AssertionError("no decode replica ever ran the request")
+
+
+def kill_busy_decode_replica(base: str, timeout_s: float = 60) -> str:
+    """Kill the decode replica running a sequence now."""
+    busy = busy_decode_replica(base, timeout_s)
+    kill(next(name for name in replicas(APP, "decode") if name.endswith(busy)))
+    return busy
 
 
 def assert_migrated_once(base: str, before: int) -> None:
@@ -129,6 +135,53 @@ def test_a_killed_decode_replica_is_invisible_to_a_whole_answer(two_decode_app):
     assert answer["choices"][0]["text"] == reference["choices"][0]["text"]
     assert answer["usage"]["completion_tokens"] == NEW_TOKENS
     assert_migrated_once(base, before)
+
+
+def retire_busy_decode_replica(base: str) -> tuple[str, int]:
+    """Send ``Retire`` (what the autoscaler sends a decode replica Serve is stopping) to the
+    decode replica running a sequence now, at its control address in the worker directory."""
+    from deploy.pools import directory
+    from workers.transfer.control import ControlClient
+
+    busy = busy_decode_replica(base)
+
+    async def retire() -> int:
+        address = (await directory.lookup(directory.get_or_create(APP), "decode"))[busy]
+        client = ControlClient("test")
+        try:
+            return await client.retire(address, 10.0)
+        finally:
+            await client.close()
+
+    return busy, asyncio.run(retire())
+
+
+def test_a_retiring_decode_replica_hands_its_stream_to_the_other_invisibly(two_decode_app):
+    """A scale-down's decode replica ends its streams at once instead of draining them: the stream
+    goes on on the other decode replica (which computes prompt + tokens so far itself), and the
+    client sees the same text, one response id and the same usage. The retired replica refuses
+    new work from then on; Serve would stop it, here the test does."""
+    base = two_decode_app
+    prompt = random_prompts((40,), seed=94)[0]
+    reference, _, _ = streamed(base, body(prompt, True))
+    routing = status(base)["routing"]
+    retired: list[tuple[str, int]] = []
+
+    def retire_at_fifth(count: int) -> None:
+        if count == 5:
+            retired.append(retire_busy_decode_replica(base))
+
+    text, events, usage = streamed(base, body(prompt, True), on_event=retire_at_fifth)
+    assert text == reference
+    assert len({e["id"] for e in events}) == 1
+    assert usage["completion_tokens"] == NEW_TOKENS and usage["prompt_tokens"] == len(prompt)
+    (worker_id, ended), now = retired[0], status(base)["routing"]
+    assert ended == 1
+    assert now["migrations"] == routing["migrations"] + 1
+    assert now["retired_streams"] == routing.get("retired_streams", 0) + 1
+    kill(next(name for name in replicas(APP, "decode") if name.endswith(worker_id)))
+    wait_replicas(APP, "decode", 2, base)
+    wait_idle(base)
 
 
 def test_a_client_leaving_during_a_migration_frees_everything(two_decode_app):

@@ -14,6 +14,7 @@ import ray
 from deploy.args import Mode
 from deploy.pools.worker_calls import DecodeMigrationError, WorkerCalls, continuation
 from tests.unit.engine_helpers import random_prompts
+from workers.decode import DecodeRetiring
 from workers.engine import LLMEngine, SamplingParams
 from workers.protocol import GenerateRequest, PrefillResult, TokenChunk
 
@@ -225,3 +226,60 @@ def test_without_the_index_the_continuation_is_routed_by_serve():
     calls, _ = make([3], live=None)
     chunks = run(calls, replace(CHOICE, sampling={"max_tokens": 10}))
     assert [t for c in chunks for t in c.token_ids] == SCRIPT[:10] and calls.migrations == 1
+
+
+# ------------------------------------------------------------------ a retiring decode replica
+class _RetiringStream(_Stream):
+    """Ends like a decode stream that a retiring replica cut: Ray's task error caused by
+    ``DecodeRetiring`` (``RayTaskError.cause``, as ``_relay`` passes it on)."""
+
+    def __aiter__(self):
+        return self._retire()
+
+    async def _retire(self):
+        for token in self.tokens:
+            yield TokenChunk(self.request_id, (token,), num_cached_tokens=99, worker_id=self.worker_id)
+        error = RuntimeError("ray task error")
+        error.cause = DecodeRetiring("decode replica d0 is retiring")  # type: ignore[attr-defined]
+        raise error
+
+
+def test_a_retiring_decode_replica_hands_its_stream_straight_to_another_decode_replica():
+    """A scale-down's replica ends its streams early (``DecodeRetiring``): each resumes without a
+    gap or duplicate, its continuation computed by another decode replica itself (generate_local),
+    not sent through the prefill pool again; it counts as a migration and as a retired stream."""
+    pools = FakePools(SCRIPT, [None])
+    local_calls = []
+
+    def retiring_generate(choice, result):
+        pools.calls.append(("decode", choice))
+        return _RetiringStream(choice.request_id, SCRIPT[1:5], False, "d0")
+
+    def generate_local(choice):
+        local_calls.append(choice)
+        start = len(choice.prompt_token_ids) - 3
+        return _Stream(choice.request_id, SCRIPT[start : start + choice.sampling["max_tokens"]], False, "d1")
+
+    class _Decode:
+        def options(self, stream=False):
+            return type("D", (), {"generate": _Remote(retiring_generate), "generate_local": _Remote(generate_local)})()
+
+    calls = WorkerCalls(
+        Mode.DISAGGREGATED,
+        prefill=pools.prefill,
+        decode=_Decode(),
+        index=FakeIndex(["d0", "d1"]),
+        rehash=lambda ids, salt: (),
+        max_migrations=2,
+    )
+    chunks = run(calls, CHOICE)
+    assert [t for c in chunks for t in c.token_ids] == SCRIPT[:20]
+    assert [kind for kind, _ in pools.calls] == ["prefill", "decode"]  # no second prefill
+    assert [c.prompt_token_ids for c in local_calls] == [(1, 2, 3, *SCRIPT[:5])]
+    assert local_calls[0].sampling == {"max_tokens": 15, "seed": 1, "output_position_offset": 5}
+    assert (calls.migrations, calls.retired_streams, calls.failed_migrations) == (1, 1, 0)
+    # without migrations the stream ends with the error, as a lost replica's does
+    calls.max_migrations = 0
+    pools.calls.clear()
+    with pytest.raises(DecodeMigrationError, match="decode replica retiring after 5 tokens"):
+        run(calls, CHOICE)

@@ -22,7 +22,8 @@ Deadlines and restarts:
     its end of the group are gone). The prefill side sees a restarted decode worker by its epoch:
     epochs count up from the wall clock, so a new process starts above every epoch it used.
 
-Every worker replica runs one (decode and colocated ones answer only ``Stats`` and ``Hello``):
+Every worker replica runs one (decode and colocated ones answer only ``Stats`` and ``Hello``, and
+a decode one ``Retire``: the autoscaler's word that Serve is stopping it, see ``DecodeWorker.retire``):
 the cluster status reads each replica's figures there, at the address the replica registered in
 its application's worker directory (``deploy/pools/directory.py``), again without a Serve call.
 
@@ -110,6 +111,8 @@ class ControlHandlers:
     release: Callable[[str], Awaitable[bool]] | None = None
     extend: Callable[[str, float], Awaitable[float]] | None = None
     stats: Callable[[], Awaitable[dict[str, Any]]] | None = None
+    # a decode worker that Serve is stopping: hand every stream over (returns how many)
+    retire: Callable[[], Awaitable[int]] | None = None
 
 
 class ControlServer:
@@ -141,6 +144,7 @@ class ControlServer:
             "ExtendLease": self._method(LeaseCall, self._extend),
             "Hello": self._method(Hello, self._hello),
             "Stats": self._method(Hello, self._stats),
+            "Retire": self._method(Hello, self._retire),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, methods),))
         self.port = server.add_insecure_port(f"{self.host}:0")
@@ -204,6 +208,9 @@ class ControlServer:
 
     async def _stats(self, _: Hello) -> ControlReply:
         return self._reply(True, data=await self._handler("stats")())
+
+    async def _retire(self, _: Hello) -> ControlReply:
+        return self._reply(True, value=float(await self._handler("retire")()))
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._server is not None:
@@ -296,6 +303,12 @@ class ControlClient:
         """The worker's figures (what its replica's ``stats()`` returns)."""
         reply = await self._call(address, "Stats", Hello(self.caller_id), timeout_s)
         return reply.data or {}
+
+    async def retire(self, address: TransferAddress, timeout_s: float) -> int:
+        """Tell the decode worker at ``address``, which Serve is stopping, to hand its streams
+        over (each resumes on another decode replica); returns how many it handed over."""
+        reply = await self._call(address, "Retire", Hello(self.caller_id), timeout_s)
+        return int(reply.value)
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}

@@ -1,0 +1,86 @@
+"""The pd autoscaler's scale-down of decode (deploy/pools/autoscaler.py): it finds the decode
+replicas Serve is stopping (the Serve REST API's replica states) and tells each, at its control
+address, to hand its streams over, once each; a replica it cannot reach drains as before. Stand-ins
+for the dashboard and the control client (the real ones run in tests/integration/test_migration.py
+and the autoscaling benchmark)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deploy.pools import autoscaler as autoscaler_module
+from deploy.pools.autoscaler import PDAutoscaler
+
+
+class FakeScaler:
+    """Serve marks replicas STOPPING a little after the target changes: one per poll here."""
+
+    def __init__(self, seen: list[set[str]]):
+        self.seen = seen
+        self.polls = 0
+
+    async def stopping_replicas(self, app_name, deployment):
+        assert (app_name, deployment) == ("app", "decode")
+        self.polls += 1
+        return self.seen[min(self.polls, len(self.seen)) - 1]
+
+
+class FakeControl:
+    def __init__(self, refuse=()):
+        self.retired: list[str] = []
+        self.refuse = set(refuse)
+
+    async def retire(self, address, timeout_s):
+        if address in self.refuse:
+            raise ConnectionError(f"{address} unreachable")
+        self.retired.append(address)
+        return 3
+
+
+class FakeReader:
+    def __init__(self, control):
+        self.control = control
+
+    async def addresses(self, deployment):
+        return {"r1": "addr-r1", "r2": "addr-r2", "r3": "addr-r3"}
+
+
+class _Autoscaler(PDAutoscaler.func_or_class):  # the class Serve runs, built without __init__
+    def __del__(self) -> None:  # Serve awaits the real one; nothing runs here
+        pass
+
+
+def autoscaler(seen, refuse=()) -> _Autoscaler:
+    scaler = _Autoscaler.__new__(_Autoscaler)
+    scaler.app_name = "app"
+    scaler.scaler = FakeScaler(seen)
+    scaler.pool_reader = FakeReader(FakeControl(refuse))
+    return scaler
+
+
+@pytest.fixture(autouse=True)
+def quick(monkeypatch):
+    monkeypatch.setattr(autoscaler_module, "RETIRE_POLL_S", 0.0)
+    monkeypatch.setattr(autoscaler_module, "RETIRE_WATCH_S", 0.2)
+
+
+def test_each_stopping_decode_replica_is_told_once_to_hand_over():
+    a = autoscaler([set(), {"r2"}, {"r2", "r3"}])
+    asyncio.run(a._retire_stopping(2))
+    assert a.pool_reader.control.retired == ["addr-r2", "addr-r3"]
+    assert a.scaler.polls == 3  # stops looking once both are told
+
+
+def test_a_replica_that_does_not_answer_drains_and_the_others_are_still_told():
+    a = autoscaler([{"r1", "r2"}], refuse={"addr-r1"})
+    asyncio.run(a._retire_stopping(2))
+    assert a.pool_reader.control.retired == ["addr-r2"]
+
+
+def test_the_watch_ends_when_serve_stops_fewer_replicas_than_asked():
+    a = autoscaler([{"r3"}])
+    asyncio.run(a._retire_stopping(2))
+    assert a.pool_reader.control.retired == ["addr-r3"]
+    assert a.scaler.polls > 1  # looked again until the watch ended
