@@ -67,7 +67,8 @@ def to_chunk(
 class DecodeRetiring(RuntimeError):
     """The decode replica ``worker_id`` is being stopped (a scale-down) and ended this stream
     early: the ingress resumes the request on another decode replica from its prompt and the
-    tokens already sent, as it does for a replica that died."""
+    tokens already sent, as it does for a replica that died. The replica ends the stream with a
+    ``TokenChunk`` marked ``retiring``; the ingress raises this on it."""
 
     def __init__(self, message: str, worker_id: str = "") -> None:
         super().__init__(message, worker_id)  # both in args: Ray pickles the error by them
@@ -161,11 +162,18 @@ class DecodeWorker(ColocatedWorker):
         self.stats.retired_streams += len(ended)
         return len(ended)
 
+    def _retired_chunk(self, request_id: str) -> TokenChunk:
+        return TokenChunk(request_id, (), worker_id=self.worker_id, retiring=True)
+
     async def generate_local(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         if self.retiring:
-            raise self._retiring(request.request_id)
-        async for chunk in super().generate_local(request):
-            yield chunk
+            yield self._retired_chunk(request.request_id)
+            return
+        try:
+            async for chunk in super().generate_local(request):
+                yield chunk
+        except DecodeRetiring:
+            yield self._retired_chunk(request.request_id)
 
     async def generate(self, request: GenerateRequest, prefill: PrefillResult) -> AsyncIterator[TokenChunk]:
         """Continue a prefilled request: pull its KV (or recompute), then stream its tokens."""
@@ -174,7 +182,8 @@ class DecodeWorker(ColocatedWorker):
             raise ValueError(f"request {rid} finished at its first token: there is no KV to decode from")
         if self.retiring:  # Serve routed it here just before it began stopping this replica
             self._release_remote(handle)
-            raise self._retiring(rid)
+            yield self._retired_chunk(rid)
+            return
         prompt = list(request.prompt_token_ids)
         params = worker_params(request)
         outputs = self.loop.attach(rid)
@@ -224,6 +233,9 @@ class DecodeWorker(ColocatedWorker):
                 await self.loop.call(lambda e: e.commit_remote_kv(rid, recompute=recompute))
             while True:
                 item = await outputs.get()
+                if isinstance(item, DecodeRetiring):
+                    yield self._retired_chunk(rid)  # not finished: the finally below aborts it
+                    return
                 if isinstance(item, BaseException):
                     raise item
                 self.stats.generated_tokens += len(item.new_token_ids)

@@ -329,3 +329,6 @@ class TokenChunk:
     num_cached_tokens: int = 0
     timing: dict[str, float] | None = None  # set on the last chunk: per-request phases
     worker_id: str | None = None  # the replica that produced it (the ingress knows whom it lost)
+    # the stream's last chunk from a decode replica Serve is stopping: no tokens; the rest of the
+    # request resumes elsewhere (a chunk, not an error: Serve logs a failed call's traceback)
+    retiring: bool = False

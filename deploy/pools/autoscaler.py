@@ -43,9 +43,10 @@ TIMELINE_S = 600.0  # the targets' timeline covers the last 10 minutes
 STATS_TIMEOUT_S = 5.0
 SCALE_TIMEOUT_S = 10.0
 DEFAULT_DASHBOARD_PORT = 8265
-# After a change that shrinks decode: how long to look for the replicas Serve stops, how often,
+# After a change that shrinks decode: how long to watch the replicas Serve stops (the pools'
+# drain time, deploy/builder.py's POOL_DRAIN_S: then Serve cuts their streams anyway), how often,
 # and each Retire call's deadline
-RETIRE_WATCH_S = 10.0
+RETIRE_WATCH_S = 15.0
 RETIRE_POLL_S = 0.5
 RETIRE_TIMEOUT_S = 5.0
 
@@ -70,6 +71,19 @@ def policy_config(args: PDServeArgs) -> PolicyConfig:
         move_step=a.move_step,
         take_ratio=a.take_ratio,
     )
+
+
+def held_blocks(pool: list[dict[str, Any]], worker_id: str) -> int:
+    """KV blocks a decode replica's sequences hold, as its stats said (0 if it did not answer)."""
+    for r in pool:
+        if r.get("worker_id") == worker_id and r.get("healthy"):
+            return int(r.get("total_blocks", 0)) - int(r.get("free_blocks", 0))
+    return 0
+
+
+def room_to_hand_over(pool: list[dict[str, Any]], leaving: set[str]) -> int:
+    """Free KV blocks on the decode replicas that stay (answering, not in ``leaving``)."""
+    return sum(int(r.get("free_blocks", 0)) for r in pool if r.get("healthy") and r.get("worker_id") not in leaving)
 
 
 def unread_pools(pools: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
@@ -265,20 +279,32 @@ class PDAutoscaler:
         decode replica, as ``max_migrations`` allows), instead of holding their budget slots while
         their streams run out or the pools' drain time (15 s) cuts them: a benchmark's prefill
         replicas, waiting for those slots, came up 25 s after the change. Serve picks which
-        replicas stop; the Serve REST API says which are stopping."""
+        replicas stop; the Serve REST API says which are stopping. A stopping replica is told
+        only once the decode replicas that stay have the free KV blocks its sequences hold:
+        handing 19 sequences of 512-token outputs to the one replica left (room for 12) made
+        them all wait, and both the output-heavy requests and the prompts behind them missed
+        their targets (a benchmark's phase went from 56 good requests to 18)."""
         retired: set[str] = set()
+        handed = 0  # blocks handed over so far: counted against the room until the watch ends
         deadline = time.monotonic() + RETIRE_WATCH_S
         while len(retired) < count and time.monotonic() < deadline:
             try:
                 stopping = await self.scaler.stopping_replicas(self.app_name, "decode") - retired
                 addresses = await self.pool_reader.addresses("decode") if stopping else {}
+                pool = await self.pool_reader.read("decode") if stopping else []
             except Exception as exc:  # noqa: BLE001 - they drain as before
                 logger.warning("autoscaling: cannot tell which decode replicas are stopping: %s", exc)
                 return
-            for replica_id in stopping:
+            room = room_to_hand_over(pool, stopping | retired) - handed
+            for replica_id in sorted(stopping, key=lambda r: held_blocks(pool, r)):
                 address = addresses.get(replica_id)
                 if address is None:
                     continue  # not registered (it never started): nothing runs there
+                held = held_blocks(pool, replica_id)
+                if held > room:
+                    continue  # the replicas that stay cannot hold its streams yet: they run on here
+                room -= held
+                handed += held
                 retired.add(replica_id)
                 try:
                     ended = await self.pool_reader.control.retire(address, RETIRE_TIMEOUT_S)

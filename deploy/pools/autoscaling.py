@@ -138,6 +138,9 @@ class PrefillSignals:
     arrivals_per_s: float = 0.0
     mean_prompt_tokens: float = 0.0
     prompt_tokens_cv2: float = 1.0  # squared coefficient of variation of their prompt tokens
+    # Serve's replicas of the pool are as many as the target and none is starting (None: taken as
+    # ready_replicas == replicas); a replica slow to answer a stats call is not a change landing
+    settled: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,7 @@ class DecodeSignals:
     # proportion to a replica's rows
     step_fixed_s: float | None = None
     step_per_row_s: float | None = None
+    settled: bool | None = None  # as PrefillSignals.settled
 
 
 @dataclass(frozen=True)
@@ -489,6 +493,9 @@ def decide(
     history = tuple(r for r in state.needs if now - r[0] < config.look_back_s) + ((now, *now_needs),)
     state = replace(state, needs=history)
     needs = look_back(history)
+    rise = held_rise(history, now, config.upscale_delay_s)
+    if rise is not None:  # a rise every round of the last upscale delay read: the median lags it
+        needs = (max(needs[0], rise[0]), max(needs[1], rise[1]))
     wanted = fit_budget(
         (
             follow(prefill.replicas, needs[0], config.prefill, config),
@@ -516,7 +523,7 @@ def decide(
         or _direction(state.pending, current) != _direction(wanted, current)
     ):
         pending_since = now
-    landing = prefill.ready_replicas != prefill.replicas or decode.ready_replicas != decode.replicas
+    landing = not (_settled(prefill) and _settled(decode))
     if landing and state.last_change is not None and now - state.last_change < config.landing_timeout_s:
         # the delay starts once the pools are as last set: a proposal from pools in flux is not
         # one that has held
@@ -524,6 +531,13 @@ def decide(
             "the last change is still landing (replicas starting or stopping)",
             replace(state, pending=None, pending_since=None),
         )
+    bounds = (config.prefill, config.decode)
+    if rise is not None and any(
+        wanted[i] > current[i] and follow(current[i], rise[i], bounds[i], config) >= wanted[i] for i in (0, 1)
+    ):
+        # its own need called for this growth in every round of the last upscale delay: it has
+        # held that long already
+        pending_since = min(pending_since, now - config.upscale_delay_s)
     state = replace(state, pending=wanted, pending_since=pending_since)
     if state.last_change is not None and now - state.last_change < config.cooldown_s:
         return keep(f"cooldown ({config.cooldown_s:g} s after the last change)", state)
@@ -531,6 +545,19 @@ def decide(
     if now - pending_since < delay:
         return keep(f"{'upscale' if grows else 'downscale'} delay ({delay:g} s)", state)
     return Decision(wanted[0], wanted[1], True, needs[0], needs[1], PolicyState(last_change=now, needs=history))
+
+
+def held_rise(history: tuple[tuple[float, float, float], ...], now: float, span_s: float) -> tuple[float, float] | None:
+    """Each pool's need that every round of the last ``span_s`` reached: the least need of the
+    rounds from the latest one at least ``span_s`` old through now; None while the rounds cover
+    less than ``span_s``. The look-back's median follows a rise only once it fills half the window,
+    and the upscale delay then starts: in a benchmark's third phase (prompts back after an
+    output-heavy phase) prefill's move came 14.6 s into the phase, with 20k prompt tokens queued."""
+    old = [r[0] for r in history if now - r[0] >= span_s]
+    if span_s <= 0 or not old:
+        return None
+    window = [r for r in history if r[0] >= max(old)]
+    return min(r[1] for r in window), min(r[2] for r in window)
 
 
 def look_back(history: tuple[tuple[float, float, float], ...]) -> tuple[float, float]:
@@ -542,6 +569,14 @@ def look_back(history: tuple[tuple[float, float, float], ...]) -> tuple[float, f
     stayed 2:2 for the whole phase. The median drops a lone spike and follows a load that lasts
     half the window."""
     return statistics.median(r[1] for r in history), statistics.median(r[2] for r in history)
+
+
+def _settled(s: PrefillSignals | DecodeSignals) -> bool:
+    """The pool's replicas are as last set: Serve's count of them when read (``settled``), else
+    those that answered. By the answers alone, a replica too busy to answer a stats call within
+    its deadline read as a change still landing: in a benchmark's prompt-heavy phase that reset a
+    proposal's delay on three rounds and its move came 12 s after the need had called for it."""
+    return s.settled if s.settled is not None else s.ready_replicas == s.replicas
 
 
 def _direction(proposal: tuple[int, int], current: tuple[int, int]) -> tuple[int, int]:

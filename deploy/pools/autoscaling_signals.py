@@ -34,7 +34,7 @@ status`` shows) two samples at a time: rates are the counters' deltas over the i
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from deploy.pools.autoscaling import DecodeSignals, PrefillSignals
@@ -69,6 +69,13 @@ SMOOTHED = (
 )
 
 
+def settled(replicas: list[dict[str, Any]], target: int) -> bool:
+    """A pool's replicas as read (one entry per replica Serve has, answering or not) are as many
+    as its target and none is starting (not in the worker directory yet): no change is landing.
+    A replica too busy to answer its stats call in time is not one."""
+    return len(replicas) == target and not any(r.get("starting") for r in replicas)
+
+
 @dataclass
 class SignalReader:
     """Keeps the previous sample of each replica; ``read`` turns a new one into signals."""
@@ -101,7 +108,7 @@ class SignalReader:
         p = self._prefill(now, live_p, prefill_target)
         d = self._decode(now, live_d, decode_target)
         self._previous = {r["worker_id"]: (now, r) for r in live_p + live_d}
-        return p, d
+        return replace(p, settled=settled(prefill, prefill_target)), replace(d, settled=settled(decode, decode_target))
 
     def _delta(self, now: float, r: dict[str, Any], key: str) -> tuple[float, float] | None:
         """(counter delta, seconds) since this replica's previous sample; None for a new replica.

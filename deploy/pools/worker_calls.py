@@ -132,13 +132,18 @@ class WorkerCalls:
         while True:
             serving: str | None = None  # this attempt's decode replica, once its chunks name it
             try:
-                async for chunk in self._generate_once(current, allow_skip=attempt == 0, to_decode=to_decode):
-                    if chunk.worker_id is not None:
-                        serving = chunk.worker_id
-                    if attempt:  # the continuation's cache hits cover tokens the client already has
-                        chunk = dataclasses.replace(chunk, num_cached_tokens=0)
-                    produced.extend(chunk.token_ids)
-                    yield chunk
+                once = self._generate_once(current, allow_skip=attempt == 0, to_decode=to_decode)
+                async with contextlib.aclosing(once) as chunks:
+                    async for chunk in chunks:
+                        if chunk.retiring:
+                            worker = chunk.worker_id or ""
+                            raise DecodeRetiring(f"decode replica {worker} is retiring", worker)
+                        if chunk.worker_id is not None:
+                            serving = chunk.worker_id
+                        if attempt:  # the continuation's cache hits cover tokens the client already has
+                            chunk = dataclasses.replace(chunk, num_cached_tokens=0)
+                        produced.extend(chunk.token_ids)
+                        yield chunk
                 return
             except Exception as exc:
                 retired_from = retiring_worker(exc)
@@ -204,7 +209,7 @@ class WorkerCalls:
 
     async def _generate_once(
         self, choice: GenerateRequest, allow_skip: bool, to_decode: bool = False
-    ) -> AsyncIterator[TokenChunk]:
+    ) -> AsyncGenerator[TokenChunk, None]:
         holder = await self._decode_holding_prompt(choice) if allow_skip and not to_decode else None
         if to_decode or holder is not None:
             if holder is not None:

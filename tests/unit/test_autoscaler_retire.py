@@ -40,11 +40,22 @@ class FakeControl:
 
 
 class FakeReader:
-    def __init__(self, control):
+    """Decode replicas r1..r4: (free, total) blocks each; r4 stays and has ``room`` free."""
+
+    def __init__(self, control, held=(10, 10, 10), room=100):
         self.control = control
+        self.pool = [
+            {"worker_id": f"r{i + 1}", "healthy": True, "free_blocks": 100 - h, "total_blocks": 100}
+            for i, h in enumerate(held)
+        ] + [{"worker_id": "r4", "healthy": True, "free_blocks": room, "total_blocks": 100}]
+        self.reads = 0
 
     async def addresses(self, deployment):
-        return {"r1": "addr-r1", "r2": "addr-r2", "r3": "addr-r3"}
+        return {"r1": "addr-r1", "r2": "addr-r2", "r3": "addr-r3", "r4": "addr-r4"}
+
+    async def read(self, deployment):
+        self.reads += 1
+        return self.pool
 
 
 class _Autoscaler(PDAutoscaler.func_or_class):  # the class Serve runs, built without __init__
@@ -52,11 +63,11 @@ class _Autoscaler(PDAutoscaler.func_or_class):  # the class Serve runs, built wi
         pass
 
 
-def autoscaler(seen, refuse=()) -> _Autoscaler:
+def autoscaler(seen, refuse=(), **reader) -> _Autoscaler:
     scaler = _Autoscaler.__new__(_Autoscaler)
     scaler.app_name = "app"
     scaler.scaler = FakeScaler(seen)
-    scaler.pool_reader = FakeReader(FakeControl(refuse))
+    scaler.pool_reader = FakeReader(FakeControl(refuse), **reader)
     return scaler
 
 
@@ -84,3 +95,24 @@ def test_the_watch_ends_when_serve_stops_fewer_replicas_than_asked():
     asyncio.run(a._retire_stopping(2))
     assert a.pool_reader.control.retired == ["addr-r3"]
     assert a.scaler.polls > 1  # looked again until the watch ended
+
+
+def test_a_stopping_replica_is_told_only_once_the_others_can_hold_its_sequences():
+    """The replicas that stay (r1, r4) have 10 + 50 free blocks: r2's 30 fit, then r3's 40 do not
+    (60 - 30 = 30 left) and r3 keeps running its sequences until they fit or the drain time cuts
+    them."""
+    a = autoscaler([{"r2", "r3"}], held=(90, 30, 40), room=50)
+    asyncio.run(a._retire_stopping(2))
+    assert a.pool_reader.control.retired == ["addr-r2"]
+    # the others' room grows as their sequences finish: r3 is told then
+    a = autoscaler([{"r2", "r3"}], held=(90, 30, 40), room=50)
+
+    async def finish_some():
+        task = asyncio.create_task(a._retire_stopping(2))
+        while a.pool_reader.reads < 3:
+            await asyncio.sleep(0)
+        a.pool_reader.pool[-1]["free_blocks"] = 75  # 10 + 75 - the 30 handed over: r3's 40 fit
+        await task
+
+    asyncio.run(finish_some())
+    assert a.pool_reader.control.retired == ["addr-r2", "addr-r3"]

@@ -230,8 +230,12 @@ def test_without_the_index_the_continuation_is_routed_by_serve():
 
 # ------------------------------------------------------------------ a retiring decode replica
 class _RetiringStream(_Stream):
-    """Ends like a decode stream that a retiring replica cut: Ray's task error caused by
-    ``DecodeRetiring`` (``RayTaskError.cause``, as ``_relay`` passes it on)."""
+    """Ends like a decode stream that a retiring replica cut: a last chunk marked ``retiring``
+    (what the replica sends), or (``as_error``) Ray's task error caused by ``DecodeRetiring``."""
+
+    def __init__(self, request_id, tokens, worker_id, as_error):
+        super().__init__(request_id, tokens, False, worker_id)
+        self.as_error = as_error
 
     def __aiter__(self):
         return self._retire()
@@ -239,12 +243,16 @@ class _RetiringStream(_Stream):
     async def _retire(self):
         for token in self.tokens:
             yield TokenChunk(self.request_id, (token,), num_cached_tokens=99, worker_id=self.worker_id)
+        if not self.as_error:
+            yield TokenChunk(self.request_id, (), worker_id=self.worker_id, retiring=True)
+            return
         error = RuntimeError("ray task error")
-        error.cause = DecodeRetiring("decode replica d0 is retiring")  # type: ignore[attr-defined]
+        error.cause = DecodeRetiring("decode replica d0 is retiring", "d0")  # type: ignore[attr-defined]
         raise error
 
 
-def test_a_retiring_decode_replica_hands_its_stream_straight_to_another_decode_replica():
+@pytest.mark.parametrize("as_error", [False, True], ids=["marked-chunk", "task-error"])
+def test_a_retiring_decode_replica_hands_its_stream_straight_to_another_decode_replica(as_error):
     """A scale-down's replica ends its streams early (``DecodeRetiring``): each resumes without a
     gap or duplicate, its continuation computed by another decode replica itself (generate_local),
     not sent through the prefill pool again; it counts as a migration and as a retired stream."""
@@ -253,7 +261,7 @@ def test_a_retiring_decode_replica_hands_its_stream_straight_to_another_decode_r
 
     def retiring_generate(choice, result):
         pools.calls.append(("decode", choice))
-        return _RetiringStream(choice.request_id, SCRIPT[1:5], False, "d0")
+        return _RetiringStream(choice.request_id, SCRIPT[1:5], "d0", as_error)
 
     def generate_local(choice):
         local_calls.append(choice)

@@ -957,3 +957,59 @@ def test_signals_pool_the_replicas_running_sequences():
     older = [d[0], _replica("d2", num_running=1)]  # a replica that does not report them
     _, partial = reader.read(2.0, p, older, 1, 2)
     assert partial.running_left is None
+
+
+def test_a_replica_slow_to_answer_is_not_a_change_landing():
+    """Serve's count of a pool's replicas says whether a change is landing, not the answers: a
+    busy replica that missed its stats call's deadline reset a proposal's delay on three rounds
+    of a benchmark's prompt-heavy phase."""
+    from deploy.pools.autoscaling_signals import settled
+
+    slow = {"worker_id": "p2", "healthy": False, "error": "ControlError: Stats missed its deadline"}
+    starting = {"worker_id": "p3", "healthy": False, "error": "not registered (starting)", "starting": True}
+    assert settled([_replica("p1"), slow], 2)
+    assert not settled([_replica("p1"), starting], 2)  # a replica starting
+    assert not settled([_replica("p1"), _replica("p2"), _replica("p3")], 2)  # one stopping
+    # the idle pools would shrink after the downscale delay; a slow answer does not restart it
+    state = PolicyState(last_change=0.0)
+    for t in (12.0, 20.0, 33.0):
+        decision = decide(replace(prefill(ready=1), settled=True), decode(), CONFIG, state, t)
+        state = decision.state
+    assert decision.changed and state.last_change == 33.0
+    # a replica starting still holds decisions
+    starting = replace(prefill(ready=1), settled=False)
+    starting_pool = decide(starting, decode(), CONFIG, PolicyState(last_change=0.0), 40.0)
+    assert not starting_pool.changed and starting_pool.held.startswith("the last change is still landing")
+
+
+def test_a_rise_that_every_round_of_the_upscale_delay_read_moves_without_waiting_it_again():
+    """Prompts return after an output-heavy phase: prefill's need jumps from 0.05 to 6. The median
+    of the 10 s look-back follows only once the rise fills half the window, and then the upscale
+    delay started: the move came 14.6 s into a benchmark's phase. A rise read in every round of the
+    last upscale delay has held that long: it moves then. One high round does not."""
+    from deploy.pools.autoscaling import held_rise
+
+    assert held_rise(((0.0, 1.0, 1.0),), 3.0, 4.0) is None  # the rounds cover less than 4 s
+    history = ((0.0, 0.1, 3.0), (2.0, 5.0, 3.0), (4.0, 7.0, 2.0), (6.0, 6.0, 2.5))
+    assert held_rise(history, 6.0, 4.0) == (5.0, 2.0)  # rounds at 2, 4 and 6 s: each read at least this
+
+    quiet, busy = prefill(replicas=1, rate=50.0), prefill(replicas=1, queued=6000, rate=1000.0)
+    d = decode(replicas=3, running=6, kv=0.3, tpot=0.03)
+    state, t = PolicyState(last_change=-100.0), 0.0
+    for _ in range(6):  # an output-heavy phase: prefill at 1, decode at 3
+        state = decide(quiet, d, CONFIG, state, t).state
+        t += 2.0
+    moves = []
+    for _ in range(6):
+        decision = decide(busy, d, CONFIG, state, t)
+        state = decision.state
+        moves.append((t, decision.changed, decision.prefill))
+        t += 2.0
+    # prompts from t = 12: rounds at 12, 14 and 16 s read the rise; it moves at 16 s, on 1 -> 3 (a double step)
+    assert [m for m in moves if m[1]] == [(16.0, True, 3)]
+    # one round's spike between quiet rounds moves nothing
+    state, t = PolicyState(last_change=-100.0), 0.0
+    for p in (quiet, quiet, quiet, busy, quiet, quiet, quiet):
+        decision = decide(p, d, CONFIG, state, t)
+        assert not decision.changed
+        state, t = decision.state, t + 2.0
