@@ -517,7 +517,10 @@ def decide(
 
     if wanted == current:
         return keep(None, replace(state, pending=None, pending_since=None))
-    grows = any(w > c for w, c in zip(wanted, current))
+    bounds = (config.prefill, config.decode)
+    # a pool grows by its own need, or only by the fill (budget the other pool gives up): that
+    # change is the other pool's shrink, and waits the downscale delay (see ``needs_growth``)
+    grows = any(wanted[i] > current[i] and needs_growth(current[i], needs[i], bounds[i], config) for i in (0, 1))
     pending_since = state.pending_since
     if (
         state.pending is None
@@ -533,7 +536,6 @@ def decide(
             "the last change is still landing (replicas starting or stopping)",
             replace(state, pending=None, pending_since=None),
         )
-    bounds = (config.prefill, config.decode)
     if rise is not None and any(
         wanted[i] > current[i] and follow(current[i], rise[i], bounds[i], config) >= wanted[i] for i in (0, 1)
     ):
@@ -547,6 +549,16 @@ def decide(
     if now - pending_since < delay:
         return keep(f"{'upscale' if grows else 'downscale'} delay ({delay:g} s)", state)
     return Decision(wanted[0], wanted[1], True, needs[0], needs[1], PolicyState(last_change=now, needs=history))
+
+
+def needs_growth(count: int, need: float, bounds: PoolBounds, config: PolicyConfig) -> bool:
+    """The pool's own need calls for more than ``count`` replicas (past the dead band). A change
+    whose only growth is the fill (a pool taking budget the other gives up, which it would keep
+    but does not need) shrinks the other pool on its low need alone, and so waits the downscale
+    delay like any shrink. As the fill's growth it waited only the upscale delay: 14 s into a
+    benchmark's output-heavy phase prefill's second replica went to a decode pool whose need was
+    1.59 of its 2, and the prompts that came back found one prefill replica."""
+    return follow(count, need, bounds, config) > count
 
 
 def held_rise(history: tuple[tuple[float, float, float], ...], now: float, span_s: float) -> tuple[float, float] | None:

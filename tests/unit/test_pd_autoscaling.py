@@ -342,7 +342,7 @@ def test_left_over_budget_goes_to_a_pool_that_would_keep_it():
     assert fill_budget((1, 1), (9.0, 0.0), CONFIG) == (3, 1)  # and so does the pool's maximum
 
 
-def test_a_shrinking_pool_hands_its_replicas_to_a_loaded_one_after_the_upscale_delay():
+def test_a_shrinking_pool_hands_its_replicas_to_a_loaded_one_in_the_same_change():
     # An output-heavy phase begins: prefill (3 replicas) has nothing queued, decode (1 replica)
     # is busy but not past its upper threshold. Its KV usage spreads over its replicas.
     p = lambda n: prefill(replicas=n[0], queued=0, rate=62.0)  # noqa: E731
@@ -359,12 +359,18 @@ def test_a_shrinking_pool_hands_its_replicas_to_a_loaded_one_after_the_upscale_d
             t += 2.0
         return seen
 
-    # a prefill replica goes to decode in the same change, as soon as growing may (4 s; one
-    # replica moves while the budget is full), and it stays: decode at 2 would not shrink back.
-    # Prefill's last idle replica leaves after the downscale delay.
-    assert changes(CONFIG) == [(4.0, (2, 2)), (26.0, (1, 2))]
-    # without the fill: prefill shrinks after the downscale delay and the budget lies unused
+    # decode's own need (1.05) does not call for a second replica: prefill shrinks on its low need
+    # after the downscale delay, as any shrink, and its replica goes to decode in the same change
+    # (one replica moves while the budget is full); it stays: decode at 2 would not shrink back.
+    assert changes(CONFIG) == [(20.0, (2, 2)), (42.0, (1, 2))]
+    # without the fill the budget lies unused
     assert changes(replace(CONFIG, fill_budget=False)) == [(20.0, (2, 1)), (42.0, (1, 1))]
+    # a decode pool whose own need calls for more takes it after the upscale delay
+    busy = lambda n: decode(replicas=n[1], running=22, kv=1.0 / n[1], tpot=0.03)  # noqa: E731
+    state, t = PolicyState(), 0.0
+    while not (decision := decide(p((3, 1)), busy((3, 1)), CONFIG, state, t)).changed:
+        state, t = decision.state, t + 2.0
+    assert (decision.prefill, decision.decode, t) == (2, 2, 4.0)
 
 
 def test_a_full_budget_moves_one_replica_per_change():
