@@ -64,7 +64,8 @@ The policy, per decision:
 - budget left over after that (``fill_budget``, on by default: the budget is the GPUs the
   deployment holds anyway) goes one replica at a time to the pool whose need is least covered,
   as long as that pool would keep it: its need stays above ``down_utilization`` of the larger
-  count, so its own dead band would not take it back. A pool that shrinks then hands its
+  count, so its own dead band would not take it back (a change that grows a pool only so waits
+  the downscale delay: ``needs_growth``). A pool that shrinks then hands its
   replicas to a loaded pool in the same change, instead of leaving them unused until the other
   pool's need crosses its upper threshold (a 2026-12-02 benchmark run had prefill shrink 3 -> 1
   at the start of an output-heavy phase and decode grow only 10 s later, after a cooldown).
