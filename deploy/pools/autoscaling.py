@@ -589,8 +589,10 @@ def look_back(history: tuple[tuple[float, float, float], ...]) -> tuple[float, f
 def _settled(s: PrefillSignals | DecodeSignals) -> bool:
     """The pool's replicas are as last set: Serve's count of them when read (``settled``), else
     those that answered. By the answers alone, a replica too busy to answer a stats call within
-    its deadline read as a change still landing: in a benchmark's prompt-heavy phase that reset a
-    proposal's delay on three rounds and its move came 12 s after the need had called for it."""
+    its deadline read as a change still landing, and restarted a proposal's delay. (In a
+    benchmark's prompt-heavy phase, where answers are slow, the move came 12 s after the need had
+    called for it, three sampled rounds reading "upscale delay"; with Serve's count it came 9 s
+    earlier in the four runs since. Which restart it was, the samples do not say.)"""
     return s.settled if s.settled is not None else s.ready_replicas == s.replicas
 
 

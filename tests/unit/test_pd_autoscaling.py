@@ -972,8 +972,7 @@ def test_signals_pool_the_replicas_running_sequences():
 
 def test_a_replica_slow_to_answer_is_not_a_change_landing():
     """Serve's count of a pool's replicas says whether a change is landing, not the answers: a
-    busy replica that missed its stats call's deadline reset a proposal's delay on three rounds
-    of a benchmark's prompt-heavy phase."""
+    busy replica that missed its stats call's deadline restarted a proposal's delay."""
     from deploy.pools.autoscaling_signals import settled
 
     slow = {"worker_id": "p2", "healthy": False, "error": "ControlError: Stats missed its deadline"}
