@@ -61,7 +61,10 @@ class PoolReader:
                     if addresses is not None
                     else "the worker directory is not readable"
                 )
-                return {"worker_id": replica_id, "healthy": False, "error": why, "starting": addresses is not None}
+                entry: dict[str, Any] = {"worker_id": replica_id, "healthy": False, "error": why}
+                if addresses is not None:
+                    entry["starting"] = True  # Serve has it, the directory not yet: a change landing
+                return entry
             try:
                 return {"healthy": True, **await self.control.stats(address, self.timeout_s)}
             except Exception as exc:  # noqa: BLE001 - a replica that cannot answer is shown as such
