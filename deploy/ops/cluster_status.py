@@ -46,8 +46,7 @@ class PoolReader:
         self.timeout_s = timeout_s
 
     async def read(self, deployment: str) -> list[dict[str, Any]]:
-        if self.directory is None:  # gone (its node or its owner died): made again, workers re-register
-            self.directory = await asyncio.to_thread(worker_directory.get_or_create, self.app_name)
+        await self._ensure_directory()
         ids, addresses = await asyncio.gather(
             asyncio.to_thread(replica_ids, self.app_name, deployment),
             self._lookup(deployment),
@@ -75,9 +74,12 @@ class PoolReader:
     async def addresses(self, deployment: str) -> dict:
         """Each registered replica's control address in ``deployment`` (empty when the worker
         directory is not readable)."""
-        if self.directory is None:
-            self.directory = await asyncio.to_thread(worker_directory.get_or_create, self.app_name)
+        await self._ensure_directory()
         return await self._lookup(deployment) or {}
+
+    async def _ensure_directory(self) -> None:
+        if self.directory is None:  # gone (its node or its owner died): made again, workers re-register
+            self.directory = await asyncio.to_thread(worker_directory.get_or_create, self.app_name)
 
     async def _lookup(self, deployment: str) -> dict | None:
         try:
