@@ -18,7 +18,9 @@ status`` shows) two samples at a time: rates are the counters' deltas over the i
   spread) per second as they start on prefill, not as they finish, so that a saturated pool
   still reads what it is asked for; smoothed alike.
 - decode's inflow: requests prefill handed over per second and their ``max_tokens`` per
-  second (both smoothed alike; their ratio is the mean ``max_tokens``) x the share of
+  second (their ratio is the mean ``max_tokens``), summed over a window as long as a stay
+  (``inflow_window``: the hand-overs of the last stay are the ones resident, by Little's law;
+  smoothed alike like prefill's until decode's TPOT is known) x the share of
   ``max_tokens`` that sequences finished on decode produced over the last ``USED_WINDOW``
   reads (1 until any finish); the hand-overs' mean prompt and, per request, the means of
   prompt x ``max_tokens`` and ``max_tokens``² (x that share, and its square: what the inflow
@@ -56,6 +58,13 @@ FIT_MIN_STEPS = 20
 FIT_MIN_ROWS_VAR = 0.2
 FIT_SUMS = ("decode_steps", "decode_tokens", "decode_step_s", "decode_token_s", "decode_rows_sq")
 USED_WINDOW = 30  # reads over which finished sequences' produced / max_tokens is summed
+# Decode's inflow is summed over the reads of the last stay (the expected decode tokens x TPOT +
+# the overhead), within these bounds. Smoothed like prefill's arrivals (about 3 s of memory), a
+# benchmark's output-heavy phase (1.0 request/s of 512 tokens, a 26 s stay) read 1.47 hand-overs/s
+# on a Poisson burst, an inflow need of 2.3 replicas where two served the phase, and prefill gave
+# up the second replica the next phase's prompts needed.
+INFLOW_WINDOW_MIN_S = 6.0
+INFLOW_WINDOW_MAX_S = 60.0
 # prefill's counters read as smoothed rates: arrivals (as requests start) and hand-overs to decode
 SMOOTHED = (
     "received",
@@ -67,6 +76,7 @@ SMOOTHED = (
     "handed_over_prompt_x_max",
     "handed_over_max_sq",
 )
+HANDED = tuple(key for key in SMOOTHED if key.startswith("handed_over"))
 
 
 def settled(replicas: list[dict[str, Any]], target: int) -> bool:
@@ -88,6 +98,8 @@ class SignalReader:
     # ratios are means over the same recent requests
     _rates: dict[str, float] = field(default_factory=dict)
     _used: deque = field(default_factory=lambda: deque(maxlen=USED_WINDOW))  # (produced, max_tokens)
+    # prefill's reads of HANDED, newest last: (time, seconds, {key: delta}), INFLOW_WINDOW_MAX_S back
+    _handed: deque = field(default_factory=deque)
     # (sequences, their output tokens, seconds they held decode's KV), finished per read
     _stays: deque = field(default_factory=lambda: deque(maxlen=USED_WINDOW))
     _blocks_per_replica: int = 0
@@ -132,9 +144,12 @@ class SignalReader:
         seconds = self._sum_deltas(now, prefill, "handed_over")[1]
         if seconds:
             a = RATE_SMOOTHING
-            for key in SMOOTHED:
-                rate = self._sum_deltas(now, prefill, key)[0] / seconds
-                self._rates[key] = a * rate + (1 - a) * self._rates.get(key, 0.0)
+            deltas = {key: self._sum_deltas(now, prefill, key)[0] for key in SMOOTHED}
+            for key, delta in deltas.items():
+                self._rates[key] = a * delta / seconds + (1 - a) * self._rates.get(key, 0.0)
+            self._handed.append((now, seconds, {key: deltas[key] for key in HANDED}))
+            while now - self._handed[0][0] > INFLOW_WINDOW_MAX_S:
+                self._handed.popleft()
         produced = self._sum_deltas(now, decode, "finished_output_tokens")[0]
         asked = self._sum_deltas(now, decode, "finished_max_tokens")[0]
         if asked > 0:
@@ -156,6 +171,29 @@ class SignalReader:
         mean times a rate that lags a shift (0 when nothing came)."""
         base = self.rate(per)
         return self.rate(key) / base if base > 0 else 0.0
+
+    def inflow_window(self) -> float | None:
+        """Seconds over which decode's inflow is summed: a stay of what prefill hands over now
+        (its mean ``max_tokens`` x the share used x decode's TPOT + the overhead of a stay), within
+        ``INFLOW_WINDOW_MIN_S``..``INFLOW_WINDOW_MAX_S``; None until decode's TPOT is known."""
+        if self._tpot is None:
+            return None
+        stay = self.mean_max_tokens() * self.used_share() * self._tpot + self.residency_overhead()
+        return min(max(stay, INFLOW_WINDOW_MIN_S), INFLOW_WINDOW_MAX_S)
+
+    def inflow_rate(self, key: str, window: float | None) -> float:
+        """A HANDED counter's per-second rate over prefill's reads of the last ``window`` seconds
+        (newest first until their intervals cover it; at least the newest), the smoothed rate when
+        ``window`` is None."""
+        if window is None or not self._handed:
+            return self.rate(key)
+        total = seconds = 0.0
+        for _, interval, deltas in reversed(self._handed):
+            total += deltas[key]
+            seconds += interval
+            if seconds >= window:
+                break
+        return total / seconds
 
     def mean_max_tokens(self) -> float:
         """Mean ``max_tokens`` of recent hand-overs."""
@@ -268,7 +306,13 @@ class SignalReader:
             self._tpot = tpot if self._tpot is None else a * tpot + (1 - a) * self._tpot
         fixed, per_row = self._step_fit(now, replicas)
         share = self.used_share()
-        prompt = self.per("handed_over_prompt_tokens", "handed_over")  # 0: a prefill without these counters
+        window = self.inflow_window()
+        seqs = self.inflow_rate("handed_over", window)
+
+        def per_seq(key: str) -> float:  # a hand-over's mean over the window
+            return self.inflow_rate(key, window) / seqs if seqs > 0 else 0.0
+
+        prompt = per_seq("handed_over_prompt_tokens")  # 0: a prefill without these counters
         left = None  # every replica's running sequences (tokens left, blocks held); None: one did not say
         if replicas and all("running_left" in r for r in replicas):
             left = tuple((int(n), int(b)) for r in replicas for n, b in r["running_left"])
@@ -281,11 +325,11 @@ class SignalReader:
             tpot_s=tpot_now,
             residency_tpot_s=self._tpot,
             residency_overhead_s=self.residency_overhead(),
-            inflow_seqs_per_s=self.rate("handed_over"),
-            expected_output_tokens=self.mean_max_tokens() * share,
+            inflow_seqs_per_s=seqs,
+            expected_output_tokens=per_seq("handed_over_max_tokens") * share,
             inflow_prompt_tokens=prompt or self._mean_prompt_tokens,
-            inflow_prompt_x_output=self.per("handed_over_prompt_x_max", "handed_over") * share if prompt else None,
-            inflow_output_sq=self.per("handed_over_max_sq", "handed_over") * share * share if prompt else None,
+            inflow_prompt_x_output=per_seq("handed_over_prompt_x_max") * share if prompt else None,
+            inflow_output_sq=per_seq("handed_over_max_sq") * share * share if prompt else None,
             blocks_per_replica=self._blocks_per_replica,
             block_size=self.block_size,
             running_left=left,

@@ -32,8 +32,8 @@ from deploy.pools.autoscaling import (
     tpot_need,
     ttft_need,
 )
+from deploy.pools.autoscaling_signals import INFLOW_WINDOW_MIN_S, SignalReader
 from deploy.pools.autoscaling_signals import RATE_SMOOTHING as A
-from deploy.pools.autoscaling_signals import SignalReader
 
 B = 1 - A  # the previous smoothed rate's weight
 
@@ -1023,3 +1023,64 @@ def test_a_rise_that_every_round_of_the_upscale_delay_read_moves_without_waiting
         decision = decide(p, d, CONFIG, state, t)
         assert not decision.changed
         state, t = decision.state, t + 2.0
+
+
+def test_decode_inflow_is_summed_over_a_stay_so_a_burst_does_not_read_as_the_rate():
+    """Little's law: what is resident is what came over the last stay. 1 hand-over/s of 512
+    tokens at 50 ms a token stays 25.6 s; a 2 s burst of 6 hand-overs reads 2.2/s smoothed, and
+    (6 + 12 x 2) / 26 s over the stay's reads."""
+    reader = SignalReader(block_size=16)
+
+    def p(n: int) -> list[dict]:
+        return [
+            _replica(
+                "p1",
+                handed_over=n,
+                handed_over_max_tokens=512 * n,
+                handed_over_prompt_tokens=64 * n,
+                handed_over_prompt_x_max=64 * 512 * n,
+                handed_over_max_sq=512 * 512 * n,
+            )
+        ]
+
+    def d(t: float) -> list[dict]:  # 2 running, 40 tokens/s: 50 ms a token
+        return [_replica("d1", total_blocks=448, generated_tokens=round(40 * t), num_running=2)]
+
+    n = 0
+    for t in range(0, 42, 2):
+        reader.read(float(t), p(n), d(t), 1, 1)
+        n += 2
+    _, steady = reader.read(42.0, p(n), d(42), 1, 1)
+    assert reader.inflow_window() == pytest.approx(512 * 0.05)
+    assert steady.inflow_seqs_per_s == pytest.approx(1.0)
+    _, burst = reader.read(44.0, p(n + 6), d(44), 1, 1)
+    assert reader.rate("handed_over") == pytest.approx(A * 3.0 + B * 1.0)
+    assert burst.inflow_seqs_per_s == pytest.approx((6 + 12 * 2) / 26)
+    assert burst.expected_output_tokens == pytest.approx(512.0)
+    assert burst.inflow_prompt_x_output == pytest.approx(64 * 512) and burst.inflow_output_sq == pytest.approx(512**2)
+    config = PolicyConfig(max_total_replicas=4, prefill=PoolBounds(1, 3), decode=PoolBounds(1, 3))
+    assert inflow_need(burst, config) == pytest.approx(inflow_need(steady, config) * 30 / 26)
+
+
+def test_decode_inflow_window_is_at_least_a_few_reads_and_mixes_what_came_in_it():
+    """Short outputs stay under a second: the window is INFLOW_WINDOW_MIN_S. Hand-overs of two
+    lengths within a window count each with its own max_tokens."""
+    reader = SignalReader(block_size=16)
+
+    def p(n: int, asked: int) -> list[dict]:
+        return [_replica("p1", handed_over=n, handed_over_max_tokens=asked)]
+
+    def d(t: float) -> list[dict]:
+        return [_replica("d1", total_blocks=448, generated_tokens=round(40 * t), num_running=2)]
+
+    reader.read(0.0, p(0, 0), d(0), 1, 1)
+    for t in range(2, 12, 2):  # 4 hand-overs of 16 tokens in the first 2 s, then 2 every 2 s
+        n = 4 + (t - 2)
+        _, short = reader.read(float(t), p(n, 16 * n), d(t), 1, 1)
+    assert reader.inflow_window() == INFLOW_WINDOW_MIN_S  # 16 x 50 ms: less than the least window
+    assert short.inflow_seqs_per_s == pytest.approx(1.0)  # the last 6 s, not the first read's 2/s
+    # two of 512 tokens: the window grows with the mean stay and takes in every read so far
+    _, mixed = reader.read(12.0, p(14, 16 * 12 + 2 * 512), d(12), 1, 1)
+    assert reader.inflow_window() > 12.0
+    assert mixed.inflow_seqs_per_s == pytest.approx(14 / 12)
+    assert mixed.expected_output_tokens == pytest.approx((16 * 12 + 2 * 512) / 14)
