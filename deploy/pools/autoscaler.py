@@ -183,6 +183,8 @@ class PDAutoscaler:
         self.unread: dict[str, str] = {}  # pool -> why none of its replicas answered, last round
         self._task: asyncio.Task | None = None
         self._retiring: asyncio.Task | None = None
+        self._retire_wanted = 0  # decode replicas the running watch looks for
+        self._retire_deadline = 0.0
         self.scaler = DashboardScaler(dashboard_urls(self.args.autoscaling.dashboard_url))
         self.pool_reader = PoolReader(self.app_name, None, ControlClient("autoscaler"), timeout_s=STATS_TIMEOUT_S)
         self._ensure_running()
@@ -249,9 +251,7 @@ class PDAutoscaler:
                 self.error = None
                 logger.info("autoscaling: %s", line)
                 if decision.decode < d.replicas and self.args.max_migrations > 0:
-                    self._retiring = asyncio.get_running_loop().create_task(
-                        self._retire_stopping(d.replicas - decision.decode)
-                    )
+                    self._watch_retiring(d.replicas - decision.decode)
                 self.decisions.append(
                     {
                         "time": now,
@@ -273,6 +273,16 @@ class PDAutoscaler:
             self.timeline.popleft()
         return decision
 
+    def _watch_retiring(self, count: int) -> None:
+        """Watch for ``count`` more decode replicas stopping (``_retire_stopping``). A scale-down
+        while a watch runs joins it, with a new deadline: two watches would each count the room
+        in the replicas that stay, and hand over more than it holds."""
+        if self._retiring is not None and not self._retiring.done():
+            self._retire_wanted += count
+            self._retire_deadline = time.monotonic() + RETIRE_WATCH_S
+            return
+        self._retiring = asyncio.get_running_loop().create_task(self._retire_stopping(count))
+
     async def _retire_stopping(self, count: int) -> None:
         """Tell the ``count`` decode replicas Serve stops for a scale-down to hand their streams
         over (``Retire`` on each one's control server; the ingress resumes each stream on another
@@ -286,8 +296,10 @@ class PDAutoscaler:
         their targets (a benchmark's phase went from 56 good requests to 18)."""
         retired: set[str] = set()
         handed = 0  # blocks handed over so far: counted against the room until the watch ends
-        deadline = time.monotonic() + RETIRE_WATCH_S
-        while len(retired) < count and time.monotonic() < deadline:
+        # what a scale-down joining the watch (``_watch_retiring``) raises
+        self._retire_wanted = count
+        self._retire_deadline = time.monotonic() + RETIRE_WATCH_S
+        while len(retired) < self._retire_wanted and time.monotonic() < self._retire_deadline:
             try:
                 stopping = await self.scaler.stopping_replicas(self.app_name, "decode") - retired
                 addresses = await self.pool_reader.addresses("decode") if stopping else {}

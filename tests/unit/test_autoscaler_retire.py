@@ -116,3 +116,24 @@ def test_a_stopping_replica_is_told_only_once_the_others_can_hold_its_sequences(
 
     asyncio.run(finish_some())
     assert a.pool_reader.control.retired == ["addr-r2", "addr-r3"]
+
+
+@pytest.mark.parametrize(("room", "told"), [(50, ["addr-r2"]), (80, ["addr-r2", "addr-r3"])])
+def test_a_second_scale_down_during_a_watch_joins_it_and_the_room_is_counted_once(room, told):
+    """r1 and r4 stay with 10 + ``room`` free blocks. The first scale-down hands r2's 30 over;
+    the second, joining the same watch, finds r3's 40 fit only if the room left after r2's does
+    (a second watch of its own had counted the whole room again and told r3 at 60)."""
+    a = autoscaler([{"r2"}, {"r2"}, {"r2", "r3"}], held=(90, 30, 40), room=room)
+    a._retiring = None
+
+    async def two_scale_downs():
+        a._watch_retiring(1)
+        first = a._retiring
+        while a.pool_reader.control.retired != ["addr-r2"]:
+            await asyncio.sleep(0)
+        a._watch_retiring(1)
+        assert a._retiring is first  # joined, not a second watch
+        await first
+
+    asyncio.run(two_scale_downs())
+    assert a.pool_reader.control.retired == told
