@@ -64,11 +64,12 @@ The policy, per decision:
 - budget left over after that (``fill_budget``, on by default: the budget is the GPUs the
   deployment holds anyway) goes one replica at a time to the pool whose need is least covered,
   as long as that pool would keep it: its need stays above ``down_utilization`` of the larger
-  count, so its own dead band would not take it back (a change that grows a pool only so waits
-  the downscale delay: ``needs_growth``). A pool that shrinks then hands its
-  replicas to a loaded pool in the same change, instead of leaving them unused until the other
-  pool's need crosses its upper threshold (a 2026-12-02 benchmark run had prefill shrink 3 -> 1
-  at the start of an output-heavy phase and decode grow only 10 s later, after a cooldown).
+  count, so its own dead band would not take it back. With the budget full the fill alone moves
+  no replica from one pool to the other: a pool whose need is low keeps its replicas until the
+  other pool needs them (``needs_growth``); a move costs a replica's stop and start, and the
+  move back when the load shifts again. When the other pool does need them, the shrinking pool
+  hands them over in the same change, not after a cooldown (a 2026-12-02 benchmark run had
+  prefill shrink 3 -> 1 at the start of an output-heavy phase and decode grow 10 s later).
 - with the budget full, a change moves at most ``move_step`` replicas (default 1) from one pool
   to the other: the needs are snapshots (decode's KV usage reads low until the next few
   2048-token sequences land), and a benchmark run swung 3:1 -> 1:3 -> 2:2 -> 1:3 -> 3:1 within
@@ -522,6 +523,9 @@ def decide(
     # a pool grows by its own need, or only by the fill (budget the other pool gives up): that
     # change is the other pool's shrink, and waits the downscale delay (see ``needs_growth``)
     grows = any(wanted[i] > current[i] and needs_growth(current[i], needs[i], bounds[i], config) for i in (0, 1))
+    if not grows and sum(current) >= config.max_total_replicas and any(wanted[i] > current[i] for i in (0, 1)):
+        # with the budget full, the fill alone moves no replica (see ``needs_growth``)
+        return keep(None, replace(state, pending=None, pending_since=None))
     pending_since = state.pending_since
     if (
         state.pending is None
@@ -553,12 +557,15 @@ def decide(
 
 
 def needs_growth(count: int, need: float, bounds: PoolBounds, config: PolicyConfig) -> bool:
-    """The pool's own need calls for more than ``count`` replicas (past the dead band). A change
-    whose only growth is the fill (a pool taking budget the other gives up, which it would keep
-    but does not need) shrinks the other pool on its low need alone, and so waits the downscale
-    delay like any shrink. As the fill's growth it waited only the upscale delay: 14 s into a
-    benchmark's output-heavy phase prefill's second replica went to a decode pool whose need was
-    1.59 of its 2, and the prompts that came back found one prefill replica."""
+    """The pool's own need calls for more than ``count`` replicas (past the dead band). With the
+    budget full, a change whose only growth is the fill (a pool taking a replica the other gives
+    up, which it would keep but does not need) is not made: the replica is held anyway, and a move
+    costs a replica's stop and start, and another when the load shifts back. Two benchmark runs
+    of an output-heavy phase moved prefill's second replica to a decode pool whose need was 1.59,
+    then 1.72, of its 2 (14 s in as the fill's growth waited the upscale delay, 52 s in once it
+    waited the downscale delay); the static 2:2 split served that phase as well, and the prompts
+    that came back found one prefill replica. With budget free, such a change waits the downscale
+    delay, like any shrink."""
     return follow(count, need, bounds, config) > count
 
 
