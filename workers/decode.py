@@ -193,6 +193,7 @@ class DecodeWorker(ColocatedWorker):
         extra: dict[str, float] = {}
         pull: asyncio.Future | None = None
         produced = 0
+        first_at: float | None = None  # when its first decoded token came
         try:
             reservation, handle = await self._reserve(
                 handle, lambda e: e.reserve_remote_kv(rid, prompt, prefill.first_token_id, params, request.cache_salt)
@@ -241,11 +242,14 @@ class DecodeWorker(ColocatedWorker):
                 self.stats.generated_tokens += len(item.new_token_ids)
                 produced += len(item.new_token_ids)
                 finished = item.finished
+                if first_at is None:
+                    first_at = time.monotonic()
                 if finished:
                     self.stats.finished_seqs += 1
                     self.stats.finished_output_tokens += produced + 1  # and prefill's first token
                     self.stats.finished_max_tokens += params.max_tokens
                     self.stats.finished_resident_s += time.monotonic() - held_since
+                    self.stats.finished_setup_s += first_at - held_since
                 yield to_chunk(item, extra, self.worker_id)
                 if finished:
                     return

@@ -89,6 +89,9 @@ class WorkerStats:
     finished_output_tokens: int = 0
     finished_max_tokens: int = 0
     finished_resident_s: float = 0.0  # decode: seconds finished sequences held KV here, summed
+    # decode: of those, the seconds before each one's first decoded token (its KV pull, a wait for
+    # a step), summed: a stay = that setup + its tokens x the wall time of a token
+    finished_setup_s: float = 0.0
     transfers: int = 0
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0

@@ -159,9 +159,11 @@ class DecodeSignals:
     expected_output_tokens: float = 0.0
     inflow_prompt_tokens: float = 0.0
     blocks_per_replica: int = 0  # a decode replica's KV blocks
-    residency_tpot_s: float | None = None  # decode's recent TPOT, kept while idle; None: never measured
-    # what a finished sequence held decode's KV beyond its tokens x TPOT (its pull, a wait in the
-    # engine's queue, a step that ran a prefill), recent mean
+    # seconds a sequence holds decode's KV per token it produces: decode's recent TPOT (or the wall
+    # time per token of finished sequences, where longer), kept while idle; None: never measured
+    residency_tpot_s: float | None = None
+    # what a finished sequence held decode's KV before its first decoded token (its pull, a wait
+    # in the engine's queue), recent mean
     residency_overhead_s: float = 0.0
     # means over the hand-overs of prompt tokens x expected output tokens and of expected output
     # tokens²; None: taken as independent (the products of the means)

@@ -26,8 +26,11 @@ status`` shows) two samples at a time: rates are the counters' deltas over the i
   prompt x ``max_tokens`` and ``max_tokens``² (x that share, and its square: what the inflow
   need weighs each prompt by); a decode replica's blocks; decode's TPOT over intervals that
   produced tokens, smoothed and kept while none do (how long a handed-over sequence stays, per
-  token), and the overhead of a stay: the seconds finished sequences held decode's KV over the
-  last ``USED_WINDOW`` reads, less their tokens x that TPOT, per sequence.
+  token; longer where finished sequences' seconds after their first decoded token per token
+  were: the waits between steps), and the overhead of a stay: the seconds finished sequences
+  held decode's KV before their first decoded token (their pull, a wait for a step) over the
+  last ``USED_WINDOW`` reads, per sequence (from replicas that do not count those: the seconds
+  they held it less their tokens x that TPOT).
 - decode's step line: a step's seconds = fixed + per row x rows, least squares over the steps
   of recent reads (the engine's ``decode_steps``, ``decode_step_s``, ``decode_rows_sq`` with
   its rows and row-seconds; each read's sums fading), for the TPOT a different count would see.
@@ -100,7 +103,8 @@ class SignalReader:
     _used: deque = field(default_factory=lambda: deque(maxlen=USED_WINDOW))  # (produced, max_tokens)
     # prefill's reads of HANDED, newest last: (time, seconds, {key: delta}), INFLOW_WINDOW_MAX_S back
     _handed: deque = field(default_factory=deque)
-    # (sequences, their output tokens, seconds they held decode's KV), finished per read
+    # (sequences, their output tokens, seconds they held decode's KV, of those the seconds before
+    # their first decoded token or None where a replica does not count them), finished per read
     _stays: deque = field(default_factory=lambda: deque(maxlen=USED_WINDOW))
     _blocks_per_replica: int = 0
     _tpot: float | None = None  # decode's TPOT, smoothed, kept while no sequence runs
@@ -157,7 +161,12 @@ class SignalReader:
         finished = self._sum_deltas(now, decode, "finished_seqs")[0]
         if finished > 0:
             held_s = self._sum_deltas(now, decode, "finished_resident_s")[0]
-            self._stays.append((finished, produced, held_s))
+            setup_s = (
+                self._sum_deltas(now, decode, "finished_setup_s")[0]
+                if all("finished_setup_s" in r for r in decode)
+                else None
+            )
+            self._stays.append((finished, produced, held_s, setup_s))
         if decode:
             self._blocks_per_replica = round(sum(r["total_blocks"] for r in decode) / len(decode))
 
@@ -178,7 +187,7 @@ class SignalReader:
         ``INFLOW_WINDOW_MIN_S``..``INFLOW_WINDOW_MAX_S``; None until decode's TPOT is known."""
         if self._tpot is None:
             return None
-        stay = self.mean_max_tokens() * self.used_share() * self._tpot + self.residency_overhead()
+        stay = self.mean_max_tokens() * self.used_share() * (self.residency_tpot() or 0.0) + self.residency_overhead()
         return min(max(stay, INFLOW_WINDOW_MIN_S), INFLOW_WINDOW_MAX_S)
 
     def inflow_rate(self, key: str, window: float | None) -> float:
@@ -207,15 +216,36 @@ class SignalReader:
             return 1.0
         return max(0.0, self.per("received_prompt_tokens_sq", "received") / (mean * mean) - 1.0)
 
+    def _measured_setup(self) -> bool:
+        """Every stay in the window came with its setup seconds (decode replicas that count them)."""
+        return bool(self._stays) and all(s is not None for *_, s in self._stays)
+
     def residency_overhead(self) -> float:
-        """Seconds a finished sequence held decode's KV beyond its tokens x the residency TPOT,
-        mean over the window (0 until a sequence finished and the TPOT is known)."""
-        seqs = sum(n for n, _, _ in self._stays)
+        """Seconds a finished sequence held decode's KV before its first decoded token (its pull,
+        a wait for a step), mean over the window; from replicas that do not count it, what it held
+        beyond its tokens x the residency TPOT. 0 until a sequence finished and the TPOT is known.
+        The remainder alone folded each token's wait between steps into a per-sequence overhead:
+        in a benchmark, 512-token sequences finishing as 2048-token prompts came back read 1.9 s
+        "a stay", applied to each 16-token output, and that third phase's decode need read 0.9
+        to 1.7 replicas where its first phase, of the same prompts, had read 0.3 to 0.6."""
+        seqs = sum(n for n, *_ in self._stays)
         if not seqs or self._tpot is None:
             return 0.0
-        tokens = sum(t for _, t, _ in self._stays)
-        held_s = sum(h for _, _, h in self._stays)
+        if self._measured_setup():
+            return sum(s for *_, s in self._stays) / seqs
+        tokens = sum(t for _, t, _, _ in self._stays)
+        held_s = sum(h for _, _, h, _ in self._stays)
         return max(0.0, (held_s - tokens * self._tpot) / seqs)
+
+    def residency_tpot(self) -> float | None:
+        """Seconds a handed-over sequence holds decode's KV per token it produces: the engine's
+        TPOT (smoothed), or, once finished sequences counted their setup, their seconds after it
+        per token over the window where that is longer (the waits between steps)."""
+        if self._tpot is None or not self._measured_setup():
+            return self._tpot
+        tokens = sum(t for _, t, _, _ in self._stays)
+        decoding_s = sum(h - s for _, _, h, s in self._stays)
+        return max(self._tpot, decoding_s / tokens) if tokens > 0 else self._tpot
 
     def used_share(self) -> float:
         """Produced / max_tokens of the sequences finished over the window (1 until any finish)."""
@@ -323,7 +353,7 @@ class SignalReader:
             waiting_seqs=sum(r["num_waiting"] for r in replicas),
             kv_usage=sum(usage) / len(usage) if usage else 0.0,
             tpot_s=tpot_now,
-            residency_tpot_s=self._tpot,
+            residency_tpot_s=self.residency_tpot(),
             residency_overhead_s=self.residency_overhead(),
             inflow_seqs_per_s=seqs,
             expected_output_tokens=per_seq("handed_over_max_tokens") * share,

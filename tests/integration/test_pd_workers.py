@@ -77,6 +77,8 @@ async def test_disaggregated_output_matches_transformers(pd, tiny_llama):
     assert decode.stats.finished_seqs == 3 and decode.stats.finished_max_tokens == 3 * max_tokens
     assert decode.stats.finished_output_tokens == sum(len(t) for t in results)
     assert decode.stats.finished_resident_s > 0  # the seconds they held decode's KV, summed
+    # ... of which the seconds before each one's first decoded token (pull, a step's wait)
+    assert 0 < decode.stats.finished_setup_s < decode.stats.finished_resident_s
     await wait_idle(prefill)
 
 

@@ -709,6 +709,38 @@ def test_the_overhead_of_a_stay_is_what_finished_sequences_held_beyond_tokens_x_
     assert none.residency_overhead_s == 0.0
 
 
+def test_a_stays_overhead_is_its_setup_and_the_waits_between_steps_count_per_token():
+    """From replicas that count each finished sequence's seconds before its first decoded token:
+    that setup is the overhead of a stay, and the rest of the stay, per token, is the residency
+    TPOT where longer than the engine's. 4 sequences of 512 tokens that held KV 120 s together,
+    2 s of it setup, at an engine TPOT of 50 ms: 0.5 s a stay and 57.6 ms a token (the remainder
+    alone read (120 - 2048 x 0.05) / 4 = 4.4 s a stay, which a 16-token output does not have)."""
+    reader = SignalReader(block_size=16)
+    d = lambda gen, seqs, out, held, setup: [  # noqa: E731
+        _replica(
+            "d1",
+            total_blocks=448,
+            generated_tokens=gen,
+            num_running=2,
+            finished_seqs=seqs,
+            finished_output_tokens=out,
+            finished_max_tokens=512 * seqs,
+            finished_resident_s=held,
+            finished_setup_s=setup,
+        )
+    ]
+    p = [_replica("p1")]
+    reader.read(0.0, p, d(0, 0, 0, 0.0, 0.0), 1, 1)
+    _, got = reader.read(2.0, p, d(80, 4, 2048, 120.0, 2.0), 1, 1)  # 2 running, 40 tokens/s: 50 ms
+    assert got.residency_overhead_s == pytest.approx(0.5)
+    assert got.residency_tpot_s == pytest.approx(118.0 / 2048)
+    # stays no longer than tokens x the engine's TPOT: its TPOT stands
+    fast = SignalReader(block_size=16)
+    fast.read(0.0, p, d(0, 0, 0, 0.0, 0.0), 1, 1)
+    _, quick = fast.read(2.0, p, d(80, 4, 2048, 90.0, 2.0), 1, 1)
+    assert quick.residency_tpot_s == pytest.approx(0.05) and quick.residency_overhead_s == pytest.approx(0.5)
+
+
 def test_prefill_arrivals_count_requests_as_they_start_with_their_lengths_spread():
     reader = SignalReader(block_size=16)
     p = lambda n, tokens, sq: [  # noqa: E731
