@@ -81,9 +81,16 @@ def held_blocks(pool: list[dict[str, Any]], worker_id: str) -> int:
     return 0
 
 
-def room_to_hand_over(pool: list[dict[str, Any]], leaving: set[str]) -> int:
-    """Free KV blocks on the decode replicas that stay (answering, not in ``leaving``)."""
-    return sum(int(r.get("free_blocks", 0)) for r in pool if r.get("healthy") and r.get("worker_id") not in leaving)
+def room_to_hand_over(pool: list[dict[str, Any]], leaving: set[str], kv_usage_target: float) -> int:
+    """KV blocks the decode replicas that stay (answering, not in ``leaving``) can take while each
+    stays within ``kv_usage_target`` of its blocks: the rest of their KV is for what prefill hands
+    over meanwhile."""
+    room = 0
+    for r in pool:
+        if r.get("healthy") and r.get("worker_id") not in leaving:
+            reserve = (1.0 - kv_usage_target) * int(r.get("total_blocks", 0))
+            room += max(0, int(r.get("free_blocks", 0) - reserve))
+    return room
 
 
 def unread_pools(pools: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
@@ -290,10 +297,13 @@ class PDAutoscaler:
         their streams run out or the pools' drain time (15 s) cuts them: a benchmark's prefill
         replicas, waiting for those slots, came up 25 s after the change. Serve picks which
         replicas stop; the Serve REST API says which are stopping. A stopping replica is told
-        only once the decode replicas that stay have the free KV blocks its sequences hold:
-        handing 19 sequences of 512-token outputs to the one replica left (room for 12) made
-        them all wait, and both the output-heavy requests and the prompts behind them missed
-        their targets (a benchmark's phase went from 56 good requests to 18)."""
+        only once the decode replicas that stay have the free KV blocks its sequences hold
+        within their KV target (``room_to_hand_over``): handing 19 sequences of 512-token
+        outputs to the one replica left (room for 12) made them all wait, and both the
+        output-heavy requests and the prompts behind them missed their targets (a benchmark's
+        phase went from 56 good requests to 18). Filling it to the last free block, 9 streams
+        handed over as 2048-token prompts came back left 7 of those waiting at 96 % KV, and the
+        policy gave the replica back to decode 19 s later."""
         retired: set[str] = set()
         handed = 0  # blocks handed over so far: counted against the room until the watch ends
         # what a scale-down joining the watch (``_watch_retiring``) raises
@@ -307,7 +317,7 @@ class PDAutoscaler:
             except Exception as exc:  # noqa: BLE001 - they drain as before
                 logger.warning("autoscaling: cannot tell which decode replicas are stopping: %s", exc)
                 return
-            room = room_to_hand_over(pool, stopping | retired) - handed
+            room = room_to_hand_over(pool, stopping | retired, self.config.kv_usage_target) - handed
             for replica_id in sorted(stopping, key=lambda r: held_blocks(pool, r)):
                 address = addresses.get(replica_id)
                 if address is None:

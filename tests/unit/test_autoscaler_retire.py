@@ -12,6 +12,7 @@ import pytest
 
 from deploy.pools import autoscaler as autoscaler_module
 from deploy.pools.autoscaler import PDAutoscaler
+from deploy.pools.autoscaling import PolicyConfig, PoolBounds
 
 
 class FakeScaler:
@@ -68,6 +69,7 @@ def autoscaler(seen, refuse=(), **reader) -> _Autoscaler:
     scaler.app_name = "app"
     scaler.scaler = FakeScaler(seen)
     scaler.pool_reader = FakeReader(FakeControl(refuse), **reader)
+    scaler.config = PolicyConfig(4, PoolBounds(1, 3), PoolBounds(1, 3), kv_usage_target=0.8)
     return scaler
 
 
@@ -98,9 +100,9 @@ def test_the_watch_ends_when_serve_stops_fewer_replicas_than_asked():
 
 
 def test_a_stopping_replica_is_told_only_once_the_others_can_hold_its_sequences():
-    """The replicas that stay (r1, r4) have 10 + 50 free blocks: r2's 30 fit, then r3's 40 do not
-    (60 - 30 = 30 left) and r3 keeps running its sequences until they fit or the drain time cuts
-    them."""
+    """The replicas that stay (r1, r4) have 10 + 50 free blocks of 100 each, 0 + 30 of them
+    within the KV target (80 %): r2's 30 fit, then r3's 40 do not, and r3 keeps running its
+    sequences until they fit or the drain time cuts them."""
     a = autoscaler([{"r2", "r3"}], held=(90, 30, 40), room=50)
     asyncio.run(a._retire_stopping(2))
     assert a.pool_reader.control.retired == ["addr-r2"]
@@ -111,18 +113,19 @@ def test_a_stopping_replica_is_told_only_once_the_others_can_hold_its_sequences(
         task = asyncio.create_task(a._retire_stopping(2))
         while a.pool_reader.reads < 3:
             await asyncio.sleep(0)
-        a.pool_reader.pool[-1]["free_blocks"] = 75  # 10 + 75 - the 30 handed over: r3's 40 fit
+        a.pool_reader.pool[-1]["free_blocks"] = 90  # 90 - 20 kept - the 30 handed over: r3's 40 fit
         await task
 
     asyncio.run(finish_some())
     assert a.pool_reader.control.retired == ["addr-r2", "addr-r3"]
 
 
-@pytest.mark.parametrize(("room", "told"), [(50, ["addr-r2"]), (80, ["addr-r2", "addr-r3"])])
+@pytest.mark.parametrize(("room", "told"), [(70, ["addr-r2"]), (100, ["addr-r2", "addr-r3"])])
 def test_a_second_scale_down_during_a_watch_joins_it_and_the_room_is_counted_once(room, told):
-    """r1 and r4 stay with 10 + ``room`` free blocks. The first scale-down hands r2's 30 over;
-    the second, joining the same watch, finds r3's 40 fit only if the room left after r2's does
-    (a second watch of its own had counted the whole room again and told r3 at 60)."""
+    """r1 and r4 stay with 10 + ``room`` free blocks of 100 each: 0 + ``room`` - 20 within the KV
+    target. The first scale-down hands r2's 30 over; the second, joining the same watch, finds
+    r3's 40 fit only if the room left after r2's does (a second watch of its own counted the
+    whole room again, and at ``room`` 70 told r3 where 20 was left)."""
     a = autoscaler([{"r2"}, {"r2"}, {"r2", "r3"}], held=(90, 30, 40), room=room)
     a._retiring = None
 
@@ -137,3 +140,16 @@ def test_a_second_scale_down_during_a_watch_joins_it_and_the_room_is_counted_onc
 
     asyncio.run(two_scale_downs())
     assert a.pool_reader.control.retired == told
+
+
+def test_the_room_keeps_each_staying_replica_within_its_kv_target():
+    from deploy.pools.autoscaler import room_to_hand_over
+
+    pool = [
+        {"worker_id": "a", "healthy": True, "free_blocks": 300, "total_blocks": 448},
+        {"worker_id": "b", "healthy": True, "free_blocks": 50, "total_blocks": 448},  # past its target
+        {"worker_id": "c", "healthy": False, "free_blocks": 448, "total_blocks": 448},  # not answering
+        {"worker_id": "d", "healthy": True, "free_blocks": 448, "total_blocks": 448},  # leaving
+    ]
+    assert room_to_hand_over(pool, {"d"}, 0.8) == 300 - round(0.2 * 448)
+    assert room_to_hand_over(pool, {"d"}, 1.0) == 350
