@@ -68,6 +68,7 @@ USED_WINDOW = 30  # reads over which finished sequences' produced / max_tokens i
 # up the second replica the next phase's prompts needed.
 INFLOW_WINDOW_MIN_S = 6.0
 INFLOW_WINDOW_MAX_S = 60.0
+SHIFT_SIGMAS = 2.0  # a change of the inflow between the window's halves beyond this is a shift
 # prefill's counters read as smoothed rates: arrivals (as requests start) and hand-overs to decode
 SMOOTHED = (
     "received",
@@ -184,11 +185,41 @@ class SignalReader:
     def inflow_window(self) -> float | None:
         """Seconds over which decode's inflow is summed: a stay of what prefill hands over now
         (its mean ``max_tokens`` x the share used x decode's TPOT + the overhead of a stay), within
-        ``INFLOW_WINDOW_MIN_S``..``INFLOW_WINDOW_MAX_S``; None until decode's TPOT is known."""
+        ``INFLOW_WINDOW_MIN_S``..``INFLOW_WINDOW_MAX_S``; None (the smoothed rates) until decode's
+        TPOT is known, and while the inflow shifts (``inflow_shifted``)."""
         if self._tpot is None:
             return None
         stay = self.mean_max_tokens() * self.used_share() * (self.residency_tpot() or 0.0) + self.residency_overhead()
-        return min(max(stay, INFLOW_WINDOW_MIN_S), INFLOW_WINDOW_MAX_S)
+        window = min(max(stay, INFLOW_WINDOW_MIN_S), INFLOW_WINDOW_MAX_S)
+        return None if self.inflow_shifted(window) else window
+
+    def inflow_shifted(self, window: float) -> bool:
+        """The window's newer half handed over sequences, or ``max_tokens``, at a rate more than
+        ``SHIFT_SIGMAS`` standard deviations from its older half's (Poisson counts; ``max_tokens``
+        a compound Poisson sum, whose variance is its sum of squares): the load changed, and the
+        window's sum lags it by up to a stay. Summed over a stay regardless, a steady mix's
+        inflow read 0.50 hand-overs/s 16.6 s after its load started from idle (about 1.1 arrive),
+        both pools shrank 2:2 -> 1:1 and grew back 11 s later; and a phase after long outputs
+        would read their ``max_tokens`` for a stay."""
+        new = [0.0] * 4  # seconds, hand-overs, max_tokens, max_tokens²
+        old = [0.0] * 4
+        covered = 0.0
+        for _, interval, d in reversed(self._handed):
+            half = new if covered < window / 2 else old
+            for i, x in enumerate((interval, d["handed_over"], d["handed_over_max_tokens"], d["handed_over_max_sq"])):
+                half[i] += x
+            covered += interval
+            if covered >= window:
+                break
+        if new[0] <= 0 or old[0] <= 0:
+            return False
+
+        def beyond(i: int, var_i: int) -> bool:  # column i's rates apart, the variance from column var_i
+            diff = new[i] / new[0] - old[i] / old[0]
+            var = new[var_i] / new[0] ** 2 + old[var_i] / old[0] ** 2
+            return var > 0 and diff * diff > SHIFT_SIGMAS**2 * var
+
+        return beyond(1, 1) or beyond(2, 3)
 
     def inflow_rate(self, key: str, window: float | None) -> float:
         """A HANDED counter's per-second rate over prefill's reads of the last ``window`` seconds

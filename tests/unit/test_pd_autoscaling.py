@@ -1115,3 +1115,25 @@ def test_decode_inflow_window_is_at_least_a_few_reads_and_mixes_what_came_in_it(
     assert reader.inflow_window() > 12.0
     assert mixed.inflow_seqs_per_s == pytest.approx(14 / 12)
     assert mixed.expected_output_tokens == pytest.approx((16 * 12 + 2 * 512) / 14)
+
+
+def test_a_shift_of_the_inflow_reads_the_smoothed_rates_not_the_stays_window():
+    """A load starting from idle: 20 s of nothing, then 2 hand-overs/s of 512 tokens for 8 s.
+    Over the 25.6 s window they read 16 / 26 s = 0.62/s; its newer half's rate is more than 2
+    sigmas from the older's, so the inflow is the smoothed rate (1.95/s), which follows a shift."""
+    reader = SignalReader(block_size=16)
+
+    def p(n: int) -> list[dict]:
+        return [_replica("p1", handed_over=n, handed_over_max_tokens=512 * n, handed_over_max_sq=512 * 512 * n)]
+
+    def d(t: float) -> list[dict]:  # 2 running, 40 tokens/s: 50 ms a token
+        return [_replica("d1", total_blocks=448, generated_tokens=round(40 * t), num_running=2)]
+
+    for t in range(0, 22, 2):
+        reader.read(float(t), p(0), d(t), 1, 1)
+    for k, t in enumerate(range(22, 30, 2)):
+        _, got = reader.read(float(t), p(4 * (k + 1)), d(t), 1, 1)
+    window = reader.inflow_rate("handed_over", 512 * 0.05)
+    assert window == pytest.approx(16 / 26)
+    assert reader.inflow_shifted(512 * 0.05) and reader.inflow_window() is None
+    assert got.inflow_seqs_per_s == pytest.approx(reader.rate("handed_over")) and got.inflow_seqs_per_s > 1.9
