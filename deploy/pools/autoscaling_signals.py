@@ -20,7 +20,8 @@ status`` shows) two samples at a time: rates are the counters' deltas over the i
 - decode's inflow: requests prefill handed over per second and their ``max_tokens`` per
   second (their ratio is the mean ``max_tokens``), summed over a window as long as a stay
   (``inflow_window``: the hand-overs of the last stay are the ones resident, by Little's law;
-  smoothed alike like prefill's until decode's TPOT is known) x the share of
+  smoothed like prefill's arrivals until decode's TPOT is known and while the inflow shifts,
+  ``inflow_shifted``) x the share of
   ``max_tokens`` that sequences finished on decode produced over the last ``USED_WINDOW``
   reads (1 until any finish); the hand-overs' mean prompt and, per request, the means of
   prompt x ``max_tokens`` and ``max_tokens``² (x that share, and its square: what the inflow
