@@ -678,9 +678,11 @@ def test_status_table_shows_targets_signals_and_changes():
     assert _autoscaling_lines(None, 100.0) == []
 
 
-def test_the_overhead_of_a_stay_is_what_finished_sequences_held_beyond_tokens_x_tpot():
-    reader = SignalReader(block_size=16)
-    d = lambda gen, running, seqs, out, held: [  # noqa: E731
+def _finished(gen, running, seqs, out, asked, held, setup=None) -> list[dict]:
+    """A decode replica's stats: tokens generated, sequences running, and the finished ones'
+    count, output tokens, max_tokens, seconds they held KV and (if counted) their setup seconds."""
+    extra = {} if setup is None else {"finished_setup_s": setup}
+    return [
         _replica(
             "d1",
             total_blocks=448,
@@ -688,10 +690,16 @@ def test_the_overhead_of_a_stay_is_what_finished_sequences_held_beyond_tokens_x_
             num_running=running,
             finished_seqs=seqs,
             finished_output_tokens=out,
-            finished_max_tokens=16 * seqs,
+            finished_max_tokens=asked,
             finished_resident_s=held,
+            **extra,
         )
     ]
+
+
+def test_the_overhead_of_a_stay_is_what_finished_sequences_held_beyond_tokens_x_tpot():
+    reader = SignalReader(block_size=16)
+    d = lambda gen, running, seqs, out, held: _finished(gen, running, seqs, out, 16 * seqs, held)  # noqa: E731
     p = [_replica("p1")]
     reader.read(0.0, p, d(0, 2, 0, 0, 0.0), 1, 1)
     # 2 running, 100 tokens in 2 s: 40 ms a token. 4 sequences of 16 tokens finished, having held
@@ -716,19 +724,7 @@ def test_a_stays_overhead_is_its_setup_and_the_waits_between_steps_count_per_tok
     2 s of it setup, at an engine TPOT of 50 ms: 0.5 s a stay and 57.6 ms a token (the remainder
     alone read (120 - 2048 x 0.05) / 4 = 4.4 s a stay, which a 16-token output does not have)."""
     reader = SignalReader(block_size=16)
-    d = lambda gen, seqs, out, held, setup: [  # noqa: E731
-        _replica(
-            "d1",
-            total_blocks=448,
-            generated_tokens=gen,
-            num_running=2,
-            finished_seqs=seqs,
-            finished_output_tokens=out,
-            finished_max_tokens=512 * seqs,
-            finished_resident_s=held,
-            finished_setup_s=setup,
-        )
-    ]
+    d = lambda gen, seqs, out, held, setup: _finished(gen, 2, seqs, out, 512 * seqs, held, setup)  # noqa: E731
     p = [_replica("p1")]
     reader.read(0.0, p, d(0, 0, 0, 0.0, 0.0), 1, 1)
     _, got = reader.read(2.0, p, d(80, 4, 2048, 120.0, 2.0), 1, 1)  # 2 running, 40 tokens/s: 50 ms
