@@ -233,6 +233,7 @@ class PrefillServer(_WorkerServer):
 
     async def __init__(self, args: dict) -> None:  # type: ignore[misc]  # Serve awaits an async constructor
         engine = self._setup(args)
+        self._delayed_prefills = 0  # requests in the injected prefill_delay_s (fault_injection)
         stall = self.args.fault_injection.get("send_stall_s")
         self.worker = PrefillWorker(
             engine,
@@ -251,9 +252,19 @@ class PrefillServer(_WorkerServer):
         # Link-aware routing: the prefill router tries a replica whose sends failed lately last.
         return {**self._load, "recent_transfer_failures": self.worker.stats.recent_failures(LINK_FAILURE_WINDOW_S)}
 
+    async def stats(self) -> dict:
+        out = await super().stats()
+        if self.args.fault_injection.get("prefill_delay_s"):
+            out["delayed_prefills"] = self._delayed_prefills
+        return out
+
     async def prefill(self, request: GenerateRequest) -> PrefillResult:
         if delay := self.args.fault_injection.get("prefill_delay_s"):
-            await asyncio.sleep(delay)
+            self._delayed_prefills += 1  # shown in stats: a fault test sees where requests wait
+            try:
+                await asyncio.sleep(delay)
+            finally:
+                self._delayed_prefills -= 1
         result = await self.worker.prefill(request)
         self.metrics.request_timing(result.timing)
         return result

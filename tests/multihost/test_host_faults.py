@@ -253,22 +253,31 @@ def test_a_decode_host_lost_mid_stream_resumes_its_streams_on_the_other(fault_ap
 def test_a_prefill_host_lost_during_prefill_retries_on_the_other(testbed, wide_tiny_model, fault_app):
     need_two_of_each(testbed)
     # Every prefill waits 3 s first, so the loss lands while requests are in prefill.
-    base = deploy(testbed, wide_tiny_model, transfer_timeout_s=1.0, fault_injection={"prefill_delay_s": 3.0})
+    base = deploy(testbed, wide_tiny_model, transfer_timeout_s=1.0, fault_injection={"prefill_delay_s": 8.0})
+    victim = None
     try:
         prompts = random_prompts((50,) * 8, seed=74)
         expected = [expected_text(wide_tiny_model, p) for p in prompts]
-        victim = testbed.role("prefill")[1]
         results: dict[int, object] = {}
         sender = threading.Thread(
             target=lambda: results.update(
                 run_concurrently(lambda p: complete(base, p, timeout=CLIENT_TIMEOUT_S), prompts)
             )
         )
-        sender.start()
         retries_before = routing(base)["prefill_retries"]
-        time.sleep(1.5)  # every request is now inside its replica's 3 s prefill
+        sender.start()
+        # The router chooses the replicas (a CI run sent all 8 to one host, and the loss of the
+        # other retried nothing): lose the host with the most requests inside its 8 s prefill.
+        delayed: dict[str, int] = {}
+        deadline = time.monotonic() + 6.0
+        while sum(delayed.values()) < len(prompts) and time.monotonic() < deadline:
+            status = httpx.get(f"{base}/v1/cluster/status", timeout=30).json()
+            delayed = {r["node_ip"]: r.get("delayed_prefills", 0) for r in status["pools"]["prefill"]}
+            time.sleep(0.1)
+        victim = testbed.host(max(delayed, key=delayed.get))
+        assert delayed[victim.ip] >= 1, f"no request was in prefill: {delayed}"
         killed = testbed.kill_host(victim)
-        print(f"\n{victim.name} ({victim.ip}) lost with requests in prefill: {killed} processes")
+        print(f"\n{victim.name} ({victim.ip}) lost with requests in prefill per host {delayed}: {killed} processes")
         sender.join(timeout=CLIENT_TIMEOUT_S + 60)
         assert len(results) == len(prompts)
         for i, resp in results.items():
@@ -277,8 +286,9 @@ def test_a_prefill_host_lost_during_prefill_retries_on_the_other(testbed, wide_t
             assert resp.json()["choices"][0]["text"] == expected[i]
         retried = routing(base)["prefill_retries"] - retries_before
         print(f"all {len(prompts)} requests completed with the reference text; {retried} prefills retried")
-        assert retried >= 1  # some were in prefill on the lost host, and went to the other one
-        testbed.restart_host(victim)
-        wait_placed(testbed)
+        assert retried >= delayed[victim.ip]  # each one in prefill on the lost host went to the other
     finally:
+        if victim is not None:  # the next tests need both hosts of each kind
+            testbed.restart_host(victim)
+            wait_placed(testbed)
         deploy(testbed, wide_tiny_model, transfer_timeout_s=1.0)  # without the injected delay, for wait_idle
