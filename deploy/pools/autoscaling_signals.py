@@ -205,13 +205,11 @@ class SignalReader:
         new = [0.0] * 4  # seconds, hand-overs, max_tokens, max_tokens²
         old = [0.0] * 4
         covered = 0.0
-        for _, interval, d in reversed(self._handed):
+        for interval, d in self._handed_within(window):
             half = new if covered < window / 2 else old
             for i, x in enumerate((interval, d["handed_over"], d["handed_over_max_tokens"], d["handed_over_max_sq"])):
                 half[i] += x
             covered += interval
-            if covered >= window:
-                break
         if new[0] <= 0 or old[0] <= 0:
             return False
 
@@ -222,19 +220,25 @@ class SignalReader:
 
         return beyond(1, 1) or beyond(2, 3)
 
+    def _handed_within(self, window: float) -> list[tuple[float, dict[str, float]]]:
+        """Prefill's reads of HANDED, newest first, until their intervals cover ``window`` (at
+        least the newest): (seconds, {key: delta}) each."""
+        reads: list[tuple[float, dict[str, float]]] = []
+        covered = 0.0
+        for _, interval, deltas in reversed(self._handed):
+            reads.append((interval, deltas))
+            covered += interval
+            if covered >= window:
+                break
+        return reads
+
     def inflow_rate(self, key: str, window: float | None) -> float:
         """A HANDED counter's per-second rate over prefill's reads of the last ``window`` seconds
-        (newest first until their intervals cover it; at least the newest), the smoothed rate when
-        ``window`` is None."""
+        (``_handed_within``), the smoothed rate when ``window`` is None."""
         if window is None or not self._handed:
             return self.rate(key)
-        total = seconds = 0.0
-        for _, interval, deltas in reversed(self._handed):
-            total += deltas[key]
-            seconds += interval
-            if seconds >= window:
-                break
-        return total / seconds
+        reads = self._handed_within(window)
+        return sum(deltas[key] for _, deltas in reads) / sum(interval for interval, _ in reads)
 
     def mean_max_tokens(self) -> float:
         """Mean ``max_tokens`` of recent hand-overs."""

@@ -252,7 +252,7 @@ def test_a_decode_host_lost_mid_stream_resumes_its_streams_on_the_other(fault_ap
 
 def test_a_prefill_host_lost_during_prefill_retries_on_the_other(testbed, wide_tiny_model, fault_app):
     need_two_of_each(testbed)
-    # Every prefill waits 3 s first, so the loss lands while requests are in prefill.
+    # Every prefill waits 8 s first, so the loss lands while requests are in prefill.
     base = deploy(testbed, wide_tiny_model, transfer_timeout_s=1.0, fault_injection={"prefill_delay_s": 8.0})
     victim = None
     try:
