@@ -34,6 +34,12 @@ class PoolArgs(BaseModel):
         ge=1,
         description="torch threads of each replica's engine; None: what num_cpus grants, max(1, floor(num_cpus))",
     )
+    prefill_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="torch threads of an engine step that computes prompt tokens (CPU): a prompt's matmuls are "
+        "compute-bound and the serving path has little to carry meanwhile; None: num_threads's count",
+    )
     num_gpus: float = Field(default=0.0, ge=0, description="GPUs per replica (1 on GPU clusters)")
     resources: dict[str, float] = Field(
         default_factory=dict, description="custom resources per replica, e.g. {'prefill': 1} to pin a node type"
@@ -417,6 +423,7 @@ class PDServeArgs(BaseModel):
             prepack_weights=self.prepack_weights,
             model_key=self.model_key,
             tensor_parallel_size=getattr(self, role).tensor_parallel_size,
+            prefill_threads=getattr(self, role).prefill_threads,
             emulated_step_s=self.emulated_step_s,
         )
 

@@ -79,12 +79,14 @@ class _WorkerServer:
         self.device = resolve_device(self.args.device)
         pool = getattr(self.args, self.role)
         self.torch_threads = set_engine_threads(pool)
+        self.prefill_threads = pool.prefill_threads if self.device == "cpu" else None
         logger.info(
-            "%s replica %s: engine runs torch with %d thread(s) per rank on %d rank(s) (num_threads %s, num_cpus %g)",
+            "%s replica %s: engine runs torch with %d thread(s) per rank on %d rank(s)%s (num_threads %s, num_cpus %g)",
             self.role,
             self.worker_id,
             self.torch_threads,
             pool.tensor_parallel_size,
+            f", {self.prefill_threads} in steps that compute prompts" if self.prefill_threads else "",
             pool.num_threads,
             pool.num_cpus,
         )
@@ -183,6 +185,7 @@ class _WorkerServer:
             "device": self.device,
             "node_ip": self.node_ip,
             "torch_threads": self.torch_threads,
+            "prefill_threads": self.prefill_threads,
             "index": index,
             "recent_transfer_failures": worker.stats.recent_failures(LINK_FAILURE_WINDOW_S),
             **snapshot,

@@ -48,12 +48,16 @@ def test_replica_reports_the_threads_it_was_granted(serve_cluster, tiny_llama):
         "num_kv_blocks": 64,
         "device": "cpu",
         "mode": "colocated",
-        "colocated": {"replicas": 1, "num_cpus": 0.5, "num_threads": 2},
+        "colocated": {"replicas": 1, "num_cpus": 0.5, "num_threads": 2, "prefill_threads": 3},
     }
     base = deploy(serve_cluster, "threads", "/threads", args)
+    body = {"model": "llama", "prompt": "threads", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    completion = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+    assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 4
     status = httpx.get(f"{base}/v1/cluster/status", timeout=10).json()
     (replica,) = status["pools"]["colocated"]
     assert replica["torch_threads"] == 2
+    assert replica["prefill_threads"] == 3
     from ray import serve
 
     serve.delete("threads")

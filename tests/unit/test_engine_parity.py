@@ -112,3 +112,28 @@ def test_the_fp32_norm_is_one_op_and_bit_for_bit_transformers_arithmetic():
             ref.weight.copy_(ours.weight)
         x = torch.randn(9, width, dtype=torch.bfloat16)
         assert torch.equal(half(x), ref(x))
+
+
+def test_prefill_steps_run_on_their_own_threads_and_stay_exact(tiny_llama):
+    """``prefill_threads``: a step with prompt tokens runs on that many torch threads, a decode-only
+    step on the process's own, which every step leaves as it found it; the output is unchanged."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = make_engine(tiny_llama, prefill_threads=2, max_num_batched_tokens=32)
+        seen: list[tuple[bool, int]] = []  # (the step computes prompt tokens, torch threads meanwhile)
+        forward = engine.model.forward
+
+        def recording_forward(input_ids, positions, attn):
+            seen.append((bool(attn.meta.prefills), torch.get_num_threads()))
+            return forward(input_ids, positions, attn)
+
+        engine.model.forward = recording_forward
+        prompts = random_prompts()
+        assert_matches_hf(tiny_llama, prompts, engine.generate(prompts, GREEDY))
+        assert torch.get_num_threads() == 1
+        assert {threads for prompt, threads in seen if prompt} == {2}, seen
+        assert {threads for prompt, threads in seen if not prompt} == {1}, seen
+        engine.check_idle()
+    finally:
+        torch.set_num_threads(before)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import os
 
-from deploy.ops.cli import _threads_per_replica
+from deploy.ops.cli import _prefill_threads_per_replica, _threads_per_replica
 
 
 def _args(**kw) -> argparse.Namespace:
     base = dict(
         threads_per_replica=None,
+        prefill_threads=None,
         ray_address=None,
         gpus_per_replica=0.0,
         mode="disaggregated",
@@ -80,3 +81,21 @@ def test_prefill_and_decode_ranks_split_the_cores(monkeypatch):
     # 1 prefill replica x 2 ranks + 1 decode replica x 1 rank = 3 ranks on 7 engine cores
     assert _threads_per_replica(_args(prefill=1, decode=1, tp=1, prefill_tp=2, decode_tp=None)) == 2
     assert _threads_per_replica(_args(prefill=1, decode=2, tp=2)) == 1  # 2 + 4 ranks
+
+
+def test_steps_that_compute_prompts_take_the_serving_core_too(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert _prefill_threads_per_replica(_args(mode="colocated")) == 2  # this VM: decode 1, prompts 2
+    assert _prefill_threads_per_replica(_args()) is None  # 1 + 1 engines: one core each either way
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert _prefill_threads_per_replica(_args()) == 4  # 8 cores over 2 replicas; decode steps 3
+    assert _prefill_threads_per_replica(_args(mode="colocated", colocated=3)) is None  # 8 // 3 == 7 // 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert _prefill_threads_per_replica(_args(mode="colocated")) is None
+
+
+def test_prefill_threads_as_given_or_left_to_the_pool():
+    assert _prefill_threads_per_replica(_args(prefill_threads=3)) == 3
+    assert _prefill_threads_per_replica(_args(threads_per_replica=2)) is None  # every step on those 2
+    assert _prefill_threads_per_replica(_args(ray_address="10.0.0.1:6379")) is None
+    assert _prefill_threads_per_replica(_args(gpus_per_replica=1.0)) is None

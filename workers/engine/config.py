@@ -39,6 +39,10 @@ class EngineConfig:
     # Ranks the model is split over (workers/engine/tensor_parallel.py): this process is rank 0,
     # ranks 1..N-1 are processes it starts. 1: the whole model here, no collectives.
     tensor_parallel_size: int = 1
+    # CPU: torch threads for a step that computes prompt tokens (every rank), the process's own
+    # count restored after it; None: every step runs on the process's threads. A prompt's matmuls
+    # are compute-bound and gain from each thread; a decode step is bound by weight bandwidth.
+    prefill_threads: int | None = None
     # Benchmarks only: (seconds per step, per prefill token, per context token of a decode) that a
     # step lasts at least; the engine thread sleeps the rest. On a CPU every replica shares the same
     # cores, so a replica adds no compute; this stands in for an accelerator's step time (one per
@@ -70,6 +74,7 @@ class EngineConfig:
                 "must be batch sizes in [1, max_num_seqs]",
             ),
             "tensor_parallel_size": (self.tensor_parallel_size > 0, "must be positive"),
+            "prefill_threads": (self.prefill_threads is None or self.prefill_threads > 0, "must be positive"),
             "emulated_step_s": (
                 self.emulated_step_s is None or (len(self.emulated_step_s) == 3 and min(self.emulated_step_s) >= 0),
                 "must be three non-negative numbers (per step, per prefill token, per decode context token)",

@@ -165,7 +165,13 @@ class LLMEngine:
             else CompiledDecode(self.model, cfg.max_num_seqs, self.device, cfg.compile_batch_sizes)
         )
         self.runner = ModelRunner(
-            self.model, self.kv, self.sliding_window, compiled, cfg.load_progress, cfg.attention_backend
+            self.model,
+            self.kv,
+            self.sliding_window,
+            compiled,
+            cfg.load_progress,
+            cfg.attention_backend,
+            cfg.prefill_threads,
         )
         if self.tensor_parallel:
             self.tensor_parallel.start(self.sliding_window)

@@ -15,6 +15,9 @@ compiled here at start-up), "auto" picks ``auto_attention_backend``'s choice.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from workers.engine.block_manager import first_window_block
@@ -60,6 +63,21 @@ def auto_attention_backend(kv: PagedKVCache) -> str:
     return AUTO_BACKEND.get(kv.layers[0].device.type, "sdpa")
 
 
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Run the block on ``threads`` torch (OpenMP) threads, then restore the count before it (a
+    call to ``torch.set_num_threads`` costs microseconds: the pool's threads are kept)."""
+    before = torch.get_num_threads()
+    if threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -69,12 +87,15 @@ class ModelRunner:
         compiled: CompiledDecode | None = None,
         progress: bool = False,
         attention_backend: str = "sdpa",
+        prefill_threads: int | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
         self.block_size = kv.block_size
         self.sliding_window = sliding_window
         self.device = kv.layers[0].device
+        # CPU: steps that compute prompt tokens run on this many torch threads (EngineConfig)
+        self.prefill_threads = prefill_threads if self.device.type == "cpu" else None
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={attention_backend!r} must be one of {ATTENTION_BACKENDS}")
         if attention_backend == "auto":
@@ -93,10 +114,17 @@ class ModelRunner:
         if compiled is not None:
             compiled.warm_up(self._scratch_attention, progress)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq], list[PromptLogprobs]]:
         """Run one step. Returns logits ``[N, V]`` for the N sequences that sample, in order, and
-        the prompt logprobs of the positions this step computed for requests that ask for them."""
+        the prompt logprobs of the positions this step computed for requests that ask for them.
+        A step with prefill tokens runs on ``prefill_threads`` when set."""
+        if out.prefills and self.prefill_threads is not None:
+            with torch_threads(self.prefill_threads):
+                return self._execute(out)
+        return self._execute(out)
+
+    @torch.inference_mode()
+    def _execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq], list[PromptLogprobs]]:
         items = out.decodes + out.prefills
         input_ids: list[int] = []
         positions: list[int] = []

@@ -682,7 +682,9 @@ def _serve(config: EngineConfig, groups: RankGroups, device: torch.device, store
         raise RuntimeError(f"expected INIT from rank 0, got {kind.name}")
     sliding_window = payload[0] if payload[0] >= 0 else None
     kv = PagedKVCache(local, num_blocks, config.block_size, config.kv_cache_dtype, dtype, device)
-    runner = ModelRunner(model, kv, sliding_window, attention_backend=config.attention_backend)  # as rank 0
+    runner = ModelRunner(  # as rank 0
+        model, kv, sliding_window, attention_backend=config.attention_backend, prefill_threads=config.prefill_threads
+    )
     agent: RankTransferAgent | None = None
     try:
         while True:
