@@ -32,14 +32,58 @@ def test_load_packs_every_linear_and_the_head(tiny_model_dirs, arch):
     cfg = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, progress=False, prepack=True)
     packed = [m for m in model.modules() if isinstance(m, PackedLinear) and m.packed is not None]
-    # q, k, v, o, gate, up, down per layer, and the head that scores: the embedding when tied,
-    # else lm_head (an untied embedding only looks rows up: packing it would waste its size)
-    assert len(packed) == 7 * cfg.num_layers + 1
+    # o and down per layer on their own, q/k/v and gate/up each as one fused copy, and the head
+    # that scores: the embedding when tied, else lm_head (an untied embedding only looks rows up:
+    # packing it would waste its size)
+    assert len(packed) == 2 * cfg.num_layers + 1
+    for layer in model.model.layers:
+        assert layer.self_attn.fused is not None and layer.mlp.fused is not None
+        assert layer.self_attn.o_proj.packed is not None and layer.self_attn.q_proj.packed is None
     assert model.head.packed is not None
     if not cfg.tie_word_embeddings:
         assert model.model.embed_tokens.packed is None
     plain = load_model(model_dir, progress=False)
     assert not any(m.packed is not None for m in plain.modules() if isinstance(m, PackedLinear))
+    assert all(layer.self_attn.fused is None and layer.mlp.fused is None for layer in plain.model.layers)
+
+
+class _CaptureAttention:
+    """Stands in for a step's attention: keeps q, k, v as the layer hands them over (after the
+    rotation) and returns q."""
+
+    qkv: tuple[torch.Tensor, ...] = ()
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.qkv = (q.clone(), k.clone(), v.clone())
+        return q
+
+
+@pytest.mark.parametrize("arch", ("llama", "qwen2", "qwen3"))  # qwen2: q/k/v biases; qwen3: q/k norms
+def test_fused_layers_equal_the_separately_packed_ones_bit_for_bit(tiny_model_dirs, arch):
+    model = load_model(tiny_model_dirs[arch], progress=False, prepack=True)
+    layer = model.model.layers[1]
+    hidden = model.config.hidden_size
+    torch.manual_seed(0)
+    for tokens in (1, 3, 8, 33, 300):  # decode batches and prompt chunks
+        x = torch.randn(tokens, hidden)
+        positions = torch.arange(tokens) + 5
+        rope = model.model.rotary_emb.tables(positions, x.dtype)
+        outputs = []
+        for fused in (True, False):
+            for module in (layer.self_attn, layer.mlp):
+                if not fused:  # the same weights, each linear packed on its own
+                    module.saved, module.fused = module.fused, None
+                    for name in module.fused_inputs:
+                        getattr(module, name).pack(8)
+            capture = _CaptureAttention()
+            with torch.inference_mode():
+                attn_out = layer.self_attn(x, rope, capture)
+                outputs.append((capture.qkv, attn_out, layer.mlp(x)))
+        for module in (layer.self_attn, layer.mlp):
+            module.fused = module.saved
+        (qkv_f, attn_f, mlp_f), (qkv_s, attn_s, mlp_s) = outputs
+        assert all(torch.equal(a, b) for a, b in zip(qkv_f, qkv_s)), tokens
+        assert torch.equal(attn_f, attn_s) and torch.equal(mlp_f, mlp_s), tokens
 
 
 def test_packed_forward_runs_onednn_and_agrees_with_f_linear():
@@ -87,7 +131,9 @@ def test_greedy_parity_both_ways(tiny_model_dirs, prepack):
     engine = make_engine(model_dir, prepack_weights=prepack)
     lookup = engine.model.model.embed_tokens  # untied here: it only looks rows up, never packed
     layers = [m for m in engine.model.modules() if isinstance(m, PackedLinear) and m is not lookup]
-    assert all((m.packed is not None) == prepack for m in layers)
+    fused = {id(getattr(m, name)) for m in engine.model.modules() for name in getattr(m, "fused_inputs", ())}
+    assert all((m.packed is not None) == (prepack and id(m) not in fused) for m in layers)
+    assert all((layer.mlp.fused is not None) == prepack for layer in engine.model.model.layers)
     prompts = random_prompts(seed=5)
     assert_matches_hf(model_dir, prompts, engine.generate(prompts, GREEDY))
     engine.check_idle()

@@ -24,6 +24,7 @@ from workers.layers.paged_attention import PagedAttention
 from workers.models.config import ModelConfig, RopeConfig
 from workers.models.parallel import (
     ColumnParallelLinear,
+    FusedPackedLinear,
     ParallelLMHead,
     RowParallelLinear,
     TPGroup,
@@ -91,8 +92,13 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
+    return rotate(rope, q), rotate(rope, k)
+
+
+def rotate(rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of ``x`` ``[T, heads, D]`` (transformers' arithmetic)."""
     cos, sin = rope
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -101,6 +107,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    # q/k/v read the same input: prepack_linears packs them as one (``fused``, CPU fp32)
+    fused_inputs = ("q_proj", "k_proj", "v_proj")
+
     def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup) -> None:
         super().__init__()
         self.layer = layer
@@ -116,28 +125,44 @@ class Attention(nn.Module):
         if cfg.qk_norm:  # per head_dim: the same weights on every rank, applied to its heads
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.fused: FusedPackedLinear | None = None
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], attn: PagedAttention) -> torch.Tensor:
-        tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(rope, q, k)
+        tokens, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
+        if self.fused is not None and self.fused.applies(x):
+            heads = self.fused(x).view(tokens, hq + 2 * hkv, self.head_dim)  # q, k, v heads side by side
+            if self.qk_norm:
+                q, k, v = heads.split([hq, hkv, hkv], dim=1)
+                q, k = apply_rotary(rope, self.q_norm(q), self.k_norm(k))
+            else:  # one rotation for q's and k's heads: the same elementwise arithmetic, half the ops
+                q, k = rotate(rope, heads[:, : hq + hkv]).split([hq, hkv], dim=1)
+                v = heads[:, hq + hkv :]
+        else:
+            q = self.q_proj(x).view(tokens, hq, self.head_dim)
+            k = self.k_proj(x).view(tokens, hkv, self.head_dim)
+            v = self.v_proj(x).view(tokens, hkv, self.head_dim)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(rope, q, k)
         o = attn.forward(self.layer, q, k, v)
         return self.o_proj(o.reshape(tokens, -1))
 
 
 class MLP(nn.Module):
+    fused_inputs = ("gate_proj", "up_proj")  # packed as one by prepack_linears (CPU fp32)
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         hidden, inner = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = ColumnParallelLinear(hidden, inner, cfg.mlp_bias, tp)
         self.up_proj = ColumnParallelLinear(hidden, inner, cfg.mlp_bias, tp)
         self.down_proj = RowParallelLinear(inner, hidden, cfg.mlp_bias, tp)
+        self.fused: FusedPackedLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and self.fused.applies(x):
+            gate, up = self.fused(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
