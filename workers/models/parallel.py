@@ -159,11 +159,13 @@ class FusedPackedLinear:
 
     def __init__(self, linears: list[PackedLinear], batch_hint: int) -> None:
         self.out_features = [m.weight.shape[0] for m in linears]
-        biases = [getattr(m, "bias", None) for m in linears]
+        biases = [b.detach() for m in linears if (b := getattr(m, "bias", None)) is not None]
+        if biases and len(biases) != len(linears):
+            raise ValueError("fused linears must all have a bias or all have none")
         with torch.no_grad():
             weight = torch.cat([m.weight.detach() for m in linears])
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
-            self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+            self.bias = torch.cat(biases) if biases else None
 
     def applies(self, x: torch.Tensor) -> bool:
         """Whether ``__call__`` takes ``x``: eager (a compiled graph keeps the plain weights), fp32,
@@ -192,7 +194,7 @@ def prepack_linears(model: nn.Module, batch_hint: int = 8) -> int:
             names = getattr(module, "fused_inputs", ())
             linears = [getattr(module, name) for name in names]
             if linears and all(m.packed is not None for m in linears):
-                module.fused = FusedPackedLinear(linears, batch_hint)
+                setattr(module, "fused", FusedPackedLinear(linears, batch_hint))  # noqa: B010 - any nn.Module
                 for m in linears:
                     m.packed = None  # the fused copy serves them: no second copy of each weight
     return packed
