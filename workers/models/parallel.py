@@ -158,7 +158,6 @@ class FusedPackedLinear:
     layers' concatenated (bit for bit in ``tests/unit/test_prepacked_linears.py``)."""
 
     def __init__(self, linears: list[PackedLinear], batch_hint: int) -> None:
-        self.out_features = [m.weight.shape[0] for m in linears]
         biases = [b.detach() for m in linears if (b := getattr(m, "bias", None)) is not None]
         if biases and len(biases) != len(linears):
             raise ValueError("fused linears must all have a bias or all have none")
@@ -173,7 +172,7 @@ class FusedPackedLinear:
         return x.dtype == torch.float32 and x.numel() > 0 and not torch.compiler.is_compiling()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The layers' outputs side by side, ``[..., sum(out_features)]``."""
+        """The layers' outputs side by side, ``[..., the layers' output widths summed]``."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
