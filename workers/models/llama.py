@@ -129,20 +129,20 @@ class Attention(nn.Module):
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], attn: PagedAttention) -> torch.Tensor:
         tokens, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
+        heads = None  # the fused output: q, k and v heads side by side
         if self.fused is not None and self.fused.applies(x):
-            heads = self.fused(x).view(tokens, hq + 2 * hkv, self.head_dim)  # q, k, v heads side by side
-            if self.qk_norm:
-                q, k, v = heads.split([hq, hkv, hkv], dim=1)
-                q, k = apply_rotary(rope, self.q_norm(q), self.k_norm(k))
-            else:  # one rotation for q's and k's heads: the same elementwise arithmetic, half the ops
-                q, k = rotate(rope, heads[:, : hq + hkv]).split([hq, hkv], dim=1)
-                v = heads[:, hq + hkv :]
+            heads = self.fused(x).view(tokens, hq + 2 * hkv, self.head_dim)
+            q, k, v = heads.split([hq, hkv, hkv], dim=1)
         else:
             q = self.q_proj(x).view(tokens, hq, self.head_dim)
             k = self.k_proj(x).view(tokens, hkv, self.head_dim)
             v = self.v_proj(x).view(tokens, hkv, self.head_dim)
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if heads is not None and not self.qk_norm:
+            # one rotation for q's and k's adjacent heads: the same elementwise arithmetic, half the ops
+            q, k = rotate(rope, heads[:, : hq + hkv]).split([hq, hkv], dim=1)
+        else:
             q, k = apply_rotary(rope, q, k)
         o = attn.forward(self.layer, q, k, v)
         return self.o_proj(o.reshape(tokens, -1))

@@ -121,6 +121,12 @@ def _onednn_linear_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def _runs_packed(x: torch.Tensor) -> bool:
+    """Whether ``x`` is multiplied with a oneDNN-packed weight: eager (a compiled graph keeps
+    ``F.linear`` on the plain weight, and inductor packs its own) and fp32."""
+    return x.dtype == torch.float32 and not torch.compiler.is_compiling()
+
+
 class PackedLinear(nn.Module):
     """A linear layer's ``weight`` (and ``bias``), and, once ``pack`` has run, a oneDNN copy of
     the weight that ``_linear`` multiplies with outside ``torch.compile`` (inside, the graph
@@ -143,7 +149,7 @@ class PackedLinear(nn.Module):
         return True
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is not None and not torch.compiler.is_compiling() and x.dtype == torch.float32:
+        if self.packed is not None and _runs_packed(x):
             if x.numel() == 0:  # oneDNN rejects an empty batch
                 return x.new_empty((*x.shape[:-1], self.weight.shape[0]))
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
@@ -167,9 +173,9 @@ class FusedPackedLinear:
             self.bias = torch.cat(biases) if biases else None
 
     def applies(self, x: torch.Tensor) -> bool:
-        """Whether ``__call__`` takes ``x``: eager (a compiled graph keeps the plain weights), fp32,
-        a non-empty batch (oneDNN rejects an empty one)."""
-        return x.dtype == torch.float32 and x.numel() > 0 and not torch.compiler.is_compiling()
+        """Whether ``__call__`` takes ``x``: as a packed linear would (``_runs_packed``), and a
+        non-empty batch (oneDNN rejects an empty one; the separate layers answer it)."""
+        return _runs_packed(x) and x.numel() > 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The layers' outputs side by side, ``[..., the layers' output widths summed]``."""
