@@ -1,8 +1,10 @@
 """Decode step time per attention backend (sdpa: gather + SDPA; flex: FlexAttention over the
-physical cache), side by side in one run.
+physical cache; paged: one compiled kernel per layer reading through the block tables), side by
+side in one run, each as a ratio to sdpa.
 
     python bench/attention.py                                   # SmolLM2-135M and the tiny llama
     python bench/attention.py --models smollm2 --batches 8 --contexts 1024 --steps 10
+    python bench/attention.py --backends sdpa paged             # leave flex out
 
 A decode step here is what ``ModelRunner.execute`` runs for B decodes (the model's forward with
 the step's K/V writes and attention in every layer, then the LM head), without the scheduler:
@@ -31,7 +33,9 @@ from workers.layers.paged_attention import (  # noqa: E402
     AttentionMetadata,
     FlexPagedAttention,
     PagedAttention,
+    PagedDecodeAttention,
     warm_up_flex,
+    warm_up_paged_decode,
 )
 
 TINY_DIR = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "bench-attention-tiny"
@@ -55,7 +59,7 @@ def step_attention(engine: LLMEngine, kind: type[PagedAttention], tables, lens) 
     positions = [n - 1 for n in lens]
     write = kv.write_plan([t[p // bs] for t, p in zip(tables, positions)], [p % bs for p in positions], dev)
     meta = AttentionMetadata(write=write, sliding_window=runner.sliding_window)
-    runner._fill_decode_metadata(meta, lens, [0] * len(lens), tables)  # the sdpa mask too (flex ignores it)
+    runner._fill_decode_metadata(meta, lens, [0] * len(lens), tables)  # the sdpa mask too (others ignore it)
     return kind(kv, meta, engine.model.attention_scale)
 
 
@@ -69,7 +73,15 @@ def decode_step(engine: LLMEngine, attn: PagedAttention, tokens: torch.Tensor, p
     return time.perf_counter() - start
 
 
-def run(name: str, batches: list[int], contexts: list[int], steps: int, device: str) -> None:
+KINDS: dict[str, type[PagedAttention]] = {
+    "sdpa": PagedAttention,
+    "flex": FlexPagedAttention,
+    "paged": PagedDecodeAttention,
+}
+WARM_UPS = {"flex": warm_up_flex, "paged": warm_up_paged_decode}
+
+
+def run(name: str, backends: list[str], batches: list[int], contexts: list[int], steps: int, device: str) -> None:
     bs = 16
     blocks = max(batches) * -(-max(contexts) // bs) + 8
     engine = LLMEngine(
@@ -79,19 +91,21 @@ def run(name: str, batches: list[int], contexts: list[int], steps: int, device: 
     gen = torch.Generator().manual_seed(0)
     for layer in kv.layers:
         layer.copy_(torch.randn(layer.shape, generator=gen).to(layer.dtype))
-    t = time.perf_counter()
-    warm_up_flex(
-        kv,
-        engine.model.attention_scale,
-        engine.model_config.num_heads,
-        engine.runner.sliding_window,
-    )
+    compiled = []
+    for backend in backends:
+        if backend in WARM_UPS:
+            t = time.perf_counter()
+            heads, window = engine.model_config.num_heads, engine.runner.sliding_window
+            WARM_UPS[backend](kv, engine.model.attention_scale, heads, window)
+            compiled.append(f"{backend} compiled in {time.perf_counter() - t:.1f} s")
     cfg = engine.model_config
     print(
         f"\n{name}: {cfg.num_layers} layers, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads x {cfg.head_dim}, "
-        f"cache {blocks} blocks; flex compiled in {time.perf_counter() - t:.1f} s"
+        f"cache {blocks} blocks; " + ("; ".join(compiled) or "nothing compiled")
     )
-    print(f"{'batch':>5} {'context':>7} {'sdpa ms':>9} {'flex ms':>9} {'flex/sdpa':>9}")
+    others = [b for b in backends if b != "sdpa"]
+    header = f"{'batch':>5} {'context':>7}" + "".join(f" {b + ' ms':>9}" for b in backends)
+    print(header + "".join(f" {b + '/sdpa':>10}" for b in others if "sdpa" in backends))
     rng = random.Random(0)
     for batch in batches:
         for context in contexts:
@@ -101,21 +115,25 @@ def run(name: str, batches: list[int], contexts: list[int], steps: int, device: 
             lens = [context] * batch
             tokens = torch.tensor([rng.randrange(100, 1000) for _ in range(batch)], device=engine.device)
             positions = torch.tensor([n - 1 for n in lens], device=engine.device)
-            times: dict[str, list[float]] = {"sdpa": [], "flex": []}
-            kinds = {"sdpa": PagedAttention, "flex": FlexPagedAttention}
+            times: dict[str, list[float]] = {b: [] for b in backends}
             for i in range(steps + 1):  # the first round warms up (not counted)
-                for backend in ("sdpa", "flex") if i % 2 else ("flex", "sdpa"):
-                    attn = step_attention(engine, kinds[backend], tables, lens)
+                order = backends[i % len(backends) :] + backends[: i % len(backends)]  # rotate who goes first
+                for backend in order:
+                    attn = step_attention(engine, KINDS[backend], tables, lens)
                     elapsed = decode_step(engine, attn, tokens, positions)
                     if i:
                         times[backend].append(elapsed)
-            sdpa, flex = (statistics.median(times[b]) * 1e3 for b in ("sdpa", "flex"))
-            print(f"{batch:>5} {context:>7} {sdpa:>9.2f} {flex:>9.2f} {flex / sdpa:>9.2f}", flush=True)
+            ms = {b: statistics.median(times[b]) * 1e3 for b in backends}
+            line = f"{batch:>5} {context:>7}" + "".join(f" {ms[b]:>9.2f}" for b in backends)
+            if "sdpa" in backends:
+                line += "".join(f" {ms[b] / ms['sdpa']:>10.2f}" for b in others)
+            print(line, flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["smollm2", "tiny"], help="'smollm2', 'tiny' or a model dir")
+    parser.add_argument("--backends", nargs="+", choices=sorted(KINDS), default=["sdpa", "flex", "paged"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--contexts", nargs="+", type=int, default=[256, 1024])
     parser.add_argument("--steps", type=int, default=7, help="timed steps per backend and point (median)")
@@ -130,7 +148,7 @@ def main() -> None:
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
     )
     for name in args.models:
-        run(name, args.batches, args.contexts, args.steps, args.device)
+        run(name, args.backends, args.batches, args.contexts, args.steps, args.device)
     load = os.getloadavg()
     print(f"\nload average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 

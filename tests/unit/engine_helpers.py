@@ -35,3 +35,9 @@ def hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int = MAX
             do_sample=False,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process, to show that nothing compiles mid-request
+    (its "frames" counter stays empty for torch.compile'd functions in torch 2.13)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])

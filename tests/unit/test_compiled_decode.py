@@ -6,10 +6,9 @@ make later runs take seconds."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.conftest import CHAT_QUESTIONS, chat_prompt_ids
-from tests.unit.engine_helpers import hf_greedy, random_prompts
+from tests.unit.engine_helpers import compiled_graphs, hf_greedy, random_prompts
 from tests.unit.test_engine_parity import GREEDY, assert_matches_hf
 from workers.engine import LLMEngine, SamplingParams
 from workers.engine.compiled import CompiledDecode, decode_buckets
@@ -45,12 +44,12 @@ def _count_compiled_runs(monkeypatch) -> list[int]:
 def test_compiled_decode_equals_transformers(tiny_model_dirs, arch, monkeypatch):
     model_dir = tiny_model_dirs[arch]
     engine = compiled_engine(model_dir)
-    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    graphs = compiled_graphs()
     batches = _count_compiled_runs(monkeypatch)
     prompts = random_prompts()  # 8 prompts, 4 at a time: decode batches of 4, then fewer as they end
     assert_matches_hf(model_dir, prompts, engine.generate(prompts, GREEDY))
     assert batches and set(batches) <= {1, 2, 3, 4}  # decode steps ran compiled (3 pads to 4)
-    assert torch._dynamo.utils.counters["frames"]["ok"] == frames  # nothing compiled mid-request
+    assert compiled_graphs() == graphs  # nothing compiled mid-request
     engine.check_idle()
 
 

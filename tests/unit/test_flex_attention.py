@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.engine_helpers import random_prompts
+from tests.unit.engine_helpers import compiled_graphs, random_prompts
 from tests.unit.test_engine_parity import GREEDY, assert_matches_hf, make_engine
 from tests.unit.test_sliding_window import GREEDY as WINDOW_GREEDY
 from tests.unit.test_sliding_window import hf_reference, windowed_model  # noqa: F401 - a fixture
@@ -26,10 +26,6 @@ def flex_engine(model_dir: str, **kwargs):
     return engine
 
 
-def compiled_frames() -> int:
-    return int(torch._dynamo.utils.counters["frames"]["ok"])
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_chunked_prefill_with_preemption_matches_hf(tiny_model_dirs, arch):
     """Chunks of 32 tokens after earlier chunks, decodes of 1..8 sequences, preemption (26 blocks
@@ -38,10 +34,10 @@ def test_chunked_prefill_with_preemption_matches_hf(tiny_model_dirs, arch):
     model_dir = tiny_model_dirs[arch]
     engine = flex_engine(model_dir, num_kv_blocks=26, max_num_batched_tokens=32)
     prompts = random_prompts()
-    frames = compiled_frames()
+    frames = compiled_graphs()
     assert_matches_hf(model_dir, prompts, engine.generate(prompts, GREEDY))
     assert engine.stats().preemptions > 0
-    assert compiled_frames() == frames, "a step recompiled the flex graph"
+    assert compiled_graphs() == frames, "a step recompiled the flex graph"
     assert engine.kv.bytes_gathered == 0
     engine.check_idle()
 
@@ -73,8 +69,11 @@ def test_sliding_window_matches_hf(windowed_model, chunk):  # noqa: F811 - the i
     engine.check_idle()
 
 
-def _decode_step(kv: PagedKVCache, attention: type[PagedAttention], tables: list[list[int]], lens: list[int]):
-    """One decode step's attention over every layer; returns the outputs of each layer."""
+def _decode_step(
+    kv: PagedKVCache, attention: type[PagedAttention], tables: list[list[int]], lens: list[int], mask: bool = True
+):
+    """One decode step's attention over every layer; returns the outputs of each layer. Without
+    ``mask`` the step carries no SDPA mask (as the runner leaves it for backends but sdpa)."""
     heads = kv.num_kv_heads * 2
     bs = kv.block_size
     width = max(len(t) for t in tables)
@@ -85,8 +84,9 @@ def _decode_step(kv: PagedKVCache, attention: type[PagedAttention], tables: list
         decode_context_lens=torch.tensor(lens),
         decode_first_pos=torch.zeros(len(tables), dtype=torch.long),
     )
-    key_pos = torch.arange(width * bs)[None, :]
-    meta.decode_mask = (key_pos <= meta.decode_context_lens[:, None] - 1)[:, None, None]
+    if mask:
+        key_pos = torch.arange(width * bs)[None, :]
+        meta.decode_mask = (key_pos <= meta.decode_context_lens[:, None] - 1)[:, None, None]
     attn = attention(kv, meta, kv.head_dim**-0.5)
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(len(tables), heads, kv.head_dim, generator=gen)

@@ -33,8 +33,9 @@ class EngineConfig:
     # CPU fp32: eager linears multiply with oneDNN on weights reordered once at load (1.2-2.5x
     # faster than F.linear; workers/models/parallel.py). False: F.linear on the plain weights.
     prepack_weights: bool = True
-    # "sdpa": attention gathers the blocks it reads; "flex": FlexAttention over the physical cache
-    # (full-precision cache only); "auto": the measured choice (workers/engine/model_runner.py)
+    # "sdpa": attention gathers the blocks it reads; "flex": FlexAttention over the physical cache;
+    # "paged": decodes read the cache through their block tables in one compiled kernel ("flex"
+    # and "paged": full-precision cache only); "auto": the measured choice (model_runner.py)
     attention_backend: str = "auto"
     # Ranks the model is split over (workers/engine/tensor_parallel.py): this process is rank 0,
     # ranks 1..N-1 are processes it starts. 1: the whole model here, no collectives.
@@ -64,10 +65,10 @@ class EngineConfig:
             "kv_cache_memory_gib": (self.kv_cache_memory_gib > 0, "must be positive"),
             "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
             "attention_backend": (
-                self.attention_backend in ("auto", "sdpa", "flex")
-                and not (self.attention_backend == "flex" and self.kv_cache_dtype.quantized),
-                "must be 'auto', 'sdpa' or 'flex' ('flex' needs kv_cache_dtype auto: a quantized cache "
-                "is read through the gather path)",
+                self.attention_backend in ("auto", "sdpa", "flex", "paged")
+                and not (self.attention_backend in ("flex", "paged") and self.kv_cache_dtype.quantized),
+                "must be 'auto', 'sdpa', 'flex' or 'paged' ('flex' and 'paged' need kv_cache_dtype auto: "
+                "a quantized cache is read through the gather path)",
             ),
             "compile_batch_sizes": (
                 buckets is None or (len(buckets) > 0 and all(0 < b <= max_seqs for b in buckets)),

@@ -10,12 +10,16 @@ earlier ones are outside every future query's window (and freed).
 
 ``attention_backend`` (``EngineConfig.attention_backend``): "sdpa" gathers the blocks a step
 reads (``PagedAttention``), "flex" attends over the physical cache (``FlexPagedAttention``,
-compiled here at start-up), "auto" picks ``auto_attention_backend``'s choice.
+compiled here at start-up), "paged" decodes through the block tables in one compiled kernel per
+layer (``PagedDecodeAttention``, compiled here at start-up), "auto" picks
+``auto_attention_backend``'s choice.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Iterator
 
 import torch
@@ -31,13 +35,17 @@ from workers.layers.paged_attention import (
     AttentionMetadata,
     FlexPagedAttention,
     PagedAttention,
+    PagedDecodeAttention,
     PrefillSpan,
-    attention_mask,
-    check_flex_usable,
+    check_full_precision,
+    decode_mask,
     flash_attn_usable,
     warm_up_flex,
+    warm_up_paged_decode,
 )
 from workers.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
 
 PROMPT_LOGITS_ROWS = 512  # rows of prompt logits computed at once ([rows, vocab] fp32)
 
@@ -46,13 +54,14 @@ PROMPT_LOGITS_ROWS = 512  # rows of prompt logits computed at once ([rows, vocab
 PromptLogprobs = tuple[Sequence, int, list[TokenLogprob]]
 
 
-# "auto" on a full-precision cache, by device type: chosen by measuring decode steps with both
-# backends side by side (bench/attention.py, batch 1/8/32 x context 256/1024, 2 shared cores
-# under load 5-18): on SmolLM2-135M flex/sdpa was 0.86-1.26, flex slower at 5 of 6 points; on
-# the tiny llama two runs disagreed point by point (noise), flex slower at 5 and at 3 of 6.
-# Flex wins nothing measurable on CPU here, so sdpa. Not measured on CUDA: sdpa there too until
-# someone does.
-AUTO_BACKEND = {"cpu": "sdpa"}
+# "auto" on a full-precision cache, by device type: chosen by measuring decode steps with the
+# backends side by side (bench/attention.py, batch 1/8/32 x context 256/1024, 2 cores). Flex
+# won nothing measurable on CPU (flex/sdpa 0.86-1.26 on SmolLM2-135M, slower at 5 of 6 points).
+# Paged (its kernel from 8192 keys a step, gather + SDPA below) was paged/sdpa 0.98-1.02 at
+# batch 1 and 8 x 256, 0.92-0.95 at 8 x 1024 and 32 x 256, and 0.40 at 32 x 1024, where the
+# gather path's 50 MB per layer copy dominates: paged on CPU. Not measured on CUDA: sdpa there
+# (flash-attn's paged kernel when installed) until someone does.
+AUTO_BACKEND = {"cpu": "paged"}
 
 
 def auto_attention_backend(kv: PagedKVCache) -> str:
@@ -102,11 +111,17 @@ class ModelRunner:
             attention_backend = auto_attention_backend(kv)
         self.attention_backend = attention_backend
         self._attention: type[PagedAttention] = PagedAttention
-        if attention_backend == "flex":
-            check_flex_usable(kv)
-            self._attention = FlexPagedAttention
+        warm_ups = {"flex": (FlexPagedAttention, warm_up_flex), "paged": (PagedDecodeAttention, warm_up_paged_decode)}
+        if attention_backend in warm_ups:
+            check_full_precision(kv, attention_backend)
+            self._attention, warm_up = warm_ups[attention_backend]
+            if progress:
+                logger.info("compiling the %s attention kernel (once per model shape)", attention_backend)
+            start = time.perf_counter()
             group = model.config.num_heads // model.config.num_kv_heads
-            warm_up_flex(kv, model.attention_scale, kv.num_kv_heads * group, sliding_window)
+            warm_up(kv, model.attention_scale, kv.num_kv_heads * group, sliding_window)
+            if progress:
+                logger.info("%s attention ready in %.1f s", attention_backend, time.perf_counter() - start)
         self.use_flash_attn = attention_backend == "sdpa" and flash_attn_usable(
             self.device, self.block_size, kv, sliding_window
         )
@@ -232,10 +247,9 @@ class ModelRunner:
         first_pos = torch.tensor(firsts, dtype=torch.long, device=dev) * bs
         meta.decode_first_pos = first_pos
         if not self.use_flash_attn and self.attention_backend == "sdpa":
-            # Padding blocks sit past the query position, so the causal test masks them.
-            key_pos = first_pos[:, None] + torch.arange(max_blocks * bs, device=dev)  # [B, L]
-            query_pos = meta.decode_context_lens[:, None] - 1  # [B, 1]
-            meta.decode_mask = attention_mask(query_pos, key_pos, self.sliding_window)[:, None]
+            meta.decode_mask = decode_mask(
+                meta.decode_block_tables, meta.decode_context_lens, first_pos, bs, self.sliding_window
+            )
 
     @torch.inference_mode()
     def forward_without_cache(self, token_ids: list[int]) -> torch.Tensor:

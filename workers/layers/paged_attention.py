@@ -105,6 +105,15 @@ def attention_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int |
     return mask
 
 
+def decode_mask(
+    tables: torch.Tensor, context_lens: torch.Tensor, first_pos: torch.Tensor, block_size: int, window: int | None
+) -> torch.Tensor:
+    """``[B, 1, 1, max_blocks * block_size]`` bool: the keys of gathered padded tables that each
+    decode's query sees. Padding blocks sit past the query position, so the causal test masks them."""
+    key_pos = first_pos[:, None] + torch.arange(tables.shape[1] * block_size, device=tables.device)  # [B, L]
+    return attention_mask(context_lens[:, None] - 1, key_pos, window)[:, None]
+
+
 class PagedAttention:
     """Attention for one step; the model calls ``forward`` once per layer (the SDPA backend:
     gathers the blocks a step reads)."""
@@ -202,10 +211,155 @@ class PagedAttention:
         return cache.unrotate_values(o.squeeze(2))
 
 
-# ---------------------------------------------------------------------------------- flex backend
-ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
-FLEX_Q_BLOCK = 128  # queries per block-mask row
+# ---------------------------------------------------------------------------------- paged backend
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "paged")
 _MIN = 2  # batch, query length and rows are padded to this: dynamo specialises sizes 0 and 1
+
+
+def _paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    first_pos: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """One query per row over its blocks, written as elementwise products and reductions so
+    that inductor fuses the block-table indexing into the loops: K and V are read from the
+    cache where they lie, once, and no gathered copy exists. q ``[B, Hq, D]``; k/v_cache
+    ``[N, bs, Hkv, D]``; tables ``[B, M]`` (padding blocks sit past the row's last key);
+    first_pos/context_lens ``[B]``. Returns ``[B, Hq, D]``; sums in fp32."""
+    b, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    m, g = tables.shape[1], hq // hkv
+    k = k_cache[tables].permute(0, 3, 1, 2, 4).unsqueeze(2)  # [B, Hkv, 1, M, bs, D]
+    v = v_cache[tables].permute(0, 3, 1, 2, 4).unsqueeze(2)
+    qs = (q.float() * scale).view(b, hkv, g, 1, 1, d)
+    scores = (qs * k.float()).sum(-1)  # [B, Hkv, G, M, bs]
+    key_pos = first_pos.view(b, 1, 1, 1, 1) + torch.arange(m * bs, device=q.device).view(1, 1, 1, m, bs)
+    diff = (context_lens - 1).view(b, 1, 1, 1, 1) - key_pos
+    seen = diff >= 0
+    if window is not None:
+        seen = seen & (diff < window)
+    scores = scores.masked_fill(~seen, float("-inf"))
+    probs = torch.softmax(scores.view(b, hkv, g, m * bs), -1).view(b, hkv, g, m, bs, 1)
+    # where, not a product with a zero probability: an unwritten slot may hold anything
+    out = torch.where(seen.unsqueeze(-1), probs * v.float(), 0.0).sum((3, 4))  # [B, Hkv, G, D]
+    return out.to(q.dtype).view(b, hq, d)
+
+
+# Batch and blocks per row vary between calls (q, tables, first_pos, context_lens), and the
+# cache's block count between engines (one graph serves every cache of a model shape); block
+# size and head sizes stay static.
+_PAGED_DYNAMIC_DIMS = ((0,), (0,), (0,), (0, 1), (0,), (0,))
+# A decode batch whose tables hold fewer keys than this (over all rows) gathers and runs SDPA
+# instead: below it the compiled call's fixed cost (dynamo's guards, ~0.15 ms a layer here) is
+# more than the gather it saves. Measured with bench/attention.py on SmolLM2 (BENCHMARKS.md):
+# batch 1 and 8 at 256 keys each were 9-25 % faster through SDPA, 8 x 1024 and 32 x 256 keys
+# 2-20 % faster through the kernel, 32 x 1024 2.5x.
+PAGED_MIN_KEYS = 8192
+
+
+@functools.cache
+def compiled_paged_decode():
+    """``_paged_decode`` under ``torch.compile`` (inductor: C++/OpenMP loops on CPU, Triton on
+    CUDA). One graph per cache shape and window."""
+    torch._dynamo.config.recompile_limit += 8
+    torch._dynamo.config.accumulated_recompile_limit += 8
+    return torch.compile(_paged_decode, fullgraph=True)
+
+
+def check_full_precision(kv: PagedKVCache | None, backend: str) -> None:
+    if kv is not None and kv.quantized:
+        raise ValueError(
+            f"attention_backend={backend!r} needs a full-precision KV cache (kv_cache_dtype auto), not "
+            f"{kv.kv_cache_dtype.value!r}: a quantized cache is read through the gather path "
+            f"(attention_backend 'sdpa' or 'auto')"
+        )
+
+
+class PagedDecodeAttention(PagedAttention):
+    """The paged backend: decodes attend through their block tables in one compiled kernel per
+    layer (``_paged_decode``), which reads each block of the step's tables once and copies
+    nothing; a decode batch of fewer than ``min_keys`` keys gathers instead (faster there).
+    Prefill chunks run as in the sdpa backend (a fresh prompt reads no cache, a chunk after
+    cached context gathers its own blocks for one SDPA call with many queries)."""
+
+    def __init__(self, kv: PagedKVCache | None, meta: AttentionMetadata, scale: float):
+        check_full_precision(kv, "paged")
+        super().__init__(kv, meta, scale)
+        self._args: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # the first layer's, padded
+        self._gathers = False  # this step's decodes are too few keys for the kernel (PAGED_MIN_KEYS)
+
+    min_keys = PAGED_MIN_KEYS  # tests set 0 to run the kernel at every size
+
+    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        meta, cache = self.meta, self.cache
+        if self._args is None:
+            tables, lens, firsts = meta.decode_block_tables, meta.decode_context_lens, meta.decode_first_pos
+            if tables is None or lens is None or firsts is None:
+                raise ValueError("a step with decodes needs their block tables, context and first positions")
+            if tables.numel() * cache.block_size < self.min_keys:
+                self._gathers = True
+                if meta.decode_mask is None:
+                    meta.decode_mask = decode_mask(tables, lens, firsts, cache.block_size, meta.sliding_window)
+            self._args = _pad_decode_rows(tables, firsts, lens)
+        if self._gathers:
+            return super()._decode(layer, q)
+        tables, firsts, lens = self._args
+        batch = q.shape[0]
+        q = q.contiguous()  # a view of the fused q/k/v projection (strides are guarded)
+        if tables.shape[0] != batch:
+            q = torch.cat([q, q.new_zeros(tables.shape[0] - batch, *q.shape[1:])])
+        layer_cache = cache.layers[layer]
+        args = (q, layer_cache[0], layer_cache[1], tables, firsts, lens)
+        for tensor, dims in zip(args, _PAGED_DYNAMIC_DIMS):
+            for dim in range(tensor.dim()):
+                if dim in dims:
+                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+                else:
+                    torch._dynamo.mark_static(tensor, dim)
+        return compiled_paged_decode()(*args, self.scale, meta.sliding_window)[:batch]
+
+
+def _pad_decode_rows(
+    tables: torch.Tensor, firsts: torch.Tensor, lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """At least ``_MIN`` rows and blocks per row (dynamo specialises sizes 1): a padding block
+    sits past its row's last key; a padding row reads one key of block 0."""
+    if tables.shape[1] < _MIN:
+        tables = torch.cat([tables, tables.new_zeros(tables.shape[0], _MIN - tables.shape[1])], 1)
+    pad = _MIN - tables.shape[0]
+    if pad > 0:
+        tables = torch.cat([tables, tables.new_zeros(pad, tables.shape[1])])
+        firsts = torch.cat([firsts, firsts.new_zeros(pad)])
+        lens = torch.cat([lens, lens.new_ones(pad)])
+    return tables, firsts, lens
+
+
+def warm_up_paged_decode(kv: PagedKVCache, scale: float, num_q_heads: int, window: int | None) -> None:
+    """Compile the paged decode graph now: 3 rows of 5 blocks (distinct sizes, so that dynamo's
+    duck shaping does not tie batch and blocks to one symbol); what it reads is void."""
+    check_full_precision(kv, "paged")
+    dev = kv.layers[0].device
+    with torch.inference_mode():  # steps run in it: their tensors are inference tensors (guarded)
+        meta = AttentionMetadata(
+            write=None,
+            num_decodes=3,
+            decode_block_tables=torch.zeros(3, 5, dtype=torch.long, device=dev),
+            decode_context_lens=torch.ones(3, dtype=torch.long, device=dev),
+            decode_first_pos=torch.zeros(3, dtype=torch.long, device=dev),
+            sliding_window=window,
+        )
+        attn = PagedDecodeAttention(kv, meta, scale)
+        attn.min_keys = 0
+        attn._decode(0, torch.zeros(3, num_q_heads, kv.head_dim, dtype=kv.dtype, device=dev))
+
+
+# ---------------------------------------------------------------------------------- flex backend
+FLEX_Q_BLOCK = 128  # queries per block-mask row
 
 
 @dataclass(slots=True)
@@ -338,21 +492,12 @@ def compiled_flex():
     return torch.compile(_flex_paged, fullgraph=True)
 
 
-def check_flex_usable(kv: PagedKVCache | None) -> None:
-    if kv is not None and kv.quantized:
-        raise ValueError(
-            f"attention_backend='flex' needs a full-precision KV cache (kv_cache_dtype auto), not "
-            f"{kv.kv_cache_dtype.value!r}: a quantized cache is read through the gather path "
-            f"(attention_backend 'sdpa' or 'auto')"
-        )
-
-
 class FlexPagedAttention(PagedAttention):
     """The flex backend: decodes and chunks after cached context attend over the physical cache
     through block masks (module docstring); nothing goes through ``PagedKVCache.gather``."""
 
     def __init__(self, kv: PagedKVCache | None, meta: AttentionMetadata, scale: float):
-        check_flex_usable(kv)
+        check_full_precision(kv, "flex")
         super().__init__(kv, meta, scale)
         self._decode_mask: FlexMask | None = None  # built on the first layer, shared by the rest
         self._span_masks: dict[int, FlexMask] = {}
@@ -421,7 +566,7 @@ def warm_up_flex(kv: PagedKVCache, scale: float, num_q_heads: int, window: int |
     """Compile the flex graph now: 3 rows of 5 queries on block 0 (what it reads is void). The
     sizes are distinct so that dynamo's duck shaping does not tie batch, queries and rows to one
     symbol (a later call where they differ would recompile)."""
-    check_flex_usable(kv)
+    check_full_precision(kv, "flex")
     dev = kv.layers[0].device
     attn = FlexPagedAttention(kv, AttentionMetadata(write=None, sliding_window=window), scale)
     with torch.inference_mode():  # steps run in it: their tensors are inference tensors (guarded)
