@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -245,6 +245,12 @@ class PDServeArgs(BaseModel):
         description="CPU fp32: linears multiply with oneDNN on weights reordered once at load "
         "(faster; the linears' weights then take twice their memory); false: F.linear",
     )
+    attention_backend: Literal["auto", "sdpa", "flex", "paged"] = Field(
+        default="auto",
+        description="sdpa: decodes gather their blocks for SDPA; paged: decodes read the cache through "
+        "their block tables in one compiled kernel (compiled when a replica starts); flex: FlexAttention "
+        "over the cache; auto: paged on CPU, sdpa on CUDA (paged and flex need kv_cache_dtype auto)",
+    )
     conversation_reuse: bool = Field(
         default=True,
         description="a chat turn that extends an earlier one reuses its exact token ids "
@@ -336,6 +342,11 @@ class PDServeArgs(BaseModel):
                 f"max_model_len {self.max_model_len} does not fit in num_kv_blocks {self.num_kv_blocks} "
                 f"x block_size {self.block_size}: raise num_kv_blocks or lower max_model_len"
             )
+        if self.attention_backend in ("flex", "paged") and self.kv_cache_dtype.quantized:
+            raise ValueError(
+                f"attention_backend {self.attention_backend} needs kv_cache_dtype auto, not "
+                f"{self.kv_cache_dtype.value}: a quantized cache is read through the gather path (sdpa or auto)"
+            )
         self._check_autoscaling()
         self._check_tensor_parallel()
         return self
@@ -421,6 +432,7 @@ class PDServeArgs(BaseModel):
             enable_prefix_caching=self.enable_prefix_caching,
             enforce_eager=self.enforce_eager,
             prepack_weights=self.prepack_weights,
+            attention_backend=self.attention_backend,
             model_key=self.model_key,
             tensor_parallel_size=getattr(self, role).tensor_parallel_size,
             prefill_threads=getattr(self, role).prefill_threads,

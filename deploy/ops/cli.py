@@ -349,6 +349,14 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         "--max-num-seqs, compiled as each replica starts; default: eager)",
     )
     parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=("auto", "sdpa", "paged", "flex"),
+        help="decode attention: 'paged' reads the KV cache through the block tables in one compiled "
+        "kernel (compiled as each replica starts), 'sdpa' gathers the blocks for SDPA, 'flex' runs "
+        "FlexAttention; default auto: paged on CPU, sdpa on CUDA",
+    )
+    parser.add_argument(
         "--max-num-seqs", type=_positive_int, default=128, help="sequences in one engine step (default 128)"
     )
     parser.add_argument(
@@ -732,6 +740,7 @@ def up_app_args(args: argparse.Namespace, model: str, redis_url: str | None):
         max_model_len=args.max_model_len,
         conversation_reuse=not args.no_conversation_reuse,
         enforce_eager=not args.compile,
+        attention_backend=args.attention_backend,
         max_num_seqs=args.max_num_seqs,
         redis_url=redis_url,
         transport=args.transport,

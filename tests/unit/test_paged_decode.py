@@ -162,3 +162,19 @@ def test_auto_runs_paged_on_cpu(tiny_llama):
     """The measured choice for a full-precision cache on CPU (model_runner.AUTO_BACKEND)."""
     engine = make_engine(tiny_llama)
     assert engine.runner.attention_backend == "paged"
+
+
+def test_serving_args_carry_the_backend(tiny_llama):
+    """``pdserve up --attention-backend`` reaches the engine's arguments; paged over a quantized
+    cache is refused before any replica starts."""
+    from pydantic import ValidationError
+
+    from deploy.args import PDServeArgs
+    from deploy.ops.cli import build_parser, up_app_args
+
+    flags = ["up", "--model", tiny_llama, "--threads-per-replica", "1", "--attention-backend", "sdpa"]
+    args = up_app_args(build_parser().parse_args(flags), tiny_llama, None)
+    assert args.engine_kwargs("cpu")["attention_backend"] == "sdpa"
+    assert PDServeArgs(model=tiny_llama).engine_kwargs("cpu")["attention_backend"] == "auto"
+    with pytest.raises(ValidationError, match="attention_backend paged needs kv_cache_dtype auto"):
+        PDServeArgs(model=tiny_llama, attention_backend="paged", kv_cache_dtype="int8")
