@@ -6,6 +6,7 @@
     python bench/engine.py                      # SmolLM2-135M-Instruct (30 x 576), CPU
     python bench/engine.py --compile            # adds the compiled engine to (b) and (c)
     python bench/engine.py --unpacked           # adds an eager engine on plain F.linear weights
+    python bench/engine.py --sdpa               # adds an eager engine whose decodes gather (sdpa)
     python bench/engine.py --model tiny         # the generated ~100M random llama (12 x 768)
     python bench/engine.py --device cuda --dtype bfloat16
 
@@ -236,6 +237,12 @@ def main(argv: list[str] | None = None) -> None:
         "and compare it in (b) and (c), where it is the baseline",
     )
     ap.add_argument(
+        "--sdpa",
+        action="store_true",
+        help="also build an eager engine with attention_backend sdpa (decodes gather their blocks) "
+        "and compare it in (b) and (c), where it is the baseline",
+    )
+    ap.add_argument(
         "--compile-batches",
         type=int,
         nargs="+",
@@ -267,13 +274,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     engine = LLMEngine(str(model_dir), **engine_kwargs)
     engines = {"eager": engine}
-    if args.unpacked:  # first: (c) gives every engine's step as a ratio to the first's
-        engines = {"unpacked": LLMEngine(str(model_dir), prepack_weights=False, **engine_kwargs), "eager": engine}
+    if args.sdpa:  # first: (c) gives every engine's step as a ratio to the first's
+        engines = {"sdpa": LLMEngine(str(model_dir), attention_backend="sdpa", **engine_kwargs), **engines}
+    if args.unpacked:
+        engines = {"unpacked": LLMEngine(str(model_dir), prepack_weights=False, **engine_kwargs), **engines}
     cfg = engine.model_config
     print(f"# bench/engine.py  {' '.join(sys.argv[1:]) or '(defaults)'}")
     print(
         f"# model {model_dir} ({cfg.num_params / 1e6:.0f}M params, {cfg.num_layers}x{cfg.hidden_size}), "
         f"device {device} {engine.dtype}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+        f"eager attention {engine.runner.attention_backend}, "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average at start "
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
