@@ -8,9 +8,10 @@
 - ``roofline``: decode step time of an 8B-shaped model with random weights (32 layers, hidden
   4096, 32/8 heads, MLP 14336, vocab 128256, bf16) at batch 1/16/64 with 2048 tokens of
   context each, eager and compiled (CUDA graphs between the attention ops), against the HBM
-  roofline: (weight bytes + the step's KV bytes) / 4.8 TB/s (H200). The attention backend is
-  the engine's own choice (SDPA over gathered blocks; flash-attn's paged kernel when installed
-  and the block size suits it) and is printed.
+  roofline: (weight bytes + the step's KV bytes) / 4.8 TB/s (H200). Eager and compiled use
+  the engine's CUDA choice (SDPA over gathered blocks; flash-attn's paged kernel when installed
+  and the block size suits it); two more eager rows per batch run the paged backend (its decode
+  kernel through inductor, Triton on CUDA) and flex. Each row names its backend.
 
 Written without a GPU: nothing here has been run on one yet.
 """
@@ -162,6 +163,16 @@ def check_roofline(batches: list[int], context: int, steps: int, smoke: bool = F
     runners["compiled"] = ModelRunner(model, kv, compiled=CompiledDecode(model, max(batches), device, tuple(batches)))
     row("8B decode", "compile (CUDA graphs per bucket)", f"{time.monotonic() - started:.0f} s for buckets {batches}")
     backend = "flash-attn paged" if runners["eager"].use_flash_attn else "SDPA over gathered blocks"
+    backends = {name: backend for name in runners}
+    for other in ("paged", "flex"):  # the other attention backends, eager (their kernels compiled)
+        started = time.monotonic()
+        try:
+            runners[other] = ModelRunner(model, kv, attention_backend=other)
+        except Exception as e:  # noqa: BLE001 - a backend that cannot build is a row, not the end
+            row("8B decode", f"{other} attention", f"FAILED to build: {type(e).__name__}: {e}"[:200])
+            continue
+        backends[other] = f"{other} attention"
+        row("8B decode", f"compile ({other} attention)", f"{time.monotonic() - started:.0f} s")
     for batch in batches:
         seqs = []
         for i in range(batch):
@@ -187,7 +198,7 @@ def check_roofline(batches: list[int], context: int, steps: int, smoke: bool = F
             ms = (time.perf_counter() - t) / steps * 1e3
             row(
                 "8B decode",
-                f"batch {batch} ctx {context} {name} ({backend})",
+                f"batch {batch} ctx {context} {name} ({backends[name]})",
                 f"{ms:.2f} ms/step; roofline {roofline_ms:.2f} ms; {roofline_ms / ms:.0%} of HBM peak",
             )
 
