@@ -178,3 +178,22 @@ def test_serving_args_carry_the_backend(tiny_llama):
     assert PDServeArgs(model=tiny_llama).engine_kwargs("cpu")["attention_backend"] == "auto"
     with pytest.raises(ValidationError, match="attention_backend paged needs kv_cache_dtype auto"):
         PDServeArgs(model=tiny_llama, attention_backend="paged", kv_cache_dtype="int8")
+
+
+def test_kernel_runs_on_the_engine_loops_thread(tiny_llama):
+    """Serving steps run on the engine loop's own thread, not the one that compiled at start-up:
+    the graph is reused there (no recompilation) and gives the same output."""
+    import threading
+
+    engine = paged_engine(tiny_llama)
+    kv = engine.kv
+    tables, lens = [[3, 4], [5, 6, 7]], [25, 40]
+    want = _decode_step(kv, PagedAttention, tables, lens)
+    graphs = compiled_graphs()
+    got: list = []
+    thread = threading.Thread(target=lambda: got.append(_decode_step(kv, PagedDecodeAttention, tables, lens)))
+    thread.start()
+    thread.join()
+    assert compiled_graphs() == graphs, "the loop's thread compiled the paged graph again"
+    for g, w in zip(got[0], want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
