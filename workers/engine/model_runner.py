@@ -37,7 +37,6 @@ from workers.layers.paged_attention import (
     PagedAttention,
     PagedDecodeAttention,
     PrefillSpan,
-    check_full_precision,
     decode_mask,
     flash_attn_usable,
     warm_up_flex,
@@ -112,8 +111,7 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self._attention: type[PagedAttention] = PagedAttention
         warm_ups = {"flex": (FlexPagedAttention, warm_up_flex), "paged": (PagedDecodeAttention, warm_up_paged_decode)}
-        if attention_backend in warm_ups:
-            check_full_precision(kv, attention_backend)
+        if attention_backend in warm_ups:  # each refuses a quantized cache (check_full_precision)
             self._attention, warm_up = warm_ups[attention_backend]
             if progress:
                 logger.info("compiling the %s attention kernel (once per model shape)", attention_backend)

@@ -262,6 +262,18 @@ _PAGED_DYNAMIC_DIMS = ((0,), (0,), (0,), (0, 1), (0,), (0,))
 PAGED_MIN_KEYS = 8192
 
 
+def mark_dims(args: tuple[torch.Tensor, ...], dynamic_dims: tuple[tuple[int, ...], ...]) -> None:
+    """Before a compiled call: each argument's ``dynamic_dims`` may vary between calls, every
+    other dim is static (also when another engine's sizes differ: no automatic dynamic, which
+    would recompile mid-serving)."""
+    for tensor, dims in zip(args, dynamic_dims, strict=True):
+        for dim in range(tensor.dim()):
+            if dim in dims:
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+            else:
+                torch._dynamo.mark_static(tensor, dim)
+
+
 @functools.cache
 def compiled_paged_decode():
     """``_paged_decode`` under ``torch.compile`` (inductor: C++/OpenMP loops on CPU, Triton on
@@ -287,40 +299,37 @@ class PagedDecodeAttention(PagedAttention):
     Prefill chunks run as in the sdpa backend (a fresh prompt reads no cache, a chunk after
     cached context gathers its own blocks for one SDPA call with many queries)."""
 
+    min_keys = PAGED_MIN_KEYS  # tests set 0 to run the kernel at every size
+
     def __init__(self, kv: PagedKVCache | None, meta: AttentionMetadata, scale: float):
         check_full_precision(kv, "paged")
         super().__init__(kv, meta, scale)
-        self._args: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # the first layer's, padded
-        self._gathers = False  # this step's decodes are too few keys for the kernel (PAGED_MIN_KEYS)
-
-    min_keys = PAGED_MIN_KEYS  # tests set 0 to run the kernel at every size
+        # Decided on the first layer, for the step: the kernel's padded (tables, firsts, lens), or
+        # "gather" when the step's decodes are too few keys for it (min_keys)
+        self._plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | str | None = None
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         meta, cache = self.meta, self.cache
-        if self._args is None:
+        if self._plan is None:
             tables, lens, firsts = meta.decode_block_tables, meta.decode_context_lens, meta.decode_first_pos
             if tables is None or lens is None or firsts is None:
                 raise ValueError("a step with decodes needs their block tables, context and first positions")
             if tables.numel() * cache.block_size < self.min_keys:
-                self._gathers = True
+                self._plan = "gather"
                 if meta.decode_mask is None:
                     meta.decode_mask = decode_mask(tables, lens, firsts, cache.block_size, meta.sliding_window)
-            self._args = _pad_decode_rows(tables, firsts, lens)
-        if self._gathers:
+            else:
+                self._plan = _pad_decode_rows(tables, firsts, lens)
+        if isinstance(self._plan, str):
             return super()._decode(layer, q)
-        tables, firsts, lens = self._args
+        tables, firsts, lens = self._plan
         batch = q.shape[0]
         q = q.contiguous()  # a view of the fused q/k/v projection (strides are guarded)
         if tables.shape[0] != batch:
             q = torch.cat([q, q.new_zeros(tables.shape[0] - batch, *q.shape[1:])])
         layer_cache = cache.layers[layer]
         args = (q, layer_cache[0], layer_cache[1], tables, firsts, lens)
-        for tensor, dims in zip(args, _PAGED_DYNAMIC_DIMS):
-            for dim in range(tensor.dim()):
-                if dim in dims:
-                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
-                else:
-                    torch._dynamo.mark_static(tensor, dim)
+        mark_dims(args, _PAGED_DYNAMIC_DIMS)
         return compiled_paged_decode()(*args, self.scale, meta.sliding_window)[:batch]
 
 
@@ -342,7 +351,6 @@ def _pad_decode_rows(
 def warm_up_paged_decode(kv: PagedKVCache, scale: float, num_q_heads: int, window: int | None) -> None:
     """Compile the paged decode graph now: 3 rows of 5 blocks (distinct sizes, so that dynamo's
     duck shaping does not tie batch and blocks to one symbol); what it reads is void."""
-    check_full_precision(kv, "paged")
     dev = kv.layers[0].device
     with torch.inference_mode():  # steps run in it: their tensors are inference tensors (guarded)
         meta = AttentionMetadata(
@@ -519,12 +527,7 @@ class FlexPagedAttention(PagedAttention):
         k, v = self._physical(layer)
         args: tuple[torch.Tensor, ...] = (q, k, v, mask.kv_num_blocks, mask.kv_indices, mask.full_num_blocks)
         args += (mask.full_indices, mask.query_start, mask.block_pos)
-        for tensor, dims in zip(args, _DYNAMIC_DIMS):
-            for dim in range(tensor.dim()):
-                if dim in dims:
-                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
-                else:  # also when another engine's cache differs: no automatic dynamic (above)
-                    torch._dynamo.mark_static(tensor, dim)
+        mark_dims(args, _DYNAMIC_DIMS)
         o = compiled_flex()(*args, self.scale, self.cache.block_size, self.meta.sliding_window)
         return o[:batch, :, :lq]
 
@@ -566,7 +569,6 @@ def warm_up_flex(kv: PagedKVCache, scale: float, num_q_heads: int, window: int |
     """Compile the flex graph now: 3 rows of 5 queries on block 0 (what it reads is void). The
     sizes are distinct so that dynamo's duck shaping does not tie batch, queries and rows to one
     symbol (a later call where they differ would recompile)."""
-    check_full_precision(kv, "flex")
     dev = kv.layers[0].device
     attn = FlexPagedAttention(kv, AttentionMetadata(write=None, sliding_window=window), scale)
     with torch.inference_mode():  # steps run in it: their tensors are inference tensors (guarded)
