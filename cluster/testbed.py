@@ -276,10 +276,13 @@ class Testbed:
 
     def serve_config(self, model: str, **args: Any) -> dict:
         """A Serve config for this testbed: the head's Redis, each pool pinned to its hosts (one
-        replica per host), the HTTP proxy on the head's address. `args` override PDServeArgs."""
+        replica per host), the HTTP proxy on the head's address. `args` override PDServeArgs;
+        attention is the sdpa backend unless they name one (the paged kernel would compile in
+        every replica at start-up, for decode batches far larger than a testbed's)."""
         app_args = {
             "model": model,
             "device": "cpu",
+            "attention_backend": "sdpa",
             "redis_url": self.redis_url,
             "transfer_timeout_s": 5.0,
             "prefill": {"replicas": max(1, len(self.role("prefill"))), "num_cpus": 0.5, "resources": {"prefill": 1}},

@@ -106,8 +106,13 @@ def serve_cluster() -> Iterator[ServeCluster]:
 
 
 def deploy(cluster: ServeCluster, name: str, route_prefix: str, args: dict) -> str:
-    """Deploy build_app(args) as application ``name``; return its base URL once it answers."""
+    """Deploy build_app(args) as application ``name``; return its base URL once it answers.
+    Attention is the sdpa backend unless `args` names one: the paged kernel compiles in every
+    replica at start-up (~3 s each with inductor's cache warm), which the serving tests do not
+    exercise; tests/unit/test_paged_decode.py covers it, and test_real_model_serve serves on auto."""
     from deploy.builder import deploy_and_wait
+
+    args = {"attention_backend": "sdpa", **args}
 
     return deploy_and_wait(args, name, route_prefix, cluster.url(route_prefix if route_prefix != "/" else ""))
 

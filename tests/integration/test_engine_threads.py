@@ -49,6 +49,7 @@ def test_replica_reports_the_threads_it_was_granted(serve_cluster, tiny_llama):
         "device": "cpu",
         "mode": "colocated",
         "colocated": {"replicas": 1, "num_cpus": 0.5, "num_threads": 2, "prefill_threads": 3},
+        "attention_backend": "auto",  # the paged kernel compiles on the start-up thread, runs on the loop's
     }
     base = deploy(serve_cluster, "threads", "/threads", args)
     body = {"model": "llama", "prompt": "threads", "max_tokens": 4, "temperature": 0, "ignore_eos": True}

@@ -27,6 +27,7 @@ def smol_args(model: str, redis_url: str, **overrides) -> dict:
         "prefill": {"replicas": 1, "num_cpus": 0.5},
         "decode": {"replicas": 1, "num_cpus": 0.5},
         "colocated": {"replicas": 1, "num_cpus": 0.5},
+        "attention_backend": "auto",  # as served by default (paged on CPU); conftest.deploy's is sdpa
         **overrides,
     }
 

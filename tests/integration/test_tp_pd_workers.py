@@ -48,6 +48,7 @@ async def make_pools(model_dir: str, prefill_tp: int, decode_tp: int, device: st
             device=device,
             dtype="float32",
             load_progress=False,
+            attention_backend="sdpa",  # auto's paged kernel would compile in each worker process
         )
 
     prefill = PrefillWorker(engine(prefill_tp), "prefill-0", cfg, lease_ttl_s=20.0)

@@ -37,6 +37,9 @@ PARITY_CASES = [
 ]
 
 
+TP_SDPA = {"attention_backend": "sdpa"}
+
+
 @pytest.fixture(scope="module")
 def tied_odd_vocab(tmp_path_factory) -> str:
     """Tied embeddings over a vocabulary that no rank count divides: the last shard is padded."""
@@ -47,8 +50,10 @@ def tied_odd_vocab(tmp_path_factory) -> str:
 @contextlib.contextmanager
 def tp_engine(model_dir: str, tp: int, **kwargs):
     """An engine over ``tp`` ranks; on the way out it is closed, and every worker must have
-    exited cleanly (SHUTDOWN, exit code 0) and been reaped."""
-    engine = make_engine(model_dir, tensor_parallel_size=tp, **kwargs)
+    exited cleanly (SHUTDOWN, exit code 0) and been reaped. Attention is sdpa unless named:
+    on auto each worker process compiles the paged kernel (~4 s on these 2 cores), whose
+    8192-key batches these tests never reach; llama-tp2 runs on auto."""
+    engine = make_engine(model_dir, tensor_parallel_size=tp, **{**TP_SDPA, **kwargs})
     procs = list(engine.tensor_parallel.procs) if engine.tensor_parallel else []
     assert len(procs) == tp - 1
     try:
@@ -78,7 +83,9 @@ def test_greedy_equals_transformers(tiny_model_dirs, arch, tp):
     412 tokens: preemption, recompute and cache hits all happen over the ranks."""
     model_dir = tiny_model_dirs[arch]
     prompts = shared_prefix_prompts()
-    with tp_engine(model_dir, tp, num_kv_blocks=26, max_num_batched_tokens=32) as engine:
+    backend = "auto" if (arch, tp) == ("llama", 2) else "sdpa"  # auto: paged on CPU, in every rank
+    with tp_engine(model_dir, tp, num_kv_blocks=26, max_num_batched_tokens=32, attention_backend=backend) as engine:
+        assert engine.runner.attention_backend == ("paged" if backend == "auto" else "sdpa")
         assert engine.kv.num_kv_heads == max(1, 2 // tp)  # this rank's KV heads only
         outs = engine.generate(prompts, GREEDY)
         assert_matches_hf(model_dir, prompts, outs)
@@ -130,7 +137,7 @@ def test_prompt_logprobs_match_one_rank(tiny_llama):
 
 
 def test_dead_worker_fails_the_engine_clearly(tiny_llama):
-    engine = make_engine(tiny_llama, tensor_parallel_size=2)
+    engine = make_engine(tiny_llama, tensor_parallel_size=2, **TP_SDPA)
     assert engine.tensor_parallel is not None
     procs = list(engine.tensor_parallel.procs)
     try:
@@ -173,7 +180,8 @@ def test_workers_exit_when_rank_0_dies(tiny_llama):
     """Rank 0 killed outright (no close()): its workers see the sockets close and exit."""
     code = (
         "import sys; from workers.engine import LLMEngine; "
-        f"e = LLMEngine({tiny_llama!r}, load_progress=False, num_kv_blocks=64, tensor_parallel_size=2); "
+        f"e = LLMEngine({tiny_llama!r}, load_progress=False, num_kv_blocks=64, tensor_parallel_size=2, "
+        "attention_backend='sdpa'); "
         "print(*(p.pid for p in e.tensor_parallel.procs), flush=True); sys.stdin.read()"
     )
     rank0 = subprocess.Popen(
