@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workers.engine import LLMEngine  # noqa: E402
 from workers.layers.paged_attention import (  # noqa: E402
+    PAGED_MIN_KEYS,
     AttentionMetadata,
     FlexPagedAttention,
     PagedAttention,
@@ -139,12 +140,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7, help="timed steps per backend and point (median)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--paged-min-keys",
+        type=int,
+        default=None,
+        help=f"paged: the kernel from this many keys a step, gather + SDPA below (default {PAGED_MIN_KEYS}; 0: always)",
+    )
     args = parser.parse_args()
+    if args.paged_min_keys is not None:
+        PagedDecodeAttention.min_keys = args.paged_min_keys
     if args.threads:
         torch.set_num_threads(args.threads)
     load = os.getloadavg()
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cpus, "
+        f"paged kernel from {PagedDecodeAttention.min_keys} keys a step, "
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
     )
     for name in args.models:

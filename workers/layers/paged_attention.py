@@ -255,11 +255,13 @@ def _paged_decode(
 # size and head sizes stay static.
 _PAGED_DYNAMIC_DIMS = ((0,), (0,), (0,), (0, 1), (0,), (0,))
 # A decode batch whose tables hold fewer keys than this (over all rows) gathers and runs SDPA
-# instead: below it the compiled call's fixed cost (dynamo's guards, ~0.15 ms a layer here) is
-# more than the gather it saves. Measured with bench/attention.py on SmolLM2 (BENCHMARKS.md):
-# batch 1 and 8 at 256 keys each were 9-25 % faster through SDPA, 8 x 1024 and 32 x 256 keys
-# 2-20 % faster through the kernel, 32 x 1024 2.5x.
-PAGED_MIN_KEYS = 8192
+# instead, which is as fast or faster there (not for dynamo's guards: a compiled call on a tiny
+# table costs ~27 us in all; the kernel's loops are slower than SDPA's on few keys). Measured
+# with bench/attention.py on SmolLM2, the kernel forced at every size (BENCHMARKS.md,
+# 2026-12-03 22:55): at 1 and at 2 threads every point of 2048 keys and more (4x512, 8x256,
+# 16x128, 32x64 ...) was 3-31 % faster through the kernel; at 1024 keys the two were within
+# 7 % either way, below that SDPA up to 23 % faster.
+PAGED_MIN_KEYS = 2048
 
 
 def mark_dims(args: tuple[torch.Tensor, ...], dynamic_dims: tuple[tuple[int, ...], ...]) -> None:
