@@ -258,7 +258,7 @@ _PAGED_DYNAMIC_DIMS = ((0,), (0,), (0,), (0, 1), (0,), (0,))
 # instead, which is as fast or faster there (not for dynamo's guards: a compiled call on a tiny
 # table costs ~27 us in all; the kernel's loops are slower than SDPA's on few keys). Measured
 # with bench/attention.py on SmolLM2, the kernel forced at every size (BENCHMARKS.md,
-# 2026-12-03 22:55): at 1 and at 2 threads every point of 2048 keys and more (4x512, 8x256,
+# 2026-12-03): at 1 and at 2 threads every point of 2048 keys and more (4x512, 8x256,
 # 16x128, 32x64 ...) was 3-31 % faster through the kernel; at 1024 keys the two were within
 # 7 % either way, below that SDPA up to 23 % faster.
 PAGED_MIN_KEYS = 2048
