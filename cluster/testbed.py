@@ -278,7 +278,7 @@ class Testbed:
         """A Serve config for this testbed: the head's Redis, each pool pinned to its hosts (one
         replica per host), the HTTP proxy on the head's address. `args` override PDServeArgs;
         attention is the sdpa backend unless they name one (the paged kernel would compile in
-        every replica at start-up, for decode batches far larger than a testbed's)."""
+        every replica at start-up, for nothing the multi-host tests check)."""
         app_args = {
             "model": model,
             "device": "cpu",

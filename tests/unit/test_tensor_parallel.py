@@ -51,8 +51,8 @@ def tied_odd_vocab(tmp_path_factory) -> str:
 def tp_engine(model_dir: str, tp: int, **kwargs):
     """An engine over ``tp`` ranks; on the way out it is closed, and every worker must have
     exited cleanly (SHUTDOWN, exit code 0) and been reaped. Attention is sdpa unless named:
-    on auto each worker process compiles the paged kernel (~4 s on these 2 cores), whose
-    8192-key batches these tests never reach; llama-tp2 runs on auto."""
+    on auto each worker process compiles the paged kernel (~4 s on these 2 cores), which these
+    tests do not set out to check (tests/unit/test_paged_decode.py does); llama-tp2 runs on auto."""
     engine = make_engine(model_dir, tensor_parallel_size=tp, **{**TP_SDPA, **kwargs})
     procs = list(engine.tensor_parallel.procs) if engine.tensor_parallel else []
     assert len(procs) == tp - 1
