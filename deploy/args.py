@@ -237,8 +237,8 @@ class PDServeArgs(BaseModel):
     enable_prefix_caching: bool = True
     enforce_eager: bool = Field(
         default=True,
-        description="False: decode steps run compiled (torch.compile, a graph per batch bucket "
-        "up to max_num_seqs, compiled when a replica starts)",
+        description="False: decode steps run compiled (torch.compile for batches up to "
+        "max_num_seqs, compiled when a replica starts: a graph per batch bucket on CUDA, one on CPU)",
     )
     prepack_weights: bool = Field(
         default=True,

@@ -345,8 +345,8 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="run decode steps compiled (torch.compile, a graph per batch bucket up to "
-        "--max-num-seqs, compiled as each replica starts; default: eager)",
+        help="run decode steps compiled (torch.compile for batches up to --max-num-seqs, compiled "
+        "as each replica starts: a graph per batch bucket on CUDA, one on CPU; default: eager)",
     )
     parser.add_argument(
         "--attention-backend",

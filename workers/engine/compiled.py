@@ -1,9 +1,14 @@
-"""Compiled decode steps: the model under ``torch.compile``, one graph per batch-size bucket,
-all compiled at start-up, never while a request is being served.
+"""Compiled decode steps: the model under ``torch.compile``, compiled at start-up, never while
+a request is being served.
 
-A decode-only step of B sequences pads its tokens to the smallest bucket >= B and runs that
-bucket's graph; every other step (prefill chunks, mixed steps, batches past the largest bucket)
-runs eager. Attention stays outside the graphs as one opaque op, ``pdserve::paged_attention``,
+A decode-only step of B sequences up to the largest bucket runs compiled; every other step
+(prefill chunks, mixed steps, batches past the largest bucket) runs eager. On CUDA each bucket
+has its graph (CUDA graphs need static shapes): the step pads its tokens to the smallest bucket
+>= B. On CPU one graph with a dynamic batch dimension serves every bucket, its rows padded to
+at least 2 (dynamo specialises size 1): with a static batch, inductor's freezing packs the
+linears for MKL's sgemm (``mkl._mkl_linear``), which ran the batch-8 step at 0.60x eager's speed
+on SmolLM2 here; with a dynamic one it packs them for oneDNN (``mkldnn._linear_pointwise``), as
+eager runs them (BENCHMARKS.md). Attention stays outside the graphs as one opaque op, ``pdserve::paged_attention``,
 which calls the step's ``PagedAttention`` (set for the call by ``step_attention``): the graphs
 hold the dense work only (embedding, norms, projections, rotary, MLP, LM head), whose shapes
 depend on the bucket alone. On CPU, inductor with ``freezing`` folds the weights into the
@@ -73,6 +78,7 @@ class _OpAttention:
 
 
 _OP_ATTENTION = _OpAttention()
+_MIN_DYNAMIC_ROWS = 2  # the CPU graph's rows: dynamo would specialise a batch of 1
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -100,17 +106,21 @@ class CompiledDecode:
         self.model = model
         self.device = device
         self.buckets = tuple(sorted(set(batch_sizes))) if batch_sizes else decode_buckets(max_num_seqs)
+        self.dynamic_batch = device.type == "cpu"  # one graph for every bucket (module docstring)
         if device.type == "cpu":
             inductor_config.freezing = True  # weights become constants: prepacked once per graph
-        # One graph per bucket, static shapes. Dynamo keeps its entries per code object, shared by
-        # every engine of the process (each guarded on its own model): the limit grows with them.
+        # One graph per bucket, static shapes (CPU: one). Dynamo keeps its entries per code object,
+        # shared by every engine of the process (each guarded on its own model): the limit grows.
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit += len(self.buckets)
         dynamo_config.accumulated_recompile_limit += len(self.buckets)
         if device.type == "cuda":
             inductor_config.graph_partition = True  # CUDA graphs around the attention op (above)
         mode = "reduce-overhead" if device.type == "cuda" else None
-        self._forward = torch.compile(self._dense_forward, dynamic=False, fullgraph=True, mode=mode)
+        # dynamic=None: only what run() marks dynamic (the CPU graph's batch dimension) is
+        self._forward = torch.compile(
+            self._dense_forward, dynamic=None if self.dynamic_batch else False, fullgraph=True, mode=mode
+        )
 
     def _dense_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(self.model(input_ids, positions, _OP_ATTENTION))
@@ -127,9 +137,12 @@ class CompiledDecode:
         n = len(input_ids)
         size = self.bucket(n)
         assert size is not None, f"{n} decodes exceed the largest bucket {self.buckets[-1]}"
-        pad = size - n
+        pad = (max(n, _MIN_DYNAMIC_ROWS) if self.dynamic_batch else size) - n
         ids = torch.tensor(input_ids + [0] * pad, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions + [0] * pad, dtype=torch.long, device=self.device)
+        if self.dynamic_batch:
+            torch._dynamo.mark_dynamic(ids, 0)
+            torch._dynamo.mark_dynamic(pos, 0)
         with step_attention(attn, n):
             logits = self._forward(ids, pos)
         return logits[:n]

@@ -26,8 +26,8 @@ class EngineConfig:
     model_key: str | None = None  # namespaces block hashes; None: derived from the model dir
     seed: int = 0  # generator for requests that give no seed
     load_progress: bool = True
-    # False: decode-only steps run compiled (torch.compile, one graph per batch-size bucket up to
-    # max_num_seqs, compiled at start-up; workers/engine/compiled.py); True: everything eager.
+    # False: decode-only steps up to the largest bucket run compiled (torch.compile at start-up;
+    # CUDA: a graph per bucket, CPU: one; workers/engine/compiled.py); True: everything eager.
     enforce_eager: bool = True
     compile_batch_sizes: tuple[int, ...] | None = None  # decode buckets; None: powers of two to max_num_seqs
     # CPU fp32: eager linears multiply with oneDNN on weights reordered once at load (1.2-2.5x
