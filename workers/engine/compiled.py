@@ -8,11 +8,13 @@ has its graph (CUDA graphs need static shapes): the step pads its tokens to the 
 at least 2 (dynamo specialises size 1): with a static batch, inductor's freezing packs the
 linears for MKL's sgemm (``mkl._mkl_linear``), which ran the batch-8 step at 0.60x eager's speed
 on SmolLM2 here; with a dynamic one it packs them for oneDNN (``mkldnn._linear_pointwise``), as
-eager runs them (BENCHMARKS.md). Attention stays outside the graphs as one opaque op, ``pdserve::paged_attention``,
-which calls the step's ``PagedAttention`` (set for the call by ``step_attention``): the graphs
-hold the dense work only (embedding, norms, projections, rotary, MLP, LM head), whose shapes
-depend on the bucket alone. On CPU, inductor with ``freezing`` folds the weights into the
-graphs as constants and prepacks them for oneDNN/MKL; on CUDA, ``mode="reduce-overhead"`` adds
+eager runs them (BENCHMARKS.md).
+
+Attention stays outside the graphs as one opaque op, ``pdserve::paged_attention``, which calls
+the step's ``PagedAttention`` (set for the call by ``step_attention``): the graphs hold the dense
+work only (embedding, norms, projections, rotary, MLP, LM head), whose shapes depend on the
+row count alone. On CPU, inductor with ``freezing`` folds the weights into the graph as
+constants and prepacks them for oneDNN; on CUDA, ``mode="reduce-overhead"`` adds
 CUDA graphs per bucket, captured piecewise between the attention ops (graph partition). The CUDA
 path is written but has not been measured or run: no GPU was available to this work.
 
@@ -117,7 +119,7 @@ class CompiledDecode:
         if device.type == "cuda":
             inductor_config.graph_partition = True  # CUDA graphs around the attention op (above)
         mode = "reduce-overhead" if device.type == "cuda" else None
-        # dynamic=None: only what run() marks dynamic (the CPU graph's batch dimension) is
+        # dynamic=None: only what run() marks dynamic (the CPU graph's batch dimension) is dynamic
         self._forward = torch.compile(
             self._dense_forward, dynamic=None if self.dynamic_batch else False, fullgraph=True, mode=mode
         )
