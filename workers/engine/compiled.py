@@ -151,7 +151,9 @@ class CompiledDecode:
 
     def warm_up(self, make_attention, progress: bool = True) -> None:
         """Compile every bucket now (``make_attention(batch)`` gives a step's attention for
-        ``batch`` decodes over scratch blocks): a progress bar on stderr and a log line per bucket."""
+        ``batch`` decodes over scratch blocks): a progress bar on stderr and a log line per bucket.
+        On CPU the first bucket compiles the one graph and the others run it once, so that any
+        size dynamo would still specialise on shows here, not while serving."""
         from tqdm.auto import tqdm
 
         started = time.monotonic()

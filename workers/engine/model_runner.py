@@ -58,8 +58,8 @@ PromptLogprobs = tuple[Sequence, int, list[TokenLogprob]]
 # won nothing measurable on CPU (flex/sdpa 0.86-1.26 on SmolLM2-135M, slower at 5 of 6 points).
 # Paged (its kernel from PAGED_MIN_KEYS keys a step, gather + SDPA below) was paged/sdpa
 # 0.98-1.02 at batch 1 and 8 x 256, 0.92-0.95 at 8 x 1024 and 32 x 256, and 0.40 at 32 x 1024,
-# where the gather path's 50 MB per layer copy dominates: paged on CPU. Not measured on CUDA: sdpa there
-# (flash-attn's paged kernel when installed) until someone does.
+# where the gather path's 50 MB per layer copy dominates: paged on CPU. Not measured on CUDA:
+# sdpa there (flash-attn's paged kernel when installed) until someone does.
 AUTO_BACKEND = {"cpu": "paged"}
 
 
