@@ -15,7 +15,15 @@ from tests.unit.engine_helpers import random_prompts
 from tests.unit.test_engine_parity import GREEDY, assert_matches_hf, make_engine
 from workers.models.config import ModelConfig
 from workers.models.loader import load_model
-from workers.models.parallel import ColumnParallelLinear, PackedLinear, TPGroup, prepack_linears
+from workers.models.parallel import (
+    PLAIN_ROW_CANDIDATES,
+    PLAIN_ROWS_MARGIN,
+    ColumnParallelLinear,
+    PackedLinear,
+    TPGroup,
+    choose_plain_rows,
+    prepack_linears,
+)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 
@@ -60,7 +68,7 @@ class _CaptureAttention:
 
 @pytest.mark.parametrize("arch", ("llama", "qwen2", "qwen3"))  # qwen2: q/k/v biases; qwen3: q/k norms
 def test_fused_layers_equal_the_separately_packed_ones_bit_for_bit(tiny_model_dirs, arch):
-    model = load_model(tiny_model_dirs[arch], progress=False, prepack=True)
+    model = load_model(tiny_model_dirs[arch], progress=False, prepack=True, plain_rows=0)
     layer = model.model.layers[1]
     hidden = model.config.hidden_size
     torch.manual_seed(0)
@@ -84,6 +92,48 @@ def test_fused_layers_equal_the_separately_packed_ones_bit_for_bit(tiny_model_di
         (qkv_f, attn_f, mlp_f), (qkv_s, attn_s, mlp_s) = outputs
         assert all(torch.equal(a, b) for a, b in zip(qkv_f, qkv_s)), tokens
         assert torch.equal(attn_f, attn_s) and torch.equal(mlp_f, mlp_s), tokens
+
+
+@pytest.mark.parametrize("arch", ("llama", "qwen2"))  # qwen2: q/k/v biases
+def test_small_batches_take_f_linear_on_the_fused_plain_weight(tiny_model_dirs, arch):
+    model = load_model(tiny_model_dirs[arch], progress=False, prepack=True, plain_rows=2)
+    attn = model.model.layers[0].self_attn
+    fused = attn.fused
+    assert fused is not None and fused.plain_rows == 2 and attn.o_proj.plain_rows == 2
+    # one plain copy: each layer's weight is a view of its rows of the fused weight
+    widths = [getattr(attn, name).weight.shape[0] for name in attn.fused_inputs]
+    starts = [0, widths[0], widths[0] + widths[1]]
+    for name, start in zip(attn.fused_inputs, starts, strict=True):
+        weight = getattr(attn, name).weight
+        assert weight.data_ptr() == fused.weight[start].data_ptr()
+    torch.manual_seed(0)
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, model.config.hidden_size)
+        with torch.inference_mode():
+            out = fused(x)
+            ops = _ops(lambda x=x: fused(x))
+        assert ("mkldnn::_linear_pointwise" in ops) == (rows > 2), (rows, ops)
+        separate = torch.cat([getattr(attn, name)(x) for name in attn.fused_inputs], dim=-1)
+        if rows <= 2:  # the separate layers also take F.linear: one GEMM or three, the same sums
+            assert torch.equal(out, separate), rows
+        else:
+            torch.testing.assert_close(out, separate, rtol=1e-5, atol=1e-5)
+
+
+def test_plain_rows_are_measured_when_not_given(tiny_model_dirs):
+    model = load_model(tiny_model_dirs["llama"], progress=False, prepack=True, plain_rows=0)
+    rows, timings = choose_plain_rows(model)  # timed on this CPU, both ways
+    assert timings and [t.rows for t in timings] == list(PLAIN_ROW_CANDIDATES[: len(timings)])
+    assert all(t.plain_s > 0 and t.packed_s > 0 for t in timings)
+    # the count is the largest before the first that F.linear does not win by the margin
+    wins = [t.plain_s <= t.packed_s * (1 - PLAIN_ROWS_MARGIN) for t in timings]
+    assert wins[:-1] == [True] * (len(wins) - 1)
+    assert rows == (timings[-1].rows if wins[-1] else (timings[-2].rows if len(timings) > 1 else 0))
+    assert len(timings) == len(PLAIN_ROW_CANDIDATES) or not wins[-1]
+    units = [m for m in model.modules() if isinstance(m, PackedLinear) and m.packed is not None]
+    units += [layer.self_attn.fused for layer in model.model.layers] + [layer.mlp.fused for layer in model.model.layers]
+    assert all(unit.plain_rows == rows for unit in units)
+    assert choose_plain_rows(model, 1) == (1, []) and all(unit.plain_rows == 1 for unit in units)
 
 
 def test_packed_forward_runs_onednn_and_agrees_with_f_linear():
@@ -125,10 +175,14 @@ def test_compiled_graph_keeps_f_linear():
     assert torch.equal(compiled(x), F.linear(x, layer.weight))
 
 
-@pytest.mark.parametrize("prepack", (True, False), ids=("packed", "plain"))
-def test_greedy_parity_both_ways(tiny_model_dirs, prepack):
+@pytest.mark.parametrize(
+    ("prepack", "plain_rows"), ((True, 0), (True, 4), (False, None)), ids=("packed", "packed-small-plain", "plain")
+)
+def test_greedy_parity_both_ways(tiny_model_dirs, prepack, plain_rows):
+    # packed-small-plain: decode batches of up to 4 (and the LM head's rows) on F.linear, the
+    # prompt chunks on oneDNN
     model_dir = tiny_model_dirs["qwen2"]  # biased q/k/v: the packed path adds the bias
-    engine = make_engine(model_dir, prepack_weights=prepack)
+    engine = make_engine(model_dir, prepack_weights=prepack, plain_linear_rows=plain_rows)
     lookup = engine.model.model.embed_tokens  # untied here: it only looks rows up, never packed
     layers = [m for m in engine.model.modules() if isinstance(m, PackedLinear) and m is not lookup]
     fused = {id(getattr(m, name)) for m in engine.model.modules() for name in getattr(m, "fused_inputs", ())}

@@ -125,7 +125,14 @@ class LLMEngine:
         self.sliding_window = window if window and window < max_len else None
         self.dtype = resolve_dtype(self.model_config, self.device, cfg.dtype)
         self.model = load_model(
-            cfg.model_dir, self.device, cfg.dtype, max_len, cfg.load_progress, tp, cfg.prepack_weights
+            cfg.model_dir,
+            self.device,
+            cfg.dtype,
+            max_len,
+            cfg.load_progress,
+            tp,
+            cfg.prepack_weights,
+            cfg.plain_linear_rows,
         )
         rank_config = rank_model_config(self.model_config, tp)  # this rank's KV heads: what its cache holds
         num_blocks = plan_num_blocks(cfg, rank_config, self.dtype, self.device)

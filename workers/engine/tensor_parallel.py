@@ -673,7 +673,14 @@ def _serve(config: EngineConfig, groups: RankGroups, device: torch.device, store
     dtype = resolve_dtype(model_config, device, config.dtype)
     max_len = config.max_model_len or model_config.max_position_embeddings
     model = load_model(
-        config.model_dir, device, config.dtype, max_len, config.load_progress, groups.tp, config.prepack_weights
+        config.model_dir,
+        device,
+        config.dtype,
+        max_len,
+        config.load_progress,
+        groups.tp,
+        config.prepack_weights,
+        config.plain_linear_rows,
     )
     local = rank_model_config(model_config, groups.tp)
     num_blocks = groups.agree_num_blocks(plan_num_blocks(config, local, dtype, device))

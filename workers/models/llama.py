@@ -192,6 +192,10 @@ class LlamaForCausalLM(nn.Module):
     """One class for the whole family; the config switches qkv bias, q/k norm and tying.
     ``tp``: this rank's shard of a tensor-parallel model (default: the whole model)."""
 
+    # Batches of up to this many rows multiply with F.linear though the linears are packed
+    # (prepack_linears, choose_plain_rows: set by load_model)
+    plain_linear_rows = 0
+
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = cfg

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from workers.models.config import ModelConfig
 from workers.models.llama import LlamaForCausalLM
-from workers.models.parallel import Shard, TPGroup, prepack_linears
+from workers.models.parallel import Shard, TPGroup, choose_plain_rows, prepack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +59,12 @@ def load_model(
     progress: bool = True,
     tp: TPGroup | None = None,
     prepack: bool = False,
+    plain_rows: int | None = None,
 ) -> LlamaForCausalLM:
     """The model (``tp``: this rank's shard of it) with its weights from ``model_dir``.
-    ``prepack``: on a CPU, fp32 linears get a oneDNN copy of their weights (``prepack_linears``)."""
+    ``prepack``: on a CPU, fp32 linears get a oneDNN copy of their weights (``prepack_linears``),
+    and inputs of up to ``plain_rows`` rows keep ``F.linear`` (None: measured on this CPU at the
+    current thread count, ``choose_plain_rows``)."""
     model_dir = Path(model_dir)
     device = torch.device(device)
     cfg = ModelConfig.from_dir(model_dir)
@@ -134,4 +137,14 @@ def load_model(
     )
     if prepack and (packed := prepack_linears(model)):
         logger.info("prepacked %d linear weights for oneDNN (CPU fp32)", packed)
+        rows, timings = choose_plain_rows(model, plain_rows)
+        model.plain_linear_rows = rows
+        measured = ", ".join(
+            f"{t.rows} row(s): F.linear {t.plain_s * 1e3:.1f} ms, oneDNN {t.packed_s * 1e3:.1f} ms" for t in timings
+        )
+        logger.info(
+            "batches of up to %d rows multiply with F.linear, larger ones with oneDNN (%s)",
+            rows,
+            f"measured on {torch.get_num_threads()} threads: {measured}" if timings else "as configured",
+        )
     return model.eval()

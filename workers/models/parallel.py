@@ -26,11 +26,20 @@ weight stays (the compiled path traces ``F.linear`` on it; inductor packs its ow
 linears' weights take twice their memory on CPU. Linears that read the same input (q/k/v,
 gate/up) are packed as one ``FusedPackedLinear``: one call per layer instead of three and two,
 bit for bit the separate layers' outputs.
+
+**Small batches on ``F.linear``** (``choose_plain_rows``): which path is faster at one or two
+rows depends on the CPU. On one VM oneDNN ran SmolLM2's linears 1.2x faster than ``F.linear`` at
+batch 1; on another (Intel, one core streaming ~13 GB/s) ``F.linear`` (MKL's GEMV) was 1.2x
+faster at batches 1-2 and oneDNN from batch 4. So after packing, the linears are timed both ways
+at 1, 2 and 4 rows on the weights themselves, and batches up to the largest row count where
+``F.linear`` won (every smaller count winning too) keep ``F.linear``: a decode step of that many
+sequences, and the LM head's rows of any step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -121,6 +130,11 @@ def _onednn_linear_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def _rows(x: torch.Tensor) -> int:
+    """The rows an input multiplies: its elements over its last dimension (tokens, flattened)."""
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
 def _runs_packed(x: torch.Tensor) -> bool:
     """Whether ``x`` is multiplied with a oneDNN-packed weight: eager (a compiled graph keeps
     ``F.linear`` on the plain weight, and inductor packs its own) and fp32."""
@@ -137,6 +151,7 @@ class PackedLinear(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.packed: torch.Tensor | None = None  # a plain attribute: not in state_dict, not moved by .to()
+        self.plain_rows = 0  # inputs of up to this many rows take F.linear even when packed (choose_plain_rows)
 
     def pack(self, batch_hint: int) -> bool:
         """Reorder the weight for oneDNN (``batch_hint``: the batch size the layout is picked
@@ -149,7 +164,7 @@ class PackedLinear(nn.Module):
         return True
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is not None and _runs_packed(x):
+        if self.packed is not None and _runs_packed(x) and _rows(x) > self.plain_rows:
             if x.numel() == 0:  # oneDNN rejects an empty batch
                 return x.new_empty((*x.shape[:-1], self.weight.shape[0]))
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
@@ -161,16 +176,26 @@ class FusedPackedLinear:
     as one: oneDNN's inner product on their weights (and biases) concatenated by output row and
     reordered once. One call instead of three (or two) per layer, and a wider GEMM; each output
     column is still the dot product of its own weight row, and the output equals the separate
-    layers' concatenated (bit for bit in ``tests/unit/test_prepacked_linears.py``)."""
+    layers' concatenated (bit for bit in ``tests/unit/test_prepacked_linears.py``).
+
+    The plain weights are concatenated too, and each layer's ``weight`` becomes a view of its
+    rows (one plain copy, as before): inputs of up to ``plain_rows`` rows take one ``F.linear``
+    on it (``choose_plain_rows``)."""
 
     def __init__(self, linears: list[PackedLinear], batch_hint: int) -> None:
         biases = [b.detach() for m in linears if (b := getattr(m, "bias", None)) is not None]
         if biases and len(biases) != len(linears):
             raise ValueError("fused linears must all have a bias or all have none")
         with torch.no_grad():
-            weight = torch.cat([m.weight.detach() for m in linears])
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+            self.weight = torch.cat([m.weight.detach() for m in linears])
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, batch_hint)
             self.bias = torch.cat(biases) if biases else None
+            start = 0
+            for m in linears:  # each layer's weight: its rows of the fused one
+                rows = m.weight.shape[0]
+                m.weight.data = self.weight[start : start + rows]
+                start += rows
+        self.plain_rows = 0
 
     def applies(self, x: torch.Tensor) -> bool:
         """Whether ``__call__`` takes ``x``: as a packed linear would (``_runs_packed``), and a
@@ -179,6 +204,8 @@ class FusedPackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The layers' outputs side by side, ``[..., the layers' output widths summed]``."""
+        if _rows(x) <= self.plain_rows:
+            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -203,6 +230,76 @@ def prepack_linears(model: nn.Module, batch_hint: int = 8) -> int:
                 for m in linears:
                     m.packed = None  # the fused copy serves them: no second copy of each weight
     return packed
+
+
+PLAIN_ROW_CANDIDATES = (1, 2, 4)  # the batch sizes choose_plain_rows times, smallest first
+PLAIN_ROWS_MARGIN = 0.05  # F.linear keeps a row count only when it is this much faster
+
+
+@dataclass(frozen=True, slots=True)
+class PlainRowsTiming:
+    """One row count's pass over a model's packed linears: the fastest of the rounds each way."""
+
+    rows: int
+    plain_s: float
+    packed_s: float
+
+
+def _packed_units(model: nn.Module) -> list[PackedLinear | FusedPackedLinear]:
+    """The model's packed linears and fused groups: what a step multiplies through oneDNN."""
+    units: list[PackedLinear | FusedPackedLinear] = []
+    for module in model.modules():
+        if isinstance(module, PackedLinear) and module.packed is not None:
+            units.append(module)
+        fused = getattr(module, "fused", None)
+        if isinstance(fused, FusedPackedLinear):
+            units.append(fused)
+    return units
+
+
+def _set_plain_rows(units: list[PackedLinear | FusedPackedLinear], rows: int) -> None:
+    for unit in units:
+        unit.plain_rows = rows
+
+
+def choose_plain_rows(model: nn.Module, rows: int | None = None, rounds: int = 3) -> tuple[int, list[PlainRowsTiming]]:
+    """Set the row count up to which the packed linears of ``model`` take ``F.linear`` (see the
+    module's docstring): ``rows`` when given, else measured on this CPU at its current thread
+    count: each of ``PLAIN_ROW_CANDIDATES`` (smallest first) times one pass over every packed
+    linear both ways, alternating, ``rounds`` times; the count is the largest before the first
+    where ``F.linear`` is not ``PLAIN_ROWS_MARGIN`` faster. Returns the count and what was timed
+    (empty when given, or nothing is packed)."""
+    units = _packed_units(model)
+    if rows is not None or not units:
+        _set_plain_rows(units, rows or 0)
+        return rows or 0, []
+    timings: list[PlainRowsTiming] = []
+    chosen = 0
+    with torch.inference_mode():
+        for candidate in PLAIN_ROW_CANDIDATES:
+            inputs = [torch.randn(candidate, unit.weight.shape[1]) for unit in units]
+            best = {candidate: float("inf"), 0: float("inf")}  # plain_rows -> the fastest pass
+            for round_ in range(rounds + 1):  # round 0 warms both ways up and is not counted
+                for plain_rows in best:
+                    _set_plain_rows(units, plain_rows)
+                    start = time.perf_counter()
+                    _pass(units, inputs)
+                    if round_:
+                        best[plain_rows] = min(best[plain_rows], time.perf_counter() - start)
+            timings.append(PlainRowsTiming(candidate, best[candidate], best[0]))
+            if best[candidate] > best[0] * (1 - PLAIN_ROWS_MARGIN):
+                break
+            chosen = candidate
+    _set_plain_rows(units, chosen)
+    return chosen, timings
+
+
+def _pass(units: list[PackedLinear | FusedPackedLinear], inputs: list[torch.Tensor]) -> None:
+    for unit, x in zip(units, inputs, strict=True):
+        if isinstance(unit, FusedPackedLinear):
+            unit(x)
+        else:
+            unit._linear(x, getattr(unit, "bias", None))
 
 
 @dataclass(frozen=True, slots=True)
