@@ -23,6 +23,7 @@ from workers.engine import LLMEngine, RequestOutput, SamplingParams
 from workers.engine.engine import KVReservation
 from workers.engine_loop import EngineLoop
 from workers.protocol import GenerateRequest, KVHandle, PrefillResult, TokenChunk, TokenLogprobs, TransferRequest
+from workers.threads import one_torch_thread
 from workers.transfer import KVTransferClient, KVTransferError, TransferConfig, Transport
 from workers.transfer.control import ControlClient
 from workers.transfer.tp_transfer import RANK_CALL_TIMEOUT_S, TPPuller, open_config, rank_channel
@@ -82,11 +83,15 @@ class ColocatedWorker:
     """One engine doing prefill and decode: the baseline, and the fast path for a decode worker
     that already holds nearly all of a prompt."""
 
-    def __init__(self, engine: LLMEngine, worker_id: str, role: str = "colocated", on_step=None) -> None:
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | EngineLoop, worker_id: str, role: str = "colocated", on_step=None) -> None:
+        """``engine``: the engine, or the loop already driving it (a server builds the engine on
+        the loop's thread: workers/engine_loop.py says why)."""
+        self.loop = engine if isinstance(engine, EngineLoop) else EngineLoop(engine, on_step)
+        if on_step is not None:
+            self.loop.on_step = on_step
+        self.engine = self.loop.engine
         self.worker_id = worker_id
         self.stats = WorkerStats(role)
-        self.loop = EngineLoop(engine, on_step=on_step)
 
     async def generate_local(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         rid = request.request_id
@@ -108,7 +113,7 @@ class ColocatedWorker:
 class DecodeWorker(ColocatedWorker):
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: LLMEngine | EngineLoop,
         worker_id: str,
         transfer_config: TransferConfig | None = None,
         on_step=None,
@@ -116,6 +121,7 @@ class DecodeWorker(ColocatedWorker):
         kv_wait_s: float | None = None,
     ) -> None:
         super().__init__(engine, worker_id, role="decode", on_step=on_step)
+        engine = self.engine
         self.transfer_config = transfer_config or TransferConfig()
         if self.transfer_config.transport is Transport.OBJECT_STORE:
             raise ValueError(
@@ -142,7 +148,7 @@ class DecodeWorker(ColocatedWorker):
         self._background: set[asyncio.Task] = set()
         self.kv_wait_s = KV_WAIT_S if kv_wait_s is None else kv_wait_s
         self._kv_waiters = asyncio.Lock()  # FIFO: prompts waiting for KV room take it in order
-        self._receivers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-recv")
+        self._receivers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-recv", initializer=one_torch_thread)
         self.retiring = False
 
     def _retiring(self, request_id: str) -> DecodeRetiring:

@@ -23,6 +23,7 @@ from dataclasses import replace
 from workers.engine import LLMEngine, SamplingParams
 from workers.engine_loop import EngineDeadError, EngineLoop
 from workers.protocol import GenerateRequest, KVHandle, KVLayout, PrefillResult, TransferAddress, TransferRequest
+from workers.threads import one_torch_thread
 from workers.transfer import KVTransferError, KVTransferServer, LeaseTable, SendResult, TransferConfig
 from workers.transfer.control import ControlHandlers, ControlServer, Refused
 from workers.transfer.tp_transfer import TPSender, open_config, rank_channel, rank_worker_id
@@ -34,17 +35,21 @@ logger = logging.getLogger(__name__)
 class PrefillWorker:
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: LLMEngine | EngineLoop,
         worker_id: str,
         transfer_config: TransferConfig | None = None,
         lease_ttl_s: float = 30.0,
         on_step=None,
         before_send: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """``engine``: the engine, or the loop already driving it (a server builds the engine on
+        the loop's thread: workers/engine_loop.py says why)."""
         self.worker_id = worker_id
-        self.engine = engine
+        self.loop = engine if isinstance(engine, EngineLoop) else EngineLoop(engine, on_step)
+        if on_step is not None:
+            self.loop.on_step = on_step
+        self.engine = engine = self.loop.engine
         self.stats = WorkerStats("prefill")
-        self.loop = EngineLoop(engine, on_step=on_step)
         self.transfer_config = transfer_config or TransferConfig()
         self.server = KVTransferServer(worker_id, self.transfer_config, device=engine.device)
         self.layout: KVLayout = engine.model_kv_layout  # every KV head: what the decode side compares
@@ -60,7 +65,7 @@ class PrefillWorker:
         self.leases = LeaseTable()
         self.leases.start(interval_s=min(1.0, lease_ttl_s / 4))
         # Sends block until the decode side receives: a pool, so they never block the event loop.
-        self._senders = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-send")
+        self._senders = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-send", initializer=one_torch_thread)
         self._sending: set[asyncio.Task] = set()
         self._before_send = before_send  # fault injection (a stalled sender), tests only
         self.control = ControlServer(

@@ -619,24 +619,30 @@ def _run_up(args: argparse.Namespace) -> int:
         local.stop()  # Ray first, then Redis: nothing is left that talks to the index
 
 
-# Cores `pdserve up` keeps from the engines on a local CPU cluster, for the serving path: every
+# Cores `pdserve up` keeps from the engines on a local CPU cluster, for the serving path (every
 # token crosses the replica's event loop, Ray's streaming, the ingress and Serve's proxy, and an
-# engine's OpenMP threads spin between ops, so engines on every core starve that path (measured on
-# 2 cores, colocated SmolLM2: 2 engine threads ITL p50 138 ms and 285 ms at concurrency 1 and 8,
-# 1 thread 98 and 168 ms; BENCHMARKS.md). vLLM's CPU backend keeps cores back the same way
-# (VLLM_CPU_NUM_OF_RESERVED_CPU).
+# engine's OpenMP threads spin between ops): one from SERVING_RESERVED_FROM cores on, as vLLM's
+# CPU backend keeps cores back (VLLM_CPU_NUM_OF_RESERVED_CPU), none below. On 2 cores a kept core
+# is half the machine: a colocated SmolLM2 engine on both was 1.21x and 1.11x the output tok/s of
+# one on a single core at concurrency 1 and 8 (bench/peer.py, BENCHMARKS.md, 2026-12-04). An
+# earlier measurement that favoured keeping one there ran engines built on one thread and stepped
+# on another, whose OpenMP workers slept and woke on every op (workers/threads.py).
 SERVING_RESERVED_CORES = 1
+SERVING_RESERVED_FROM = 3
+
+
+def _reserved_cores(cores: int) -> int:
+    return SERVING_RESERVED_CORES if cores >= SERVING_RESERVED_FROM else 0
 
 
 def _threads_per_replica(args: argparse.Namespace) -> int | None:
     """Each engine rank's torch threads: as given; on a local CPU cluster this machine's cores less
-    ``SERVING_RESERVED_CORES`` (when there are more) split among the engine ranks (prefill + decode,
-    or colocated, times --tp), at least one each; else None (each replica takes what its num_cpus
-    grants)."""
+    ``_reserved_cores`` split among the engine ranks (prefill + decode, or colocated, times --tp), at
+    least one each; else None (each replica takes what its num_cpus grants)."""
     if not _local_cpu_split(args):
         return args.threads_per_replica
     cores, ranks = _cores_and_ranks(args)
-    return max(1, max(1, cores - SERVING_RESERVED_CORES) // ranks)  # per rank
+    return max(1, max(1, cores - _reserved_cores(cores)) // ranks)  # per rank
 
 
 def _prefill_threads_per_replica(args: argparse.Namespace) -> int | None:
@@ -646,7 +652,7 @@ def _prefill_threads_per_replica(args: argparse.Namespace) -> int | None:
     else None (the same threads as every step). While a step computes a prompt the serving path
     has little to carry (no token of that request streams before its first), and a prompt's
     matmuls are compute-bound: a second thread cut SmolLM2's 256-token prefill 0.64-0.69 s ->
-    0.39 s on 2 cores, where a decode step, bound by weight bandwidth, gains little."""
+    0.39 s on 2 cores."""
     if args.prefill_threads is not None or not _local_cpu_split(args):
         return args.prefill_threads
     cores, ranks = _cores_and_ranks(args)

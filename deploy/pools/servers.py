@@ -25,6 +25,7 @@ from deploy.pools.routers import LINK_FAILURE_WINDOW_S
 from kvstore import IndexConfig, IndexPublisher, WorkerSpec
 from workers.decode import ColocatedWorker, DecodeWorker
 from workers.engine import LLMEngine
+from workers.engine_loop import EngineLoop
 from workers.prefill import PrefillWorker
 from workers.protocol import GenerateRequest, PrefillResult, TokenChunk, TransferAddress
 from workers.transfer import TransferConfig, Transport
@@ -71,7 +72,7 @@ class _WorkerServer:
     role = "worker"
     worker: PrefillWorker | ColocatedWorker  # each pool's server sets its own
 
-    def _setup(self, args: dict) -> LLMEngine:
+    def _setup(self, args: dict) -> EngineLoop:
         self.args = PDServeArgs.model_validate(args)
         logging.getLogger("pdserve").setLevel(self.args.log_level)
         self.worker_id = serve.get_replica_context().replica_id.unique_id
@@ -90,17 +91,22 @@ class _WorkerServer:
             pool.num_threads,
             pool.num_cpus,
         )
-        # tensor_parallel_size > 1: ranks 1..N-1 are Ray actors in this replica's placement group
-        # (Serve's placement_group_bundles, deploy/builder.py), each with the same torch threads.
-        engine = LLMEngine(
-            self.args.model,
-            load_progress=True,
-            tp_launcher="ray",
-            **self.args.engine_kwargs(self.device, self.role),
-        )
-        self.engine = engine
         self.publisher: IndexPublisher | None = None
         self.metrics = WorkerMetrics(self.worker_id, self.role, self.args.model_name)
+        # tensor_parallel_size > 1: ranks 1..N-1 are Ray actors in this replica's placement group
+        # (Serve's placement_group_bundles, deploy/builder.py), each with the same torch threads.
+        # The engine is built on the thread that will step it: one OpenMP pool per process
+        # (workers/engine_loop.py).
+        self.loop = EngineLoop(
+            lambda: LLMEngine(
+                self.args.model,
+                load_progress=True,
+                tp_launcher="ray",
+                **self.args.engine_kwargs(self.device, self.role),
+            ),
+            on_step=self._on_step,
+        )
+        engine = self.engine = self.loop.engine
         self._load = {
             "free_blocks": engine.num_kv_blocks,
             "total_blocks": engine.num_kv_blocks,
@@ -108,9 +114,16 @@ class _WorkerServer:
             "num_waiting": 0,
         }
         logger.info(
-            "%s replica %s ready: %d KV blocks on %s", self.role, self.worker_id, engine.num_kv_blocks, self.device
+            "%s replica %s ready: %d KV blocks on %s%s",
+            self.role,
+            self.worker_id,
+            engine.num_kv_blocks,
+            self.device,
+            f", batches of up to {rows} row(s) multiply with F.linear, larger ones with oneDNN"
+            if (rows := engine.model.plain_linear_rows)
+            else "",
         )
-        return engine
+        return self.loop
 
     async def _start_control(self, prefill: PrefillWorker | None = None) -> None:
         """Open this replica's control server (a prefill worker brings its own, with the lease
@@ -216,10 +229,12 @@ class _WorkerServer:
                 await worker.shutdown()
             except Exception:  # noqa: BLE001 - the index must still be left
                 logger.warning("%s replica %s: worker shutdown failed", self.role, self.worker_id, exc_info=True)
+        elif (loop := getattr(self, "loop", None)) is not None:
+            await asyncio.to_thread(loop.shutdown)  # the engine was built, its worker never was
         engine = getattr(self, "engine", None)
         # Only once the engine thread has stopped (a step still running would race the ranks'
         # shutdown); else Ray ends the rank actors with this replica, their owner.
-        if engine is not None and (worker is None or not worker.loop.alive):
+        if engine is not None and not self.loop.alive:
             try:
                 await asyncio.to_thread(engine.close)  # tensor-parallel rank actors stopped and gone
             except Exception:  # noqa: BLE001 - the index must still be left
@@ -235,11 +250,11 @@ class PrefillServer(_WorkerServer):
     worker: PrefillWorker
 
     async def __init__(self, args: dict) -> None:  # type: ignore[misc]  # Serve awaits an async constructor
-        engine = self._setup(args)
+        loop = self._setup(args)
         self._delayed_prefills = 0  # requests in the injected prefill_delay_s (fault_injection)
         stall = self.args.fault_injection.get("send_stall_s")
         self.worker = PrefillWorker(
-            engine,
+            loop,
             self.worker_id,
             transfer_config(self.args),
             self.args.lease_ttl_s,
@@ -249,7 +264,7 @@ class PrefillServer(_WorkerServer):
         await self.worker.start()
         await self._start_control(self.worker)
         address = f"{self.worker.address.host}:{self.worker.address.port}"
-        await self._start_publisher(engine, address)
+        await self._start_publisher(loop.engine, address)
 
     async def record_routing_stats(self) -> dict:
         # Link-aware routing: the prefill router tries a replica whose sends failed lately last.
@@ -279,11 +294,11 @@ class DecodeServer(_WorkerServer):
     worker: DecodeWorker
 
     async def __init__(self, args: dict) -> None:  # type: ignore[misc]  # Serve awaits an async constructor
-        engine = self._setup(args)
-        self.worker = DecodeWorker(engine, self.worker_id, transfer_config(self.args), on_step=self._on_step)
+        loop = self._setup(args)
+        self.worker = DecodeWorker(loop, self.worker_id, transfer_config(self.args))
         await self._start_control()
         self._own_control.handlers.retire = self.retire
-        await self._start_publisher(engine, self.worker_id)
+        await self._start_publisher(loop.engine, self.worker_id)
 
     async def retire(self) -> int:
         """The autoscaler's word that Serve is stopping this replica (``Retire`` on its control
@@ -310,10 +325,10 @@ class ColocatedServer(_WorkerServer):
     worker: ColocatedWorker
 
     async def __init__(self, args: dict) -> None:  # type: ignore[misc]  # Serve awaits an async constructor
-        engine = self._setup(args)
-        self.worker = ColocatedWorker(engine, self.worker_id, on_step=self._on_step)
+        loop = self._setup(args)
+        self.worker = ColocatedWorker(loop, self.worker_id)
         await self._start_control()
-        await self._start_publisher(engine, self.worker_id)
+        await self._start_publisher(loop.engine, self.worker_id)
 
     async def generate_local(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         async for chunk in self.worker.generate_local(request):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -105,3 +106,32 @@ def test_offline_generate_raises_the_failed_request_and_leaves_nothing_running(t
     assert engine.generate([prompts[0]], SamplingParams(max_tokens=4, temperature=0.0))[0].token_ids == hf_greedy(
         tiny_llama, tuple(prompts[0]), 4
     )
+
+
+async def test_an_engine_built_by_the_loop_is_built_on_its_thread(tiny_llama):
+    # A server hands the loop a factory: loading, warm-ups and every step then run on one OS
+    # thread, so libgomp keeps one worker pool (workers/engine_loop.py)
+    built_on: list[threading.Thread] = []
+
+    def build() -> LLMEngine:
+        built_on.append(threading.current_thread())
+        return LLMEngine(tiny_llama, num_kv_blocks=64, load_progress=False)
+
+    loop = EngineLoop(build)
+    try:
+        assert built_on == [loop._thread] and loop.engine.num_kv_blocks == 64
+        step_threads = await loop.call(lambda e: threading.current_thread())
+        assert step_threads is loop._thread
+        prompt = random_prompts((20,), seed=3)[0]
+        tokens = await collect(loop, "r", prompt, SamplingParams(max_tokens=8, temperature=0.0))
+        assert tokens == hf_greedy(tiny_llama, tuple(prompt), 8)
+    finally:
+        loop.shutdown()
+
+
+def test_a_factory_that_fails_fails_the_constructor():
+    def build() -> LLMEngine:
+        raise FileNotFoundError("no model here")
+
+    with pytest.raises(FileNotFoundError, match="no model here"):
+        EngineLoop(build)

@@ -1,5 +1,5 @@
-"""`pdserve up`'s default engine threads: the machine's cores, less one for the serving path,
-split among the engine replicas."""
+"""`pdserve up`'s default engine threads: the machine's cores, less one for the serving path from
+3 cores on, split among the engine replicas."""
 
 from __future__ import annotations
 
@@ -34,12 +34,15 @@ def test_local_cpu_cluster_splits_the_cores_but_one(monkeypatch):
     assert _threads_per_replica(_args(mode="colocated", colocated=16)) == 1  # at least one each
 
 
-def test_small_machines_keep_a_core_for_the_serving_path_while_they_can(monkeypatch):
+def test_two_cores_or_fewer_keep_none_back(monkeypatch):
+    # on 2 cores a kept core is half the machine: the engine decodes on both (BENCHMARKS.md)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert _threads_per_replica(_args(mode="colocated")) == 1  # this VM: one engine core, one serving
-    assert _threads_per_replica(_args()) == 1  # two engines on one core: still one thread each
+    assert _threads_per_replica(_args(mode="colocated")) == 2  # this VM: the engine on both cores
+    assert _threads_per_replica(_args()) == 1  # prefill and decode: one core each
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
     assert _threads_per_replica(_args(mode="colocated")) == 1  # one core: nothing to keep back
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert _threads_per_replica(_args(mode="colocated")) == 2  # from 3 cores: one kept
 
 
 def test_explicit_threads_and_remote_or_gpu_clusters_are_left_alone():
@@ -85,8 +88,10 @@ def test_prefill_and_decode_ranks_split_the_cores(monkeypatch):
 
 def test_steps_that_compute_prompts_take_the_serving_core_too(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert _prefill_threads_per_replica(_args(mode="colocated")) == 2  # this VM: decode 1, prompts 2
+    assert _prefill_threads_per_replica(_args(mode="colocated")) is None  # no core kept: every step on 2
     assert _prefill_threads_per_replica(_args()) is None  # 1 + 1 engines: one core each either way
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert _prefill_threads_per_replica(_args(mode="colocated")) == 3  # decode 2, prompts 3
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     assert _prefill_threads_per_replica(_args()) == 4  # 8 cores over 2 replicas; decode steps 3
     assert _prefill_threads_per_replica(_args(mode="colocated", colocated=3)) is None  # 8 // 3 == 7 // 3

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.protocol import KVHandle, KVLayout, PairTransfer, TransferAddress, TransferRequest, TransferStats
+from workers.threads import one_torch_thread
 from workers.transfer.buffers import check_block_ids, layout_of
 from workers.transfer.client import KVTransferClient, RequestSend, transfer_tag
 from workers.transfer.config import TransferConfig, Transport
@@ -174,7 +175,9 @@ def run_pairs(
             return exc
 
     if len(ordered) > 1:
-        with ThreadPoolExecutor(max_workers=len(ordered) - 1, thread_name_prefix="kv-pair") as pool:
+        with ThreadPoolExecutor(
+            max_workers=len(ordered) - 1, thread_name_prefix="kv-pair", initializer=one_torch_thread
+        ) as pool:
             others = [pool.submit(attempt, pair) for pair in ordered[1:]]
             outcomes = [attempt(ordered[0])] + [f.result() for f in others]
     else:
@@ -219,7 +222,9 @@ class RankTransferAgent:
         else:
             self.client = KVTransferClient(self.worker_id, config, device)
             self.address = self.client.identity
-        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix=f"kv-rank{rank}")
+        self._pool = ThreadPoolExecutor(
+            max_workers=16, thread_name_prefix=f"kv-rank{rank}", initializer=one_torch_thread
+        )
 
     def submit(self, op: RankOp, done: Callable[[RankReport], None]) -> None:
         """Run ``op`` on the agent's pool; ``done(report)`` gets its outcome (never raises)."""
