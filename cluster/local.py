@@ -46,6 +46,13 @@ logger = logging.getLogger(__name__)
 # `ray start --head`'s default GCS port, and Redis' own default: a managed Redis never takes it.
 RAY_DEFAULT_GCS_PORT = 6379
 _REDIS_START_ATTEMPTS = 3  # an auto-picked port can be taken between the probe and redis' bind
+# Niceness of the workers a started Ray runs (its raylet's `worker_niceness`; Ray's default is 15).
+# At 15 every replica, the engines' OpenMP threads included, yields the CPU to whatever of Ray's
+# own daemons (GCS, raylet, dashboard, log monitor) wakes at 0, and a step waits on its slowest
+# thread: on 2 cores a colocated SmolLM2 replica at 0 served more output tok/s at concurrency 8
+# than at 15 in every paired run (BENCHMARKS.md, 2026-12-04). The cluster YAMLs set the same with
+# RAY_worker_niceness=0 on `ray start`.
+RAY_WORKER_NICENESS = 0
 
 
 def find_free_port(exclude: frozenset[int] | set[int] = frozenset({RAY_DEFAULT_GCS_PORT})) -> int:
@@ -104,7 +111,8 @@ class LocalCluster:
     start_ray: False leaves Ray alone entirely (tests, or a caller that manages Ray itself).
     on_phase: called with one line per step done (Ray started, Redis started, ... stopped);
         None logs them at INFO.
-    ray_init_kwargs: extra keyword arguments for `ray.init` (e.g. `logging_level`).
+    ray_init_kwargs: extra keyword arguments for `ray.init` (e.g. `logging_level`). A Ray started
+        here runs its workers at niceness `RAY_WORKER_NICENESS` unless `_system_config` says.
     """
 
     def __init__(
@@ -257,7 +265,9 @@ class LocalCluster:
                 )
             return
         # A fresh head: ray.init() binds its GCS to a free port unless RAY_GCS_SERVER_PORT is set.
-        context = ray.init(num_cpus=self._num_cpus, **self._ray_init_kwargs)
+        kwargs = dict(self._ray_init_kwargs)
+        kwargs["_system_config"] = {"worker_niceness": RAY_WORKER_NICENESS, **kwargs.get("_system_config", {})}
+        context = ray.init(num_cpus=self._num_cpus, **kwargs)
         self._ray_initialized_here = True
         self.started_ray = True
         self.gcs_address = ray.get_runtime_context().gcs_address

@@ -115,6 +115,27 @@ def _check_clean(up: Up) -> None:
     assert _until(lambda: not up.session_processes(), 30), f"left running: {up.session_processes()}"
 
 
+def _replica_threads_niceness(up: Up) -> dict[str, set[int]]:
+    """The niceness of every thread of each Serve replica process in the session, by deployment."""
+    found: dict[str, set[int]] = {}
+    for line in up.session_processes():
+        pid = int(line.split()[0])
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except FileNotFoundError:
+            continue
+        if "ServeReplica" not in cmdline:
+            continue
+        name = cmdline.split("\0")[0].rsplit(":", 1)[-1].strip()
+        for task in tasks:
+            try:  # field 19 of stat (after the command's closing parenthesis: the 17th) is nice
+                found.setdefault(name, set()).add(int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]))
+            except FileNotFoundError:
+                continue
+    return found
+
+
 def _serve_one(base: str) -> dict:
     prompt = list(range(3, 67))  # four full KV blocks: published to the prefix index
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
@@ -153,6 +174,12 @@ def test_up_narrates_serves_and_stops_cleanly_on_ctrl_c(tiny_llama):
         assert health.status_code == 200 and health.json() == {"status": "ok"}  # the banner means serving
 
         assert _serve_one(base)["choices"][0]["finish_reason"] in ("length", "stop")
+
+        # The engines do not yield the CPU to Ray's daemons: a Ray that pdserve up started runs its
+        # workers, the replicas and every thread of theirs, at niceness 0 (Ray's default is 15).
+        replicas = _replica_threads_niceness(up)
+        assert {"prefill", "decode", "ingress"} <= set(replicas), up.session_processes()
+        assert all(values == {0} for values in replicas.values()), replicas
 
         assert up.ctrl_c() == 0, up.output
     finally:

@@ -320,3 +320,22 @@ def test_testbed_workers_carry_their_pool_and_the_serve_config_fits_them(tmp_pat
         timeout=10,
     )
     assert stray.returncode == 1 and "not a testbed prefill" in stray.stderr
+
+
+@pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
+def test_every_ray_start_runs_workers_at_niceness_0(path: Path) -> None:
+    """Ray's raylet starts its workers at niceness 15 unless told: the engines would yield the CPU
+    to Ray's own daemons (cluster/local.py's RAY_WORKER_NICENESS, the same for `pdserve up`)."""
+    from cluster.local import RAY_WORKER_NICENESS
+
+    config = _load(path)
+    starts = [
+        line
+        for key in ("head_start_ray_commands", "worker_start_ray_commands")
+        for command in config.get(key, [])
+        for line in command.split(";")
+        if re.search(r"\bray start\b", line)
+    ]
+    assert len(starts) >= 2, starts  # the head's and the workers'
+    for line in starts:
+        assert re.search(rf"\bRAY_worker_niceness={RAY_WORKER_NICENESS} ray start\b", line), line
