@@ -49,8 +49,9 @@ _REDIS_START_ATTEMPTS = 3  # an auto-picked port can be taken between the probe 
 # Niceness of the workers a started Ray runs (its raylet's `worker_niceness`; Ray's default is 15).
 # At 15 every replica, the engines' OpenMP threads included, yields the CPU to whatever of Ray's
 # own daemons (GCS, raylet, dashboard, log monitor) wakes at 0, and a step waits on its slowest
-# thread: on 2 cores a colocated SmolLM2 replica at 0 served more output tok/s at concurrency 8
-# than at 15 in every paired run (BENCHMARKS.md, 2026-12-04). The cluster YAMLs set the same with
+# thread. On 2 cores, three paired runs of a colocated SmolLM2 replica (BENCHMARKS.md, 2026-12-04):
+# at 0, 1.06-1.41x the output tok/s at concurrency 1 of the same server at 15, and 0.89-0.99x at
+# concurrency 8 (within that VM's run-to-run spread). The cluster YAMLs set the same with
 # RAY_worker_niceness=0 on `ray start`.
 RAY_WORKER_NICENESS = 0
 
