@@ -250,10 +250,14 @@ async def test_slow_redis_lookup_answers_none_within_deadline(redis_url: str) ->
     index = PrefixIndex(config)
     raw = redis.Redis.from_url(redis_url)
     try:
-        raw.execute_command("CLIENT", "PAUSE", 400, "ALL")
+        # Connected and answering first, so that the paused call below is the lookup itself. The
+        # pause is long (3 s against a 50 ms deadline): on a loaded machine the lookup must still
+        # reach Redis while it is paused (a 400 ms pause once ended before it did, in CI).
+        await wait_until(lambda: _equals(index.longest_prefix(PROMPT), {"w": 3}), 5.0)
+        raw.execute_command("CLIENT", "PAUSE", 3000, "ALL")
         # Redis answers {"w": 3} once the pause ends: None proves the lookup gave up at its deadline.
         assert await index.longest_prefix(PROMPT) is None
-        await wait_until(lambda: _equals(index.longest_prefix(PROMPT), {"w": 3}), 3.0)
+        await wait_until(lambda: _equals(index.longest_prefix(PROMPT), {"w": 3}), 10.0)
     finally:
         await publisher.stop()
         await index.close()
