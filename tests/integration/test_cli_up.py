@@ -122,10 +122,10 @@ def _replica_threads_niceness(up: Up) -> dict[str, set[int]]:
         pid = int(line.split()[0])
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            if "ServeReplica" not in cmdline:
+                continue
             tasks = list(Path(f"/proc/{pid}/task").iterdir())
         except FileNotFoundError:
-            continue
-        if "ServeReplica" not in cmdline:
             continue
         name = cmdline.split("\0")[0].rsplit(":", 1)[-1].strip()
         for task in tasks:
