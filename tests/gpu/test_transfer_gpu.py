@@ -17,7 +17,7 @@ from tests.integration.transfer_peers import (
     relay_pull,
     start_peer,
 )
-from workers.protocol import TransferStats
+from workers import protocol
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,13 +47,13 @@ def gpu_peers(request):
         peer.stop()
 
 
-def check_exact(outcome, sender, seed, src, dst, transport, dtype="float32") -> TransferStats:
+def check_exact(outcome, sender, seed, src, dst, transport, dtype="float32") -> protocol.TransferStats:
     kind, result = outcome
     assert kind == "pulled", result
     assert sender is not None and sender[0] == "sent", sender
     assert result["digest"] == block_digest(make_kv_caches(LAYOUTS[dtype], NUM_BLOCKS, seed), src)
     assert result["others_untouched"] and result["num_free"] == NUM_BLOCKS
-    stats = TransferStats.from_dict(result["stats"])
+    stats = protocol.decode(protocol.TransferStats, result["stats"])
     assert stats.transport == transport
     return stats
 

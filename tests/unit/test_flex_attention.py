@@ -122,6 +122,8 @@ def test_flex_with_a_quantized_cache_is_refused(tiny_llama):
         EngineConfig(model_dir=tiny_llama, attention_backend="flex", kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(model_dir=tiny_llama, attention_backend="triton")
+    with pytest.raises(ValueError, match="attention_backend='flex' runs with eager decode steps only"):
+        EngineConfig(model_dir=tiny_llama, attention_backend="flex", enforce_eager=False)
     model = ModelConfig.from_dir(tiny_llama)
     kv = PagedKVCache(model, 8, 16, "fp8", torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="attention_backend"):

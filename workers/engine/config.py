@@ -88,6 +88,14 @@ class EngineConfig:
         for name, (ok, problem) in checks.items():
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} {problem}")
+        if self.attention_backend == "flex" and not self.enforce_eager:
+            # The compiled decode graph calls attention as an opaque op; flex's own compiled
+            # call inside it fails in dynamo (vmap over the block mask's symbolic sizes, torch
+            # 2.13): refused here rather than at the first compiled step.
+            raise ValueError(
+                "attention_backend='flex' runs with eager decode steps only: drop enforce_eager=False "
+                "(--compile) or use attention_backend 'sdpa' or 'paged'"
+            )
         if not Path(self.model_dir).is_dir():
             raise FileNotFoundError(f"model_dir {self.model_dir!r} is not a directory")
         if self.tensor_parallel_size > 1:

@@ -46,11 +46,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from workers.layers.kv_cache import KVWritePlan, PagedKVCache
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import FlexKernelOptions
 
 try:  # optional, CUDA only
     from flash_attn import flash_attn_with_kvcache
@@ -481,7 +485,13 @@ def _flex_paged(
         mask_mod=mask_mod,
         seq_lengths=(q.shape[2], k.shape[2]),
     )
-    return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+    # CUDA: the Triton kernel's key tile must divide the mask's key block, our cache block (16
+    # tokens by default; its tiles are 64-128 wide and refuse to build otherwise: H200, torch
+    # 2.11, 2026-12-04). The CPU template tiles on its own.
+    options: FlexKernelOptions | None = None
+    if q.device.type == "cuda" and block_size < 128:
+        options = {"BLOCK_N": block_size}
+    return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, kernel_options=options)
 
 
 # The sizes that vary between calls (batch, queries, rows), per argument of ``_flex_paged``;
