@@ -1,19 +1,25 @@
 """GPU truth in one pass (``scripts/gpu-check`` runs it): each check adds rows to one summary table.
 
-    python bench/gpu_check.py [--skip tests agreement roofline]
+    python bench/gpu_check.py [--skip tests transfer agreement roofline] [--model M] [--log-dir D]
 
-- ``tests``: ``pytest tests/gpu`` (pass/fail counts).
+- ``tests``: ``pytest tests/gpu`` (pass/fail counts; the whole output in ``--log-dir``).
+- ``transfer``: ``bench/transfer.py --device cuda`` (KV blocks between two processes: NCCL with
+  two GPUs, else gloo staged through pinned host memory) against a plain device->host->device
+  copy of the same bytes through pinned memory in one process.
 - ``agreement``: SmolLM2-135M-Instruct in bf16 on the GPU, the engine (eager and compiled)
   against transformers' greedy ``generate``: identical completions and identical tokens.
+  ``--model`` takes a directory or a GGUF file where the package index cannot be reached.
 - ``roofline``: decode step time of an 8B-shaped model with random weights (32 layers, hidden
   4096, 32/8 heads, MLP 14336, vocab 128256, bf16) at batch 1/16/64 with 2048 tokens of
   context each, eager and compiled (CUDA graphs between the attention ops), against the HBM
   roofline: (weight bytes + the step's KV bytes) / 4.8 TB/s (H200). Eager and compiled use
   the engine's CUDA choice (SDPA over gathered blocks; flash-attn's paged kernel when installed
   and the block size suits it); two more eager rows per batch run the paged backend (its decode
-  kernel through inductor, Triton on CUDA) and flex. Each row names its backend.
+  kernel through inductor, Triton on CUDA) and flex. Each row names its backend. Backends are
+  built and timed one after another, eager first, and one that fails is a row: the rest still run.
 
-Written without a GPU: nothing here has been run on one yet.
+First run on an H200 (torch 2.11.0+cu130) on 2026-12-04: BENCHMARKS.md, "GPU check", holds what it
+printed.
 """
 
 from __future__ import annotations
@@ -40,59 +46,109 @@ def row(check: str, case: str, result: str) -> None:
     print(f"  {check:<12} {case:<40} {result}", flush=True)
 
 
-def check_tests(timeout_s: int) -> None:
+def check_tests(timeout_s: int, log_dir: Path | None) -> None:
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"],
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-s", "tests/gpu"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=timeout_s,
     )
-    last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
-    row("tests/gpu", f"rc {proc.returncode}, {time.monotonic() - started:.0f} s", last)
+    if log_dir is not None:
+        (log_dir / "tests-gpu.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    lines = proc.stdout.strip().splitlines() or ["(no output)"]
+    for line in lines:  # the summary's outcome lines (-rA) and the tests' own printed figures
+        if line.startswith(("PASSED", "FAILED", "ERROR", "SKIPPED")) or "parity" in line or "agreement" in line:
+            print(f"    {line}"[:300], flush=True)
+    row("tests/gpu", f"rc {proc.returncode}, {time.monotonic() - started:.0f} s", lines[-1])
 
 
-def check_agreement(new_tokens: int) -> None:
+def check_transfer(sizes_mib: list[int], reps: int, log_dir: Path | None) -> None:
+    """KV pull between two processes (bench/transfer.py) against a plain pinned round trip."""
+    out = Path(tempfile.mkdtemp()) / "transfer.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "transfer.py"), "--device", "cuda", "--no-object-store"]
+    cmd += ["--sizes-mib", *map(str, sizes_mib), "--reps", str(reps), "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    if log_dir is not None:
+        (log_dir / "transfer.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    if proc.returncode != 0:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+        row("KV transfer", "FAILED", f"rc {proc.returncode}: {tail}"[:300])
+        return
+    result = json.loads(out.read_text())
+    device = torch.device("cuda:0")
+    for r in result["rows"]:
+        nbytes = r["size_mib"] << 20
+        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        back = torch.empty_like(src)
+        times = []
+        for i in range(reps + 1):
+            torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            host.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+            back.copy_(host, non_blocking=True)
+            torch.cuda.synchronize(device)
+            if i:  # the first is a warm-up
+                times.append(time.perf_counter() - t)
+        assert torch.equal(back, src)
+        times.sort()
+        copy_gbps = nbytes / times[len(times) // 2] / 1e9
+        kv_gbps, raw_gbps = r["kv_gbps"], r["raw_gbps"]
+        row(
+            "KV transfer",
+            f"{result['transport']} {r['size_mib']} MiB ({r['blocks']} blocks)",
+            f"{kv_gbps:.2f} GB/s; raw {result['transport'].split('_')[0]} send/recv {raw_gbps:.2f}; "
+            f"pinned D2H+H2D copy {copy_gbps:.2f} GB/s; kv/copy {kv_gbps / copy_gbps:.2f}",
+        )
+
+
+def check_agreement(new_tokens: int, model: str, device: str = "cuda") -> None:
     from transformers import AutoModelForCausalLM
 
     from tests.conftest import CHAT_QUESTIONS, chat_prompt_ids
     from workers.engine import LLMEngine, SamplingParams
     from workers.models.source import resolve_model
 
-    model_dir = str(resolve_model("smollm2"))
+    model_dir = str(resolve_model(model))
     prompts = [chat_prompt_ids(model_dir, q) for q in CHAT_QUESTIONS]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda").eval()
-    expected = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p], device="cuda")
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
-            expected.append(out[0, len(p) :].tolist())
-    del hf
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
-    for name, eager in (("eager", True), ("compiled", False)):
-        engine = LLMEngine(
-            model_dir,
-            device="cuda",
-            dtype="bfloat16",
-            num_kv_blocks=512,
-            max_num_seqs=8,
-            load_progress=False,
-            enforce_eager=eager,
-            compile_batch_sizes=None if eager else (8,),
-        )
-        outs = [o.token_ids for o in engine.generate(prompts, params)]
-        same = sum(o == e for o, e in zip(outs, expected))
-        tokens = sum(sum(a == b for a, b in zip(o, e)) for o, e in zip(outs, expected))
-        total = sum(len(e) for e in expected)
-        row(
-            "bf16 greedy",
-            f"SmolLM2 {name} vs transformers",
-            f"{same}/{len(prompts)} completions identical, {tokens}/{total} tokens at equal positions",
-        )
-        del engine
-        torch.cuda.empty_cache()
+    # (dtype, eager): bf16 as served on GPUs, eager and compiled; fp32 eager, which should be exact
+    for dtype_name, runs in (("bfloat16", (True, False)), ("float32", (True,))):
+        dtype = getattr(torch, dtype_name)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        expected = []
+        with torch.inference_mode():
+            for p in prompts:
+                ids = torch.tensor([p], device=device)
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
+                expected.append(out[0, len(p) :].tolist())
+        del hf
+        for eager in runs:
+            engine = LLMEngine(
+                model_dir,
+                device=device,
+                dtype=dtype_name,
+                num_kv_blocks=512,
+                max_num_seqs=8,
+                load_progress=False,
+                enforce_eager=eager,
+                compile_batch_sizes=None if eager else (8,),
+            )
+            outs = [o.token_ids for o in engine.generate(prompts, params)]
+            same = sum(o == e for o, e in zip(outs, expected))
+            tokens = sum(sum(a == b for a, b in zip(o, e)) for o, e in zip(outs, expected))
+            total = sum(len(e) for e in expected)
+            row(
+                f"{'bf16' if dtype_name == 'bfloat16' else 'fp32'} greedy",
+                f"SmolLM2 {'eager' if eager else 'compiled'} vs transformers",
+                f"{same}/{len(prompts)} completions identical, {tokens}/{total} tokens at equal positions",
+            )
+            del engine
+            if device == "cuda":
+                torch.cuda.empty_cache()
 
 
 SHAPE_8B = {
@@ -134,7 +190,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def check_roofline(batches: list[int], context: int, steps: int, smoke: bool = False) -> None:
+ROOFLINE_BACKENDS = ("eager", "compiled", "paged", "flex", "compiled-paged")
+
+
+def check_roofline(
+    batches: list[int], context: int, steps: int, smoke: bool = False, backends: tuple[str, ...] = ROOFLINE_BACKENDS
+) -> None:
     from workers.engine.compiled import CompiledDecode
     from workers.engine.model_runner import ModelRunner
     from workers.engine.sampling_params import SamplingParams
@@ -158,21 +219,7 @@ def check_roofline(batches: list[int], context: int, steps: int, smoke: bool = F
     blocks_per_seq = -(-context // block_size)
     kv = PagedKVCache(cfg, max(batches) * blocks_per_seq + 1, block_size, "auto", dtype, device)
     kv_bytes_per_token = cfg.kv_bytes_per_token(2)
-    runners = {"eager": ModelRunner(model, kv)}
-    started = time.monotonic()
-    runners["compiled"] = ModelRunner(model, kv, compiled=CompiledDecode(model, max(batches), device, tuple(batches)))
-    row("8B decode", "compile (CUDA graphs per bucket)", f"{time.monotonic() - started:.0f} s for buckets {batches}")
-    backend = "flash-attn paged" if runners["eager"].use_flash_attn else "SDPA over gathered blocks"
-    backends = {name: backend for name in runners}
-    for other in ("paged", "flex"):  # the other attention backends, eager (their kernels compiled)
-        started = time.monotonic()
-        try:
-            runners[other] = ModelRunner(model, kv, attention_backend=other)
-        except Exception as e:  # noqa: BLE001 - a backend that cannot build is a row, not the end
-            row("8B decode", f"{other} attention", f"FAILED to build: {type(e).__name__}: {e}"[:200])
-            continue
-        backends[other] = f"{other} attention"
-        row("8B decode", f"compile ({other} attention)", f"{time.monotonic() - started:.0f} s")
+    steps_of = {}
     for batch in batches:
         seqs = []
         for i in range(batch):
@@ -185,45 +232,85 @@ def check_roofline(batches: list[int], context: int, steps: int, smoke: bool = F
             seq.block_table = list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq))
             seq.num_computed_tokens = context - 1
             seqs.append(seq)
-        step = SchedulerOutput(decodes=[ScheduledSeq(s, 1) for s in seqs], prefills=[], num_preempted=0)
-        roofline_ms = (weight_bytes + batch * context * kv_bytes_per_token) / HBM_BYTES_PER_S * 1e3
-        for name, runner in runners.items():
-            for _ in range(3):
-                runner.execute(step)
-            _sync(device)
-            t = time.perf_counter()
-            for _ in range(steps):
-                runner.execute(step)
-            _sync(device)
+        steps_of[batch] = SchedulerOutput(decodes=[ScheduledSeq(s, 1) for s in seqs], prefills=[], num_preempted=0)
+
+    def build(name: str):
+        if name.startswith("compiled"):  # "compiled": SDPA attention; "compiled-paged": paged
+            compiled = CompiledDecode(model, max(batches), device, tuple(batches))
+            backend = name.partition("-")[2] or "sdpa"
+            return ModelRunner(model, kv, compiled=compiled, attention_backend=backend)  # compiles every bucket
+        if name == "eager":
+            return ModelRunner(model, kv)
+        return ModelRunner(model, kv, attention_backend=name)
+
+    # One backend at a time, eager first: a backend that fails to build or run is a row, and
+    # every row already measured has been printed.
+    for name in backends:
+        started = time.monotonic()
+        try:
+            runner = build(name)
+        except Exception as e:  # noqa: BLE001 - a backend that cannot build is a row, not the end
+            row("8B decode", f"build {name}", f"FAILED: {type(e).__name__}: {e}"[:300])
+            continue
+        if runner.attention_backend == "sdpa":
+            backend = "flash-attn paged" if runner.use_flash_attn else "SDPA over gathered blocks"
+        else:
+            backend = f"{runner.attention_backend} attention"
+        if name != "eager":
+            compiled = name.startswith("compiled") and device.type == "cuda"
+            what = "CUDA graphs per bucket" if compiled else "kernels"
+            row("8B decode", f"build {name} ({what})", f"{time.monotonic() - started:.0f} s, buckets {batches}")
+        for batch in batches:
+            step = steps_of[batch]
+            roofline_ms = (weight_bytes + batch * context * kv_bytes_per_token) / HBM_BYTES_PER_S * 1e3
+            try:
+                for _ in range(3):
+                    runner.execute(step)
+                _sync(device)
+                t = time.perf_counter()
+                for _ in range(steps):
+                    runner.execute(step)
+                _sync(device)
+            except Exception as e:  # noqa: BLE001
+                row("8B decode", f"batch {batch} {name} ({backend})", f"FAILED: {type(e).__name__}: {e}"[:300])
+                continue
             ms = (time.perf_counter() - t) / steps * 1e3
             row(
                 "8B decode",
-                f"batch {batch} ctx {context} {name} ({backends[name]})",
+                f"batch {batch} ctx {context} {name} ({backend})",
                 f"{ms:.2f} ms/step; roofline {roofline_ms:.2f} ms; {roofline_ms / ms:.0%} of HBM peak",
             )
+        del runner
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--skip", nargs="*", default=[], choices=("tests", "agreement", "roofline"))
+    ap.add_argument("--skip", nargs="*", default=[], choices=("tests", "transfer", "agreement", "roofline"))
+    ap.add_argument("--model", default="smollm2", help="agreement: a known name, a directory or a GGUF file")
+    ap.add_argument("--log-dir", type=Path, help="write the tests' and the transfer's whole output here")
+    ap.add_argument("--transfer-sizes-mib", type=int, nargs="+", default=[16, 256])
     ap.add_argument("--tests-timeout-s", type=int, default=180)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--backends", nargs="+", default=list(ROOFLINE_BACKENDS), choices=ROOFLINE_BACKENDS)
     ap.add_argument("--smoke", action="store_true", help="roofline code path only, tiny shape, on CPU")
     args = ap.parse_args(argv)
     if args.smoke:
-        check_roofline([1, 2], 64, 2, smoke=True)
+        check_roofline([1, 2], 64, 2, smoke=True, backends=tuple(args.backends))
         return 0
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA device here; nothing to measure", file=sys.stderr)
         return 2
     print(f"# gpu-check on {torch.cuda.get_device_name()} (torch {torch.__version__}, CUDA {torch.version.cuda})")
     checks = {
-        "tests": lambda: check_tests(args.tests_timeout_s),
-        "agreement": lambda: check_agreement(args.new_tokens),
-        "roofline": lambda: check_roofline(args.batches, args.context, args.steps),
+        "tests": lambda: check_tests(args.tests_timeout_s, args.log_dir),
+        "transfer": lambda: check_transfer(args.transfer_sizes_mib, 3, args.log_dir),
+        "agreement": lambda: check_agreement(args.new_tokens, args.model),
+        "roofline": lambda: check_roofline(args.batches, args.context, args.steps, backends=tuple(args.backends)),
     }
     for name, check in checks.items():
         if name in args.skip:
@@ -235,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     width = max(len(c) for c, _, _ in ROWS) if ROWS else 10
     case_width = max(len(c) for _, c, _ in ROWS) if ROWS else 10
     print("\n| check | case | result |\n|---|---|---|")
-    for check, case, result in ROWS:
-        print(f"| {check:<{width}} | {case:<{case_width}} | {result} |")
+    for what, case, result in ROWS:
+        print(f"| {what:<{width}} | {case:<{case_width}} | {result} |")
     return 0
 
 
