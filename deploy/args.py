@@ -347,6 +347,11 @@ class PDServeArgs(BaseModel):
                 f"attention_backend {self.attention_backend} needs kv_cache_dtype auto, not "
                 f"{self.kv_cache_dtype.value}: a quantized cache is read through the gather path (sdpa or auto)"
             )
+        if self.attention_backend == "flex" and not self.enforce_eager:
+            raise ValueError(
+                "attention_backend flex runs with eager decode steps only: set enforce_eager true "
+                "(drop --compile) or use attention_backend sdpa or paged"
+            )
         self._check_autoscaling()
         self._check_tensor_parallel()
         return self

@@ -354,7 +354,7 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=("auto", "sdpa", "paged", "flex"),
         help="decode attention: 'paged' reads the KV cache through the block tables in one compiled "
         "kernel (compiled as each replica starts), 'sdpa' gathers the blocks for SDPA, 'flex' runs "
-        "FlexAttention; default auto: paged on CPU, sdpa on CUDA",
+        "FlexAttention (not with --compile); default auto: paged on CPU, sdpa on CUDA",
     )
     parser.add_argument(
         "--max-num-seqs", type=_positive_int, default=128, help="sequences in one engine step (default 128)"

@@ -166,7 +166,7 @@ def test_auto_runs_paged_on_cpu(tiny_llama):
 
 def test_serving_args_carry_the_backend(tiny_llama):
     """``pdserve up --attention-backend`` reaches the engine's arguments; paged over a quantized
-    cache is refused before any replica starts."""
+    cache, and flex with compiled decode steps, are refused before any replica starts."""
     from pydantic import ValidationError
 
     from deploy.args import PDServeArgs
@@ -178,6 +178,9 @@ def test_serving_args_carry_the_backend(tiny_llama):
     assert PDServeArgs(model=tiny_llama).engine_kwargs("cpu")["attention_backend"] == "auto"
     with pytest.raises(ValidationError, match="attention_backend paged needs kv_cache_dtype auto"):
         PDServeArgs(model=tiny_llama, attention_backend="paged", kv_cache_dtype="int8")
+    with pytest.raises(ValidationError, match="attention_backend flex runs with eager decode steps only"):
+        PDServeArgs(model=tiny_llama, attention_backend="flex", enforce_eager=False)
+    PDServeArgs(model=tiny_llama, attention_backend="paged", enforce_eager=False)  # compiled paged is fine
 
 
 def test_kernel_runs_on_the_engine_loops_thread(tiny_llama):
