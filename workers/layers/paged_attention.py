@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from workers.layers import triton_paged
 from workers.layers.kv_cache import KVWritePlan, PagedKVCache
 
 if TYPE_CHECKING:
@@ -301,7 +302,9 @@ def check_full_precision(kv: PagedKVCache | None, backend: str) -> None:
 class PagedDecodeAttention(PagedAttention):
     """The paged backend: decodes attend through their block tables in one compiled kernel per
     layer (``_paged_decode``), which reads each block of the step's tables once and copies
-    nothing; a decode batch of fewer than ``min_keys`` keys gathers instead (faster there).
+    nothing; a decode batch of fewer than ``min_keys`` keys gathers instead (faster there). On
+    CUDA, where Triton is importable, the kernel is the hand-written one of ``triton_paged``
+    (split over the keys, tensor cores) at every size instead.
     Prefill chunks run as in the sdpa backend (a fresh prompt reads no cache, a chunk after
     cached context gathers its own blocks for one SDPA call with many queries)."""
 
@@ -320,12 +323,21 @@ class PagedDecodeAttention(PagedAttention):
             tables, lens, firsts = meta.decode_block_tables, meta.decode_context_lens, meta.decode_first_pos
             if tables is None or lens is None or firsts is None:
                 raise ValueError("a step with decodes needs their block tables, context and first positions")
-            if tables.numel() * cache.block_size < self.min_keys:
+            if q.device.type == "cuda" and triton_paged.available():
+                self._plan = "triton"
+            elif tables.numel() * cache.block_size < self.min_keys:
                 self._plan = "gather"
                 if meta.decode_mask is None:
                     meta.decode_mask = decode_mask(tables, lens, firsts, cache.block_size, meta.sliding_window)
             else:
                 self._plan = _pad_decode_rows(tables, firsts, lens)
+        if self._plan == "triton":  # CUDA: the hand-written kernel (workers/layers/triton_paged.py)
+            layer_cache = cache.layers[layer]
+            tables, firsts, lens = meta.decode_block_tables, meta.decode_first_pos, meta.decode_context_lens
+            assert tables is not None and firsts is not None and lens is not None
+            return triton_paged.paged_decode(
+                q, layer_cache[0], layer_cache[1], tables, firsts, lens, self.scale, meta.sliding_window
+            )
         if isinstance(self._plan, str):
             return super()._decode(layer, q)
         tables, firsts, lens = self._plan
