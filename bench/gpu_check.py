@@ -15,8 +15,11 @@
   roofline: (weight bytes + the step's KV bytes) / 4.8 TB/s (H200). Eager and compiled use
   the engine's CUDA choice (SDPA over gathered blocks; flash-attn's paged kernel when installed
   and the block size suits it); two more eager rows per batch run the paged backend (its decode
-  kernel through inductor, Triton on CUDA) and flex. Each row names its backend. Backends are
-  built and timed one after another, eager first, and one that fails is a row: the rest still run.
+  kernel: hand-written Triton on CUDA, ``workers/layers/triton_paged.py``) and flex; "compiled-
+  paged" is the compiled step over the paged kernel. Each row names its backend. Each backend
+  is built and timed in a process of its own, one after another, eager first (two compiled
+  models in one process interfered: call 4 in BENCHMARKS.md), and one that fails is a row: the
+  rest still run.
 
 First run on an H200 (torch 2.11.0+cu130) on 2026-12-04: BENCHMARKS.md, "GPU check", holds what it
 printed.
@@ -41,7 +44,13 @@ HBM_BYTES_PER_S = 4.8e12  # H200
 ROWS: list[tuple[str, str, str]] = []  # (check, case, result)
 
 
+_AS_CHILD = False  # --roofline-child: rows go to the parent as JSON lines
+
+
 def row(check: str, case: str, result: str) -> None:
+    if _AS_CHILD:
+        print("ROW\t" + json.dumps([check, case, result]), flush=True)
+        return
     ROWS.append((check, case, result))
     print(f"  {check:<12} {case:<40} {result}", flush=True)
 
@@ -285,6 +294,28 @@ def check_roofline(
             torch.cuda.empty_cache()
 
 
+def roofline_in_children(batches: list[int], context: int, steps: int, backends: list[str], smoke: bool) -> None:
+    """Each backend in a process of its own: two CompiledDecode on one model in one process
+    share dynamo's cache entries and CUDA-graph trees, and the second one timed 2.5x slower
+    than alone (BENCHMARKS.md, "GPU check", call 4). Rows stream back as they are measured."""
+    for name in backends:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--roofline-child", name, "--steps", str(steps)]
+        cmd += ["--batches", *map(str, batches), "--context", str(context)] + (["--smoke"] if smoke else [])
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stderr is not None
+        rows = 0
+        for line in proc.stdout:
+            if line.startswith("ROW\t"):
+                row(*json.loads(line[4:]))
+                rows += 1
+        err = proc.stderr.read()
+        if proc.wait() != 0:
+            tail = " | ".join(err.strip().splitlines()[-2:])
+            row("8B decode", f"{name} process", f"FAILED: rc {proc.returncode}: {tail}"[:300])
+        elif rows == 0:
+            row("8B decode", f"{name} process", "no rows")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skip", nargs="*", default=[], choices=("tests", "transfer", "agreement", "roofline"))
@@ -298,9 +329,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--backends", nargs="+", default=list(ROOFLINE_BACKENDS), choices=ROOFLINE_BACKENDS)
     ap.add_argument("--smoke", action="store_true", help="roofline code path only, tiny shape, on CPU")
+    ap.add_argument("--roofline-child", choices=ROOFLINE_BACKENDS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.roofline_child:  # one backend's rows, as JSON lines the parent reads
+        global _AS_CHILD
+        _AS_CHILD = True
+        batches, context, steps = ([1, 2], 64, 2) if args.smoke else (args.batches, args.context, args.steps)
+        check_roofline(batches, context, steps, smoke=args.smoke, backends=(args.roofline_child,))
+        return 0
     if args.smoke:
-        check_roofline([1, 2], 64, 2, smoke=True, backends=tuple(args.backends))
+        roofline_in_children([1, 2], 64, 2, args.backends, smoke=True)
         return 0
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA device here; nothing to measure", file=sys.stderr)
@@ -310,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         "tests": lambda: check_tests(args.tests_timeout_s, args.log_dir),
         "transfer": lambda: check_transfer(args.transfer_sizes_mib, 3, args.log_dir),
         "agreement": lambda: check_agreement(args.new_tokens, args.model),
-        "roofline": lambda: check_roofline(args.batches, args.context, args.steps, backends=tuple(args.backends)),
+        "roofline": lambda: roofline_in_children(args.batches, args.context, args.steps, args.backends, smoke=False),
     }
     for name, check in checks.items():
         if name in args.skip:
