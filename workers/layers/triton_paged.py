@@ -9,7 +9,8 @@ reductions over one key at a time. Here each program holds the G query heads of 
 a tile padded to 16 rows, and multiplies it with ``BLOCK_N`` keys at a time on the tensor cores
 (``tl.dot``; fp32 caches in IEEE precision, not TF32), keeping a running max and sum (online
 softmax) in fp32. The keys of a row are split over ``num_splits`` programs so that a small batch
-still fills the GPU; a few torch ops combine the splits' partial results.
+still fills the GPU; a second kernel combines the splits' partial results (a row of one
+split is normalised and written by the first).
 
 Measured on an H200 (8B-shaped bf16 model, 2k context, eager steps; BENCHMARKS.md "GPU check",
 call 4): right in fp32/fp16/bf16, and the step at batch 64 took 29.4 ms (inductor's kernel: 69.8)
@@ -49,6 +50,7 @@ def available() -> bool:
 
 @functools.cache
 def _kernels() -> tuple[Any, Any]:
+    """(the split kernel, the combine kernel), compiled by Triton on first call."""
     import triton
     import triton.language as tl
 
@@ -72,7 +74,8 @@ def _kernels() -> tuple[Any, Any]:
         tables_ptr,  # [B, M] int
         first_pos_ptr,  # [B] int
         lens_ptr,  # [B] int
-        acc_ptr,  # [B, Hkv, S, G_TILE, D] fp32
+        out_ptr,  # [B, Hq, D] in q's dtype: written here when a row's keys are one split
+        acc_ptr,  # [B, Hkv, S, G_TILE, D] fp32: else each split's partial result
         max_ptr,  # [B, Hkv, S, G_TILE] fp32
         sum_ptr,  # [B, Hkv, S, G_TILE] fp32
         scale,
@@ -154,12 +157,57 @@ def _kernels() -> tuple[Any, Any]:
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
 
-        part = (row * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split
-        tl.store(acc_ptr + part * G_PAD * HEAD_DIM + g[:, None] * HEAD_DIM + d[None, :], acc)
-        tl.store(max_ptr + part * G_PAD + g, m_i)
-        tl.store(sum_ptr + part * G_PAD + g, l_i)
+        if tl.num_programs(2) == 1:  # the whole row: normalise and write the output
+            out = acc / l_i[:, None]
+            tl.store(
+                out_ptr + row * stride_qb + q_rows[:, None] * stride_qh + d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=(g < GROUP)[:, None],
+            )
+        else:
+            part = (row * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split
+            tl.store(acc_ptr + part * G_PAD * HEAD_DIM + g[:, None] * HEAD_DIM + d[None, :], acc)
+            tl.store(max_ptr + part * G_PAD + g, m_i)
+            tl.store(sum_ptr + part * G_PAD + g, l_i)
 
-    return triton, _split_kernel
+    @triton.jit(do_not_specialize=["num_splits"])
+    def _combine_kernel(
+        out_ptr,  # [B, Hq, D]
+        acc_ptr,
+        max_ptr,
+        sum_ptr,
+        num_splits,
+        stride_ob,
+        stride_oh,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        G_PAD: tl.constexpr,
+    ):
+        """Each split holds an unnormalised sum under its own running max: rescale to one max."""
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        first = (row * tl.num_programs(1) + kv_head) * num_splits
+        m_all = tl.full([G_PAD], float("-inf"), tl.float32)
+        for s in range(0, num_splits):
+            m_all = tl.maximum(m_all, tl.load(max_ptr + (first + s) * G_PAD + g))
+        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+        total = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
+        for s in range(0, num_splits):
+            part = first + s
+            w = tl.exp(tl.load(max_ptr + part * G_PAD + g) - m_safe)
+            total += w * tl.load(sum_ptr + part * G_PAD + g)
+            acc += w[:, None] * tl.load(acc_ptr + part * G_PAD * HEAD_DIM + g[:, None] * HEAD_DIM + d[None, :])
+        out = acc / total[:, None]
+        tl.store(
+            out_ptr + row * stride_ob + (kv_head * GROUP + g)[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=(g < GROUP)[:, None],
+        )
+
+    return _split_kernel, _combine_kernel
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -185,7 +233,7 @@ def paged_decode(
 ) -> torch.Tensor:
     """q ``[B, Hq, D]``; k/v_cache ``[N, bs, Hkv, D]``; tables ``[B, M]``; first_pos and
     context_lens ``[B]``. Returns ``[B, Hq, D]`` in q's dtype (see the module docstring)."""
-    triton, kernel = _kernels()
+    kernel, combine = _kernels()
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -205,8 +253,10 @@ def paged_decode(
     blocks_per_split = _cdiv(_cdiv(m, splits), blocks_per_tile) * blocks_per_tile
     splits = _cdiv(m, blocks_per_split)
     dev = q.device
-    acc = torch.empty(batch, num_kv_heads, splits, G_TILE, head_dim, dtype=torch.float32, device=dev)
-    maxes = torch.empty(batch, num_kv_heads, splits, G_TILE, dtype=torch.float32, device=dev)
+    out = torch.empty_like(q)
+    parts = 1 if splits == 1 else batch * num_kv_heads * splits  # one split: no partial results
+    acc = torch.empty(parts * G_TILE * head_dim, dtype=torch.float32, device=dev)
+    maxes = torch.empty(parts * G_TILE, dtype=torch.float32, device=dev)
     sums = torch.empty_like(maxes)
     kernel[(batch, num_kv_heads, splits)](
         q,
@@ -215,6 +265,7 @@ def paged_decode(
         tables,
         first_pos,
         context_lens,
+        out,
         acc,
         maxes,
         sums,
@@ -238,8 +289,8 @@ def paged_decode(
         G_PAD=G_TILE,
         IEEE=q.dtype == torch.float32,
     )
-    # Combine the splits: each holds an unnormalised sum under its own running max.
-    top = maxes.amax(2, keepdim=True)
-    weight = torch.exp(maxes - torch.where(torch.isinf(top), 0.0, top))  # [B, Hkv, S, G]
-    out = (acc * weight[..., None]).sum(2) / (sums * weight).sum(2)[..., None]  # [B, Hkv, G_TILE, D]
-    return out[:, :, :group].reshape(batch, num_q_heads, head_dim).to(q.dtype)
+    if splits > 1:
+        combine[(batch, num_kv_heads)](
+            out, acc, maxes, sums, splits, out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=head_dim, G_PAD=G_TILE
+        )
+    return out
