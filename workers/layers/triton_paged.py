@@ -12,11 +12,11 @@ softmax) in fp32. The keys of a row are split over ``num_splits`` programs so th
 still fills the GPU; a second kernel combines the splits' partial results (a row of one
 split is normalised and written by the first).
 
-Measured on an H200 (8B-shaped bf16 model, 2k context, eager steps; BENCHMARKS.md "GPU check",
-call 4): right in fp32/fp16/bf16, and the step at batch 64 took 29.4 ms (inductor's kernel: 69.8)
-against 23.6 ms for gather + SDPA in the same call, and 37.5 against 20.2 at batch 1, where the
-step is launch-bound and the combine adds ~10 small ops per layer (not profiled there). So
-``auto`` keeps SDPA on CUDA; the combine as a second kernel is the next thing to try.
+Measured on an H200 (8B-shaped bf16 model, 2k context; BENCHMARKS.md "GPU check", calls 4 and
+5): right in fp32/fp16/bf16. With the combine as torch ops the step took 37.5 / 29.4 ms at batch
+1 / 64 against gather + SDPA's 20.2 / 23.6 (inductor's kernel: 69.8 at 64); with the combine
+kernel, 34.6 / 36.2 against SDPA's 33.6 / 38.0 on a slower host, and level compiled (12.6 vs 13.1,
+21.7 vs 21.7). Level, not faster: ``auto`` keeps SDPA on CUDA.
 
 Each key tile spans ``BLOCK_N // block_size`` cache blocks, whose ids come from the row's table:
 K and V are read where they lie, each once. A key counts when its table slot is in range, its
