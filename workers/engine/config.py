@@ -91,7 +91,7 @@ class EngineConfig:
         if self.attention_backend == "flex" and not self.enforce_eager:
             # The compiled decode graph calls attention as an opaque op; flex's own compiled
             # call inside it fails in dynamo (vmap over the block mask's symbolic sizes, torch
-            # 2.13): refused here rather than at the first compiled step.
+            # 2.13): refused here, before the model loads, not in the start-up compile.
             raise ValueError(
                 "attention_backend='flex' runs with eager decode steps only: drop enforce_eager=False "
                 "(--compile) or use attention_backend 'sdpa' or 'paged'"
