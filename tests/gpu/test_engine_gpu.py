@@ -71,7 +71,8 @@ def assert_parts_only_at_near_ties(label: str, prompts, ours, reference) -> int:
 
 
 def test_attention_backends_on_cuda(tiny_llama):
-    """The paged (Triton through inductor) and flex backends, batched, against transformers."""
+    """The paged (the hand-written Triton kernel on CUDA) and flex backends, batched, against
+    transformers."""
     prompts = random_prompts()
     reference = hf_generate(tiny_llama, prompts, torch.float32)
     for backend in ("paged", "flex"):

@@ -60,7 +60,7 @@ PromptLogprobs = tuple[Sequence, int, list[TokenLogprob]]
 # 0.98-1.02 at batch 1 and 8 x 256, 0.92-0.95 at 8 x 1024 and 32 x 256, and 0.40 at 32 x 1024,
 # where the gather path's 50 MB per layer copy dominates: paged on CPU. On CUDA (an H200, 8B-
 # shaped bf16 model, 2k context, eager, bench/gpu_check.py) sdpa won: 20.4 / 21.1 / 23.7 ms a step
-# at batch 1 / 16 / 64 against paged's Triton kernel 27.9 / 26.1 / 69.8 (same run), and flex
+# at batch 1 / 16 / 64 against paged's inductor kernel 27.9 / 26.1 / 69.8 (same run), and flex
 # 38.7 / 35.1 / 57.8 against sdpa's 24.3 / 24.9 / 26.7 in another; paged's later Triton kernel
 # (triton_paged, its combine fused) drew level: 34.6 / 36.2 against 33.6 / 38.0 at batch 1 / 64,
 # and 12.6 / 21.7 against 13.1 / 21.7 compiled: sdpa there (flash-attn's paged kernel when
