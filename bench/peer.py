@@ -23,13 +23,14 @@ Nothing reaches a model hub: the model is ``pdserve pull``'s local directory and
 
 Where each server's CPU goes, in the same run: around every workload the CPU time of every
 process the server started is read (``/proc`` through psutil) and summed by role (``cpu_role``):
-the engine (vLLM's ``EngineCore`` and its worker; pdserve's prefill, decode and colocated replicas, their Ray
-threads included), HTTP and routing (vLLM's API server; pdserve's ingress replica and Serve's
-proxy) and the rest (Ray's daemons, Serve's controller, redis-server, the launcher). The second
-table gives each as milliseconds of CPU per output token, and the cores the server kept busy.
-For pdserve it adds the engine's own mean decode step over the workload (its ``decode_step_s``
-/ ``decode_steps`` counters in ``/v1/cluster/status``, prefill-mixed steps included): at
-concurrency 1 that is the step a token waits for, measured inside the server under serving.
+the engine (vLLM's ``EngineCore`` and its worker; pdserve's prefill, decode and colocated
+replicas, their Ray threads included), HTTP and routing (vLLM's API server; pdserve's ingress
+replica and Serve's proxy) and the rest (Ray's daemons, Serve's controller, redis-server, the
+launcher). The second table gives each as milliseconds of CPU per output token, and the cores
+the server kept busy. For pdserve it adds the engine's own mean decode step over the workload
+(its ``decode_step_s`` / ``decode_steps`` counters in ``/v1/cluster/status``, prefill-mixed steps
+included): at concurrency 1 that is the step a token waits for, measured inside the server
+under serving.
 """
 
 from __future__ import annotations
@@ -418,9 +419,9 @@ _ENGINE_DEPLOYMENTS = (":prefill", ":decode", ":colocated")
 
 def cpu_role(name: str, cmdline: str) -> str:
     """The role of one of a server's processes, from its name and command line: ``engine``
-    (vLLM's EngineCore and its workers; a pdserve prefill, decode or colocated replica), ``http`` (vLLM's API
-    server; pdserve's ingress replica, Serve's proxy, HAProxy) or ``other`` (the autoscaler
-    replica, Serve's controller, Ray's daemons, redis-server, the launcher)."""
+    (vLLM's EngineCore and its workers; a pdserve prefill, decode or colocated replica),
+    ``http`` (vLLM's API server; pdserve's ingress replica, Serve's proxy, HAProxy) or ``other``
+    (the autoscaler replica, Serve's controller, Ray's daemons, redis-server, the launcher)."""
     title = f"{name} {cmdline}"
     if "VLLM::" in title:  # vLLM's process titles: EngineCore, Worker_TP0 (the model runs there)
         return "http" if "APIServer" in title else "engine"
@@ -460,9 +461,9 @@ def engine_step_counters(base_url: str) -> tuple[int, float] | None:
 
     try:
         status = httpx.get(f"{base_url}/v1/cluster/status", timeout=10, trust_env=False)
-    except httpx.HTTPError:
+        return step_counters_of(status.json()) if status.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):  # no answer, or not JSON
         return None
-    return step_counters_of(status.json()) if status.status_code == 200 else None
 
 
 def cpu_account(
