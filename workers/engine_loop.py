@@ -156,10 +156,10 @@ class EngineLoop:
                         self._observe()  # after commands (events, load) or the last idle look
                         idle_observed = not ran
                     continue
-                for output in engine.step():
-                    self._deliver(output.request_id, output)
-                for failure in engine.take_failures():  # one request failed; the loop goes on
-                    self._deliver(failure.request_id, failure)
+                items: list[tuple[str, RequestOutput | BaseException]] = [(o.request_id, o) for o in engine.step()]
+                # a request that failed (the loop goes on) gets its failure after any output
+                items += [(failure.request_id, failure) for failure in engine.take_failures()]
+                self._deliver_step(items)
                 self._observe()
                 idle_observed = False
         except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish
@@ -201,6 +201,20 @@ class EngineLoop:
         except Exception:  # noqa: BLE001 - metrics/index publishing must not stop generation
             logger.exception("engine step observer failed")
 
+    def _deliver_step(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """A step's outputs and failures, one wake-up per consumer event loop (not one per
+        request: a batch of 8 woke the replica's loop 8 times a step), in the order given."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], item))
+        for loop, puts in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, puts)
+            except RuntimeError:  # the consumers' loop is closed: nobody is listening
+                pass
+
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
@@ -218,3 +232,8 @@ class EngineLoop:
                 return
             if future.set_running_or_notify_cancel():
                 future.set_exception(EngineDeadError("engine loop stopped"))
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, Any]]) -> None:
+    for outputs, item in puts:
+        outputs.put_nowait(item)

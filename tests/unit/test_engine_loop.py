@@ -135,3 +135,33 @@ def test_a_factory_that_fails_fails_the_constructor():
 
     with pytest.raises(FileNotFoundError, match="no model here"):
         EngineLoop(build)
+
+
+async def test_a_steps_outputs_wake_the_event_loop_once(loop_engine, tiny_llama):
+    """Four streams decoding together: each step's outputs reach this event loop in one
+    callback from the engine thread, not one per request, and every stream still gets the
+    reference tokens."""
+    loop = asyncio.get_running_loop()
+    engine_thread_calls = 0
+    real = loop.call_soon_threadsafe
+
+    def counting(callback, *args, **kwargs):
+        nonlocal engine_thread_calls
+        if threading.current_thread().name == "engine-loop":
+            engine_thread_calls += 1
+        return real(callback, *args, **kwargs)
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    try:
+        prompts = random_prompts((6, 11, 17, 23), seed=41)
+        params = SamplingParams(max_tokens=16, temperature=0.0)
+        results = await asyncio.gather(*(collect(loop_engine, f"w{i}", p, params) for i, p in enumerate(prompts)))
+    finally:
+        del loop.call_soon_threadsafe
+    for prompt, tokens in zip(prompts, results):
+        assert tokens == hf_greedy(tiny_llama, tuple(prompt), 16)
+    delivered = sum(len(t) for t in results)
+    assert delivered >= 16  # enough tokens that one wake-up each would show
+    # one wake-up a step (about 16 here) and one per command's reply (4 starts), where one a
+    # token was at least `delivered` + 4
+    assert engine_thread_calls < delivered, (engine_thread_calls, delivered)
