@@ -435,23 +435,14 @@ def cpu_role(name: str, cmdline: str) -> str:
     return "other"
 
 
-def step_counters_of(status: Any) -> tuple[int, float] | None:
-    """The decode steps and their summed seconds of every engine in a ``/v1/cluster/status``
-    body (any object carrying ``decode_steps`` and ``decode_step_s``); None when there is none."""
-    found: list[tuple[int, float]] = []
-    stack = [status]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            steps, seconds = node.get("decode_steps"), node.get("decode_step_s")
-            if isinstance(steps, int) and isinstance(seconds, (int, float)):
-                found.append((steps, float(seconds)))
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    if not found:
+def step_counters_of(status: Mapping[str, Any]) -> tuple[int, float] | None:
+    """The decode steps and their summed seconds of every replica that reports them in a
+    ``/v1/cluster/status`` body (``status["pools"][pool]``, one dict per replica); None when none
+    does (no pools, or no replica answered)."""
+    replicas = [r for pool in status.get("pools", {}).values() for r in pool if "decode_steps" in r]
+    if not replicas:
         return None
-    return sum(n for n, _ in found), sum(t for _, t in found)
+    return sum(r["decode_steps"] for r in replicas), sum(float(r["decode_step_s"]) for r in replicas)
 
 
 def engine_step_counters(base_url: str) -> tuple[int, float] | None:

@@ -220,15 +220,21 @@ def test_cpu_account_per_token_cores_and_the_engines_step():
 
 def test_step_counters_of_a_cluster_status_sums_every_engine():
     status = {
-        "pools": [
-            {"name": "prefill", "replicas": [{"id": "a", "load": {"decode_steps": 0, "decode_step_s": 0.0}}]},
-            {"name": "decode", "replicas": [{"id": "b", "load": {"decode_steps": 40, "decode_step_s": 2.0}}]},
-        ],
-        "other": {"decode_steps": 10, "decode_step_s": 1},
+        "pools": {
+            "prefill": [{"worker_id": "a", "decode_steps": 0, "decode_step_s": 0.0}],
+            "decode": [
+                {"worker_id": "b", "decode_steps": 40, "decode_step_s": 2.0},
+                {"worker_id": "c", "decode_steps": 10, "decode_step_s": 1},
+                {"worker_id": "d", "healthy": False, "error": "starting"},
+            ],
+        },
+        # a copy of the figures outside the pools (an autoscaler's window) is not counted
+        "autoscaling": {"window": {"decode_steps": 999, "decode_step_s": 99.0}},
     }
     assert peer.step_counters_of(status) == (50, pytest.approx(3.0))
-    assert peer.step_counters_of({"pools": []}) is None
-    assert peer.step_counters_of({"decode_steps": "x", "decode_step_s": 1.0}) is None
+    assert peer.step_counters_of({"pools": {}}) is None
+    assert peer.step_counters_of({"pools": {"decode": [{"worker_id": "d", "healthy": False}]}}) is None
+    assert peer.step_counters_of({}) is None
 
 
 def test_cpu_table_rows_only_where_measured():
