@@ -108,8 +108,7 @@ class EngineLoop:
         """End every open stream with ``error(request_id)``: each consumer raises it and, having
         not finished, aborts its request (which frees its blocks). Returns their request ids."""
         ids = list(self._streams)
-        for request_id in ids:
-            self._deliver(request_id, error(request_id))
+        self._deliver([(request_id, error(request_id)) for request_id in ids])
         return ids
 
     def abort(self, request_id: str) -> concurrent.futures.Future | None:
@@ -159,20 +158,20 @@ class EngineLoop:
                 items: list[tuple[str, RequestOutput | BaseException]] = [(o.request_id, o) for o in engine.step()]
                 # a request that failed (the loop goes on) gets its failure after any output
                 items += [(failure.request_id, failure) for failure in engine.take_failures()]
-                self._deliver_step(items)
+                self._deliver(items)
                 self._observe()
                 idle_observed = False
         except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish
             logger.exception("engine loop died")
             self._error = exc
-            for request_id in list(self._streams):
-                self._deliver(request_id, EngineDeadError(f"engine failed: {exc!r}"))
+            failed = f"engine failed: {exc!r}"
+            self._deliver([(request_id, EngineDeadError(failed)) for request_id in list(self._streams)])
         finally:
             self._stopped.set()
             self._fail_pending_commands()
             if self._error is None:  # stopped by shutdown(): nothing will reach open streams again
-                for request_id in list(self._streams):
-                    self._deliver(request_id, EngineDeadError("engine loop stopped (the replica is shutting down)"))
+                stopped = "engine loop stopped (the replica is shutting down)"
+                self._deliver([(request_id, EngineDeadError(stopped)) for request_id in list(self._streams)])
 
     def _drain_commands(self, block: bool, timeout: float | None = None) -> bool:
         """Run every queued command; with ``block``, first wait up to ``timeout`` (None: for
@@ -201,9 +200,10 @@ class EngineLoop:
         except Exception:  # noqa: BLE001 - metrics/index publishing must not stop generation
             logger.exception("engine step observer failed")
 
-    def _deliver_step(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
-        """A step's outputs and failures, one wake-up per consumer event loop (not one per
-        request: a batch of 8 woke the replica's loop 8 times a step), in the order given."""
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand each item to its request's stream, in the order given, with one wake-up per
+        consumer event loop (a step's outputs for a batch of 8 once woke the loop 8 times).
+        Items of requests with no open stream are dropped."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
         for request_id, item in items:
             stream = self._streams.get(request_id)
@@ -213,15 +213,6 @@ class EngineLoop:
             try:
                 loop.call_soon_threadsafe(_put_all, puts)
             except RuntimeError:  # the consumers' loop is closed: nobody is listening
-                pass
-
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, outputs = stream
-            try:
-                loop.call_soon_threadsafe(outputs.put_nowait, item)
-            except RuntimeError:  # the consumer's loop is closed: nobody is listening
                 pass
 
     def _fail_pending_commands(self) -> None:
