@@ -27,6 +27,7 @@ them) or to this module's logger at INFO.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import shutil
@@ -36,7 +37,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from urllib.parse import urlsplit, urlunsplit
@@ -54,6 +55,18 @@ _REDIS_START_ATTEMPTS = 3  # an auto-picked port can be taken between the probe 
 # concurrency 8 (within that VM's run-to-run spread). The cluster YAMLs set the same with
 # RAY_worker_niceness=0 on `ray start`.
 RAY_WORKER_NICENESS = 0
+# Serve's own periodic work, at rates a host that also runs the engines can afford. Serve reads
+# these at import, in its controller and in every replica and proxy, so they are set in the
+# environment a started Ray inherits (an operator's own values win); the cluster YAMLs put the
+# same before `ray start`. The controller reconciles every 0.5 s instead of 0.1 s (deploys,
+# scaling and replica deaths are seconds-scale; its loop also asks the GCS for every node's
+# resources each time), and replicas and proxies export their cached metrics every 1 s instead
+# of 0.1 s (Prometheus scrapes every 5 s or more). An idle colocated SmolLM2 server on 2 cores:
+# 0.22-0.26 of a core busy with Serve's defaults, 0.16 with these (BENCHMARKS.md, 2026-12-04).
+SERVE_PERIODS_ENV = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+}
 
 
 def find_free_port(exclude: frozenset[int] | set[int] = frozenset({RAY_DEFAULT_GCS_PORT})) -> int:
@@ -113,7 +126,8 @@ class LocalCluster:
     on_phase: called with one line per step done (Ray started, Redis started, ... stopped);
         None logs them at INFO.
     ray_init_kwargs: extra keyword arguments for `ray.init` (e.g. `logging_level`). A Ray started
-        here runs its workers at niceness `RAY_WORKER_NICENESS` unless `_system_config` says.
+        here runs its workers at niceness `RAY_WORKER_NICENESS` unless `_system_config` says, and
+        Serve with the periods of `SERVE_PERIODS_ENV` unless the environment sets them.
     """
 
     def __init__(
@@ -268,7 +282,8 @@ class LocalCluster:
         # A fresh head: ray.init() binds its GCS to a free port unless RAY_GCS_SERVER_PORT is set.
         kwargs = dict(self._ray_init_kwargs)
         kwargs["_system_config"] = {"worker_niceness": RAY_WORKER_NICENESS, **kwargs.get("_system_config", {})}
-        context = ray.init(num_cpus=self._num_cpus, **kwargs)
+        with serve_periods_env():  # Ray's processes inherit the environment ray.init starts them in
+            context = ray.init(num_cpus=self._num_cpus, **kwargs)
         self._ray_initialized_here = True
         self.started_ray = True
         self.gcs_address = ray.get_runtime_context().gcs_address
@@ -449,4 +464,25 @@ def _terminate(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
             proc.wait(timeout=grace_s)
 
 
-__all__ = ["LocalCluster", "RAY_DEFAULT_GCS_PORT", "find_free_port", "redact_url", "wait_for_redis"]
+@contextlib.contextmanager
+def serve_periods_env() -> Iterator[dict[str, str]]:
+    """Within the block, the environment carries ``SERVE_PERIODS_ENV`` where it does not set those
+    variables already (yields what it added); afterwards it is as it was."""
+    added = {name: value for name, value in SERVE_PERIODS_ENV.items() if name not in os.environ}
+    os.environ.update(added)
+    try:
+        yield added
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
+__all__ = [
+    "LocalCluster",
+    "SERVE_PERIODS_ENV",
+    "serve_periods_env",
+    "RAY_DEFAULT_GCS_PORT",
+    "find_free_port",
+    "redact_url",
+    "wait_for_redis",
+]

@@ -22,6 +22,7 @@ import httpx
 import pytest
 import redis
 
+from cluster.local import SERVE_PERIODS_ENV
 from tests.redis_server import RedisServer, find_redis_server, free_port
 
 pytestmark = [
@@ -115,6 +116,27 @@ def _check_clean(up: Up) -> None:
     assert _until(lambda: not up.session_processes(), 30), f"left running: {up.session_processes()}"
 
 
+def _serve_environments(up: Up) -> dict[str, dict[str, str]]:
+    """The environment of Serve's controller and of each replica process in the session, by
+    deployment ("ServeController" for the controller)."""
+    found: dict[str, dict[str, str]] = {}
+    for line in up.session_processes():
+        pid = int(line.split()[0])
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            if "ServeReplica" in cmdline:
+                name = cmdline.split("\0")[0].rsplit(":", 1)[-1].strip()
+            elif "ServeController" in cmdline:
+                name = "ServeController"
+            else:
+                continue
+            raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+        except FileNotFoundError:
+            continue
+        found[name] = dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+    return found
+
+
 def _replica_threads_niceness(up: Up) -> dict[str, set[int]]:
     """The niceness of every thread of each Serve replica process in the session, by deployment."""
     found: dict[str, set[int]] = {}
@@ -180,6 +202,11 @@ def test_up_narrates_serves_and_stops_cleanly_on_ctrl_c(tiny_llama):
         replicas = _replica_threads_niceness(up)
         assert {"prefill", "decode", "ingress"} <= set(replicas), up.session_processes()
         assert all(values == {0} for values in replicas.values()), replicas
+        # ... and Serve's controller and replicas run at pdserve's periods (cluster/local.py)
+        environments = _serve_environments(up)
+        assert {"ServeController", "prefill", "decode", "ingress"} <= set(environments), up.session_processes()
+        for name, environment in environments.items():
+            assert {k: environment.get(k) for k in SERVE_PERIODS_ENV} == SERVE_PERIODS_ENV, name
 
         assert up.ctrl_c() == 0, up.output
     finally:

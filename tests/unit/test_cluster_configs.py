@@ -323,10 +323,12 @@ def test_testbed_workers_carry_their_pool_and_the_serve_config_fits_them(tmp_pat
 
 
 @pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
-def test_every_ray_start_runs_workers_at_niceness_0(path: Path) -> None:
+def test_every_ray_start_runs_workers_at_niceness_0_and_serve_at_pdserve_periods(path: Path) -> None:
     """Ray's raylet starts its workers at niceness 15 unless told: the engines would yield the CPU
-    to Ray's own daemons (cluster/local.py's RAY_WORKER_NICENESS, the same for `pdserve up`)."""
-    from cluster.local import RAY_WORKER_NICENESS
+    to Ray's own daemons (cluster/local.py's RAY_WORKER_NICENESS, the same for `pdserve up`).
+    Serve's controller loop and metrics export run at cluster/local.py's SERVE_PERIODS_ENV, as
+    under `pdserve up`: every `ray start` carries exactly those assignments."""
+    from cluster.local import RAY_WORKER_NICENESS, SERVE_PERIODS_ENV
 
     config = _load(path)
     starts = [
@@ -337,5 +339,9 @@ def test_every_ray_start_runs_workers_at_niceness_0(path: Path) -> None:
         if re.search(r"\bray start\b", line)
     ]
     assert len(starts) >= 2, starts  # the head's and the workers'
+    expected = {"RAY_worker_niceness": str(RAY_WORKER_NICENESS), **SERVE_PERIODS_ENV}
     for line in starts:
-        assert re.search(rf"\bRAY_worker_niceness={RAY_WORKER_NICENESS} ray start\b", line), line
+        prefix = re.match(r"\s*((?:\w+=\S+\s+)*)ray start\b", line)
+        assert prefix is not None, line
+        assignments = dict(word.split("=", 1) for word in prefix.group(1).split())
+        assert assignments == expected, line

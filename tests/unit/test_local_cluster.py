@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from cluster.local import RAY_DEFAULT_GCS_PORT, LocalCluster, find_free_port, redact_url, wait_for_redis
+from cluster.local import (
+    RAY_DEFAULT_GCS_PORT,
+    SERVE_PERIODS_ENV,
+    LocalCluster,
+    find_free_port,
+    redact_url,
+    serve_periods_env,
+    wait_for_redis,
+)
 from tests.redis_server import RedisServer, find_redis_server
 
 pytestmark = pytest.mark.skipif(find_redis_server() is None, reason="redis-server not installed")
@@ -86,6 +94,18 @@ def test_explicit_redis_port_is_used_and_6379_refused() -> None:
 def test_find_free_port_honours_exclude() -> None:
     taken = find_free_port()
     assert find_free_port(exclude={RAY_DEFAULT_GCS_PORT, taken}) not in {RAY_DEFAULT_GCS_PORT, taken}
+
+
+def test_serve_periods_env_adds_what_is_unset_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment a started Ray inherits carries Serve's periods; an operator's own value
+    wins, and afterwards the environment is as it was."""
+    (mine, other) = list(SERVE_PERIODS_ENV)
+    monkeypatch.setenv(mine, "2.5")
+    monkeypatch.delenv(other, raising=False)
+    with serve_periods_env() as added:
+        assert added == {other: SERVE_PERIODS_ENV[other]}
+        assert os.environ[mine] == "2.5" and os.environ[other] == SERVE_PERIODS_ENV[other]
+    assert os.environ[mine] == "2.5" and other not in os.environ
 
 
 def test_redact_url_hides_password() -> None:
