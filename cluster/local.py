@@ -61,8 +61,9 @@ RAY_WORKER_NICENESS = 0
 # same before `ray start`. The controller reconciles every 0.5 s instead of 0.1 s (deploys,
 # scaling and replica deaths are seconds-scale; its loop also asks the GCS for every node's
 # resources each time), and replicas and proxies export their cached metrics every 1 s instead
-# of 0.1 s (Prometheus scrapes every 5 s or more). An idle colocated SmolLM2 server on 2 cores:
-# 0.22-0.26 of a core busy with Serve's defaults, 0.16 with these (BENCHMARKS.md, 2026-12-04).
+# of 0.1 s (Prometheus scrapes every 5 s or more). An idle colocated SmolLM2 server on 2 cores,
+# three paired 30 s windows: Serve's controller and the GCS 6.1-7.2 % of a core with Serve's
+# defaults, 2.9-4.2 % with these (BENCHMARKS.md, 2026-12-04).
 SERVE_PERIODS_ENV = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
