@@ -30,7 +30,8 @@ launcher). The second table gives each as milliseconds of CPU per output token, 
 the server kept busy. For pdserve it adds the engine's own mean decode step over the workload
 (its ``decode_step_s`` / ``decode_steps`` counters in ``/v1/cluster/status``, prefill-mixed steps
 included): at concurrency 1 that is the step a token waits for, measured inside the server
-under serving.
+under serving. Before its workloads, each server also sits idle for ``--idle-s`` seconds (after
+its warm-up and 5 s to settle) and the same reading gives the cores it keeps busy while it waits.
 """
 
 from __future__ import annotations
@@ -482,6 +483,18 @@ def cpu_account(
     }
 
 
+def idle_account(before: Mapping[str, float], after: Mapping[str, float], seconds: float) -> dict[str, float]:
+    """Cores each role kept busy over an idle window of ``seconds`` (no request in flight), and
+    ``"all"``: what a server costs its host while it waits."""
+    cores = {role: max(0.0, after.get(role, 0.0) - before.get(role, 0.0)) / seconds for role in CPU_ROLES}
+    return {**cores, "all": sum(cores.values())}
+
+
+def format_idle(idle: Mapping[str, float]) -> str:
+    roles = ", ".join(f"{CPU_ROLE_LABELS[r]} {100 * idle[r]:.1f}" for r in CPU_ROLES)
+    return f"{100 * idle['all']:.1f} % of a core ({roles})"
+
+
 def _ms(v: float | None, digits: int = 2) -> str:
     return "—" if v is None else f"{v:.{digits}f}"
 
@@ -694,6 +707,9 @@ def warm_up(base_url: str, model: str, w: PeerWorkload, n: int) -> None:
         raise RuntimeError(f"warm-up failed at {base_url}: {errors}")
 
 
+IDLE_SETTLE_S = 5.0
+
+
 def run_server(
     server: str, opts: argparse.Namespace, workloads: list[PeerWorkload], vllm_python: Path | None
 ) -> tuple[list[Measurement], dict[str, Any]]:
@@ -720,6 +736,12 @@ def run_server(
         base = f"http://127.0.0.1:{port}"
         warm_up(base, name, workloads[0], opts.warmup)
         proc.track()
+        if opts.idle_s > 0:  # what the server costs while it waits, after a few seconds to settle
+            time.sleep(IDLE_SETTLE_S)
+            idle_before = proc.cpu_seconds()
+            time.sleep(opts.idle_s)
+            info["idle"] = idle_account(idle_before, proc.cpu_seconds(), opts.idle_s)
+            say(f"  {proc.label} idle over {opts.idle_s:g} s: {format_idle(info['idle'])}")
         for w in workloads:
             before = loadavg()
             say(f"  {proc.label}: {w.describe} (load {before})")
@@ -777,6 +799,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--c8-requests", type=int, default=64, help="random 256->64 at concurrency 8")
     p.add_argument("--prefix-requests", type=int, default=32, help="shared-prefix, split over the 2 prefixes")
     p.add_argument("--warmup", type=int, default=4, help="unmeasured requests after each start")
+    p.add_argument(
+        "--idle-s",
+        type=float,
+        default=20.0,
+        help="after the warm-up, measure each server's CPU over this many idle seconds (0: skip)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="a local HF directory (default: pdserve pull's SmolLM2)")
     p.add_argument("--served-model-name", default="SmolLM2-135M-Instruct")
@@ -845,7 +873,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{SERVER_LABELS[info['server']]}: load before start {info['loadavg_before_start']}, "
             f"after its runs {info.get('loadavg_after_runs')}, after stop {info['loadavg_after_stop']}, "
-            f"startup {info.get('startup_s')} s"
+            f"startup {info.get('startup_s')} s" + (f"; idle: {format_idle(info['idle'])}" if "idle" in info else "")
         )
     if opts.json:
         payload = {

@@ -218,6 +218,16 @@ def test_cpu_account_per_token_cores_and_the_engines_step():
     assert peer.cpu_account(before, after, 10, 1.0)["engine_step_ms"] is None
 
 
+def test_idle_account_gives_cores_by_role_and_in_all():
+    before = {"engine": 10.0, "http": 2.0, "other": 1.0}
+    after = {"engine": 10.4, "http": 2.2, "other": 3.0}
+    idle = peer.idle_account(before, after, seconds=20.0)
+    assert idle == pytest.approx({"engine": 0.02, "http": 0.01, "other": 0.1, "all": 0.13})
+    assert peer.format_idle(idle) == "13.0 % of a core (engine 2.0, HTTP + routing 1.0, daemons + rest 10.0)"
+    # a process that exited between the reads counts what it had: never a negative share
+    assert peer.idle_account(after, before, seconds=20.0)["all"] == 0.0
+
+
 def test_step_counters_of_a_cluster_status_sums_every_engine():
     status = {
         "pools": {
