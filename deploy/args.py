@@ -40,6 +40,16 @@ class PoolArgs(BaseModel):
         description="torch threads of an engine step that computes prompt tokens (CPU): a prompt's matmuls are "
         "compute-bound and the serving path has little to carry meanwhile; None: num_threads's count",
     )
+    small_batch_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="torch threads of a decode-only engine step of at most small_batch_max_seqs sequences "
+        "(CPU): where the engine's threads fill every core, a small decode step runs faster on one less, "
+        "leaving the serving path a core; None: num_threads's count",
+    )
+    small_batch_max_seqs: int = Field(
+        default=4, ge=1, description="the most sequences a decode step runs on small_batch_threads"
+    )
     num_gpus: float = Field(default=0.0, ge=0, description="GPUs per replica (1 on GPU clusters)")
     resources: dict[str, float] = Field(
         default_factory=dict, description="custom resources per replica, e.g. {'prefill': 1} to pin a node type"
@@ -441,6 +451,8 @@ class PDServeArgs(BaseModel):
             model_key=self.model_key,
             tensor_parallel_size=getattr(self, role).tensor_parallel_size,
             prefill_threads=getattr(self, role).prefill_threads,
+            small_batch_threads=getattr(self, role).small_batch_threads,
+            small_batch_max_seqs=getattr(self, role).small_batch_max_seqs,
             emulated_step_s=self.emulated_step_s,
         )
 

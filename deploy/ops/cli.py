@@ -376,6 +376,21 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         "included; else as --threads-per-replica)",
     )
     parser.add_argument(
+        "--small-batch-threads",
+        type=_positive_int,
+        default=None,
+        help="CPU: torch threads for a decode-only engine step of at most --small-batch-max-seqs "
+        "sequences (default: the engine's own threads). Fewer than the engine's leaves the serving "
+        "path a core while such steps run: it helped on one 2-core VM and hurt on another "
+        "(BENCHMARKS.md, 2026-12-04), so measure before setting it",
+    )
+    parser.add_argument(
+        "--small-batch-max-seqs",
+        type=_positive_int,
+        default=4,
+        help="the most sequences a decode step runs on --small-batch-threads (default 4)",
+    )
+    parser.add_argument(
         "--tp",
         type=_positive_int,
         default=1,
@@ -722,6 +737,8 @@ def up_app_args(args: argparse.Namespace, model: str, redis_url: str | None):
         "num_gpus": args.gpus_per_replica,
         "num_threads": _threads_per_replica(args),
         "prefill_threads": _prefill_threads_per_replica(args),
+        "small_batch_threads": args.small_batch_threads,
+        "small_batch_max_seqs": args.small_batch_max_seqs,
     }
 
     def pool_args(start: int, tp: int) -> PoolArgs:
@@ -780,6 +797,11 @@ def _deploy_and_serve(args: argparse.Namespace, model: str, local, signals: _Sto
     )
     if prefill_threads:
         engine_threads += f", {prefill_threads} for steps that compute prompts"
+    if app_args.prefill.small_batch_threads:
+        engine_threads += (
+            f", {app_args.prefill.small_batch_threads} for decode steps of up to "
+            f"{app_args.prefill.small_batch_max_seqs} sequences"
+        )
     _say(f"deploying {plan} on {url} (replicas load the model; {engine_threads})")
     serve.run_many(
         [

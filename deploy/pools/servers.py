@@ -81,13 +81,18 @@ class _WorkerServer:
         pool = getattr(self.args, self.role)
         self.torch_threads = set_engine_threads(pool)
         self.prefill_threads = pool.prefill_threads if self.device == "cpu" else None
+        self.small_batch_threads = pool.small_batch_threads if self.device == "cpu" else None
         logger.info(
-            "%s replica %s: engine runs torch with %d thread(s) per rank on %d rank(s)%s (num_threads %s, num_cpus %g)",
+            "%s replica %s: engine runs torch with %d thread(s) per rank on %d rank(s)%s%s "
+            "(num_threads %s, num_cpus %g)",
             self.role,
             self.worker_id,
             self.torch_threads,
             pool.tensor_parallel_size,
             f", {self.prefill_threads} in steps that compute prompts" if self.prefill_threads else "",
+            f", {self.small_batch_threads} in decode steps of up to {pool.small_batch_max_seqs} sequences"
+            if self.small_batch_threads
+            else "",
             pool.num_threads,
             pool.num_cpus,
         )
@@ -199,6 +204,8 @@ class _WorkerServer:
             "node_ip": self.node_ip,
             "torch_threads": self.torch_threads,
             "prefill_threads": self.prefill_threads,
+            "small_batch_threads": self.small_batch_threads,
+            "small_batch_max_seqs": getattr(self.args, self.role).small_batch_max_seqs,
             "index": index,
             "recent_transfer_failures": worker.stats.recent_failures(LINK_FAILURE_WINDOW_S),
             **snapshot,

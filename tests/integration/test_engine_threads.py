@@ -48,7 +48,14 @@ def test_replica_reports_the_threads_it_was_granted(serve_cluster, tiny_llama):
         "num_kv_blocks": 64,
         "device": "cpu",
         "mode": "colocated",
-        "colocated": {"replicas": 1, "num_cpus": 0.5, "num_threads": 2, "prefill_threads": 3},
+        "colocated": {
+            "replicas": 1,
+            "num_cpus": 0.5,
+            "num_threads": 2,
+            "prefill_threads": 3,
+            "small_batch_threads": 1,
+            "small_batch_max_seqs": 2,
+        },
         "attention_backend": "auto",  # the paged kernel compiles on the start-up thread, runs on the loop's
     }
     base = deploy(serve_cluster, "threads", "/threads", args)
@@ -59,6 +66,7 @@ def test_replica_reports_the_threads_it_was_granted(serve_cluster, tiny_llama):
     (replica,) = status["pools"]["colocated"]
     assert replica["torch_threads"] == 2
     assert replica["prefill_threads"] == 3
+    assert (replica["small_batch_threads"], replica["small_batch_max_seqs"]) == (1, 2)
     from ray import serve
 
     serve.delete("threads")

@@ -137,3 +137,32 @@ def test_prefill_steps_run_on_their_own_threads_and_stay_exact(tiny_llama):
         engine.check_idle()
     finally:
         torch.set_num_threads(before)
+
+
+def test_small_decode_steps_run_on_their_own_threads_and_stay_exact(tiny_llama):
+    """``small_batch_threads``: a decode-only step of at most ``small_batch_max_seqs`` sequences
+    runs on that many torch threads, a larger one and a prompt step on the process's own; every
+    step leaves the count as it found it, and the output is unchanged."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = make_engine(tiny_llama, small_batch_threads=1, small_batch_max_seqs=2, max_num_batched_tokens=32)
+        seen: list[tuple[bool, int, int]] = []  # (prompt tokens, sequences, torch threads meanwhile)
+        forward = engine.model.forward
+
+        def recording_forward(input_ids, positions, attn):
+            meta = attn.meta
+            seen.append((bool(meta.prefills), meta.num_decodes + len(meta.prefills), torch.get_num_threads()))
+            return forward(input_ids, positions, attn)
+
+        engine.model.forward = recording_forward
+        prompts = random_prompts()
+        assert_matches_hf(tiny_llama, prompts, engine.generate(prompts, GREEDY))
+        assert torch.get_num_threads() == 2
+        small = {threads for prompt, seqs, threads in seen if not prompt and seqs <= 2}
+        large = {threads for prompt, seqs, threads in seen if not prompt and seqs > 2}
+        assert small == {1} and large == {2}, seen  # random_prompts() decode 3+ together, then fewer
+        assert {threads for prompt, seqs, threads in seen if prompt} == {2}, seen
+        engine.check_idle()
+    finally:
+        torch.set_num_threads(before)

@@ -104,3 +104,20 @@ def test_prefill_threads_as_given_or_left_to_the_pool():
     assert _prefill_threads_per_replica(_args(threads_per_replica=2)) is None  # every step on those 2
     assert _prefill_threads_per_replica(_args(ray_address="10.0.0.1:6379")) is None
     assert _prefill_threads_per_replica(_args(gpus_per_replica=1.0)) is None
+
+
+def test_small_batch_threads_only_as_given(tiny_llama, monkeypatch):
+    """No default: fewer threads for small decode steps helped on one 2-core VM and hurt on another
+    (BENCHMARKS.md, 2026-12-04)."""
+    from deploy.ops.cli import build_parser, up_app_args
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+
+    def colocated(*flags: str):
+        args = build_parser().parse_args(["up", "--model", tiny_llama, "--mode", "colocated", *flags])
+        return up_app_args(args, tiny_llama, None).colocated
+
+    default = colocated()
+    assert (default.num_threads, default.small_batch_threads, default.small_batch_max_seqs) == (2, None, 4)
+    given = colocated("--small-batch-threads", "1", "--small-batch-max-seqs", "2")
+    assert (given.num_threads, given.small_batch_threads, given.small_batch_max_seqs) == (2, 1, 2)

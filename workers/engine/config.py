@@ -48,6 +48,13 @@ class EngineConfig:
     # count restored after it; None: every step runs on the process's threads. A prompt's matmuls
     # are compute-bound and gain from each thread; a decode step is bound by weight bandwidth.
     prefill_threads: int | None = None
+    # CPU: torch threads for a decode-only step of at most small_batch_max_seqs sequences; None:
+    # the process's threads. Where the engine's threads fill every core, a small decode step gains
+    # little from the last one (its matmuls are bound by weight bandwidth) and loses much when the
+    # serving path (this replica's event loop, Ray's streaming, the ingress) takes that core in the
+    # middle of an OpenMP region: every op waits for its slowest thread (BENCHMARKS.md, 2026-12-04).
+    small_batch_threads: int | None = None
+    small_batch_max_seqs: int = 4
     # Benchmarks only: (seconds per step, per prefill token, per context token of a decode) that a
     # step lasts at least; the engine thread sleeps the rest. On a CPU every replica shares the same
     # cores, so a replica adds no compute; this stands in for an accelerator's step time (one per
@@ -80,6 +87,11 @@ class EngineConfig:
             ),
             "tensor_parallel_size": (self.tensor_parallel_size > 0, "must be positive"),
             "prefill_threads": (self.prefill_threads is None or self.prefill_threads > 0, "must be positive"),
+            "small_batch_threads": (
+                self.small_batch_threads is None or self.small_batch_threads > 0,
+                "must be positive",
+            ),
+            "small_batch_max_seqs": (self.small_batch_max_seqs > 0, "must be positive"),
             "emulated_step_s": (
                 self.emulated_step_s is None or (len(self.emulated_step_s) == 3 and min(self.emulated_step_s) >= 0),
                 "must be three non-negative numbers (per step, per prefill token, per decode context token)",

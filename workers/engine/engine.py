@@ -179,6 +179,8 @@ class LLMEngine:
             cfg.load_progress,
             cfg.attention_backend,
             cfg.prefill_threads,
+            cfg.small_batch_threads,
+            cfg.small_batch_max_seqs,
         )
         if self.tensor_parallel:
             self.tensor_parallel.start(self.sliding_window)

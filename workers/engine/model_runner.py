@@ -101,6 +101,8 @@ class ModelRunner:
         progress: bool = False,
         attention_backend: str = "sdpa",
         prefill_threads: int | None = None,
+        small_batch_threads: int | None = None,
+        small_batch_max_seqs: int = 4,
     ) -> None:
         self.model = model
         self.kv = kv
@@ -109,6 +111,16 @@ class ModelRunner:
         self.device = kv.layers[0].device
         # CPU: steps that compute prompt tokens run on this many torch threads (EngineConfig)
         self.prefill_threads = prefill_threads if self.device.type == "cpu" else None
+        # CPU: decode-only steps of at most small_batch_max_seqs sequences run on this many
+        self.small_batch_threads = small_batch_threads if self.device.type == "cpu" else None
+        self.small_batch_max_seqs = small_batch_max_seqs
+        if self.prefill_threads is not None or self.small_batch_threads is not None:
+            # inductor's C++ kernels (the paged decode, --compile's graphs) would otherwise fix the
+            # thread count they were compiled under (`omp parallel num_threads(N)`) unless it equals
+            # os.cpu_count(): with a count that changes per step they take the one in force
+            import torch._inductor.config as inductor_config
+
+            inductor_config.cpp.dynamic_threads = True
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={attention_backend!r} must be one of {ATTENTION_BACKENDS}")
         if attention_backend == "auto":
@@ -135,11 +147,22 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq], list[PromptLogprobs]]:
         """Run one step. Returns logits ``[N, V]`` for the N sequences that sample, in order, and
         the prompt logprobs of the positions this step computed for requests that ask for them.
-        A step with prefill tokens runs on ``prefill_threads`` when set."""
-        if out.prefills and self.prefill_threads is not None:
-            with torch_threads(self.prefill_threads):
+        The step runs on ``step_threads(out)`` torch threads when that is set."""
+        threads = self.step_threads(out)
+        if threads is not None:
+            with torch_threads(threads):
                 return self._execute(out)
         return self._execute(out)
+
+    def step_threads(self, out: SchedulerOutput) -> int | None:
+        """The torch threads a step runs on (CPU): ``prefill_threads`` for a step with prompt
+        tokens, ``small_batch_threads`` for a decode-only step of at most ``small_batch_max_seqs``
+        sequences, each when set; else None (the process's own)."""
+        if out.prefills:
+            return self.prefill_threads
+        if len(out.decodes) <= self.small_batch_max_seqs:
+            return self.small_batch_threads
+        return None
 
     @torch.inference_mode()
     def _execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq], list[PromptLogprobs]]:

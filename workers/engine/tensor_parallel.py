@@ -690,7 +690,13 @@ def _serve(config: EngineConfig, groups: RankGroups, device: torch.device, store
     sliding_window = payload[0] if payload[0] >= 0 else None
     kv = PagedKVCache(local, num_blocks, config.block_size, config.kv_cache_dtype, dtype, device)
     runner = ModelRunner(  # as rank 0
-        model, kv, sliding_window, attention_backend=config.attention_backend, prefill_threads=config.prefill_threads
+        model,
+        kv,
+        sliding_window,
+        attention_backend=config.attention_backend,
+        prefill_threads=config.prefill_threads,
+        small_batch_threads=config.small_batch_threads,
+        small_batch_max_seqs=config.small_batch_max_seqs,
     )
     agent: RankTransferAgent | None = None
     try:
