@@ -44,8 +44,8 @@ class PoolArgs(BaseModel):
         default=None,
         ge=1,
         description="torch threads of a decode-only engine step of at most small_batch_max_seqs sequences "
-        "(CPU): where the engine's threads fill every core, a small decode step runs faster on one less, "
-        "leaving the serving path a core; None: num_threads's count",
+        "(CPU): fewer than num_threads leaves the serving path a core while such steps run, which helped on "
+        "one 2-core VM and hurt on another (BENCHMARKS.md); None: num_threads's count",
     )
     small_batch_max_seqs: int = Field(
         default=4, ge=1, description="the most sequences a decode step runs on small_batch_threads"

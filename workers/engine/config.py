@@ -49,10 +49,11 @@ class EngineConfig:
     # are compute-bound and gain from each thread; a decode step is bound by weight bandwidth.
     prefill_threads: int | None = None
     # CPU: torch threads for a decode-only step of at most small_batch_max_seqs sequences; None:
-    # the process's threads. Where the engine's threads fill every core, a small decode step gains
-    # little from the last one (its matmuls are bound by weight bandwidth) and loses much when the
-    # serving path (this replica's event loop, Ray's streaming, the ingress) takes that core in the
-    # middle of an OpenMP region: every op waits for its slowest thread (BENCHMARKS.md, 2026-12-04).
+    # the process's threads. Where the engine's threads fill every core, the serving path (this
+    # replica's event loop, Ray's streaming, the ingress) preempts one of them in the middle of an
+    # OpenMP region and every op waits for it; one thread less leaves it a core. Whether that pays
+    # is the machine's: 1.15x the tokens at c1 on an AVX2 VM, 0.82x on an AVX-512 one, where a
+    # second thread makes the step alone 1.66x faster (BENCHMARKS.md, 2026-12-04). Off unless set.
     small_batch_threads: int | None = None
     small_batch_max_seqs: int = 4
     # Benchmarks only: (seconds per step, per prefill token, per context token of a decode) that a
