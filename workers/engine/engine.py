@@ -28,7 +28,7 @@ from workers.engine.block_manager import NULL_BLOCK, BlockManager, CachedPrefix,
 from workers.engine.compiled import CompiledDecode
 from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer, find_stop_cut
-from workers.engine.model_runner import ModelRunner
+from workers.engine.model_runner import ModelRunner, StepThreads
 from workers.engine.sampler import sample
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
@@ -178,9 +178,7 @@ class LLMEngine:
             compiled,
             cfg.load_progress,
             cfg.attention_backend,
-            cfg.prefill_threads,
-            cfg.small_batch_threads,
-            cfg.small_batch_max_seqs,
+            StepThreads.from_config(cfg),
         )
         if self.tensor_parallel:
             self.tensor_parallel.start(self.sliding_window)

@@ -21,11 +21,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from workers.engine.block_manager import first_window_block
 from workers.engine.compiled import CompiledDecode
+from workers.engine.config import EngineConfig
 from workers.engine.sampler import prompt_logprobs
 from workers.engine.scheduler import ScheduledSeq, SchedulerOutput
 from workers.engine.sequence import Sequence, TokenLogprob
@@ -91,6 +93,34 @@ def torch_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+@dataclass(frozen=True)
+class StepThreads:
+    """CPU: the torch threads of a step by its kind (EngineConfig's ``prefill_threads``,
+    ``small_batch_threads`` and ``small_batch_max_seqs``); None anywhere: the process's own."""
+
+    prefill: int | None = None
+    small_batch: int | None = None
+    small_batch_max_seqs: int = 4
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> StepThreads:
+        return cls(config.prefill_threads, config.small_batch_threads, config.small_batch_max_seqs)
+
+    @property
+    def switches(self) -> bool:
+        """Whether some step runs on a count of its own."""
+        return self.prefill is not None or self.small_batch is not None
+
+    def for_step(self, out: SchedulerOutput) -> int | None:
+        """``prefill`` for a step with prompt tokens, ``small_batch`` for a decode-only step of at
+        most ``small_batch_max_seqs`` sequences; else None."""
+        if out.prefills:
+            return self.prefill
+        if len(out.decodes) <= self.small_batch_max_seqs:
+            return self.small_batch
+        return None
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -100,21 +130,16 @@ class ModelRunner:
         compiled: CompiledDecode | None = None,
         progress: bool = False,
         attention_backend: str = "sdpa",
-        prefill_threads: int | None = None,
-        small_batch_threads: int | None = None,
-        small_batch_max_seqs: int = 4,
+        step_threads: StepThreads | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
         self.block_size = kv.block_size
         self.sliding_window = sliding_window
         self.device = kv.layers[0].device
-        # CPU: steps that compute prompt tokens run on this many torch threads (EngineConfig)
-        self.prefill_threads = prefill_threads if self.device.type == "cpu" else None
-        # CPU: decode-only steps of at most small_batch_max_seqs sequences run on this many
-        self.small_batch_threads = small_batch_threads if self.device.type == "cpu" else None
-        self.small_batch_max_seqs = small_batch_max_seqs
-        if self.prefill_threads is not None or self.small_batch_threads is not None:
+        # CPU only: a step's torch threads by its kind (EngineConfig); elsewhere every step the same
+        self.threads = (step_threads or StepThreads()) if self.device.type == "cpu" else StepThreads()
+        if self.threads.switches:
             # inductor's C++ kernels (the paged decode, --compile's graphs) would otherwise fix the
             # thread count they were compiled under (`omp parallel num_threads(N)`) unless it equals
             # os.cpu_count(): with a count that changes per step they take the one in force
@@ -147,22 +172,12 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq], list[PromptLogprobs]]:
         """Run one step. Returns logits ``[N, V]`` for the N sequences that sample, in order, and
         the prompt logprobs of the positions this step computed for requests that ask for them.
-        The step runs on ``step_threads(out)`` torch threads when that is set."""
-        threads = self.step_threads(out)
+        The step runs on ``self.threads.for_step(out)`` torch threads when that is set."""
+        threads = self.threads.for_step(out)
         if threads is not None:
             with torch_threads(threads):
                 return self._execute(out)
         return self._execute(out)
-
-    def step_threads(self, out: SchedulerOutput) -> int | None:
-        """The torch threads a step runs on (CPU): ``prefill_threads`` for a step with prompt
-        tokens, ``small_batch_threads`` for a decode-only step of at most ``small_batch_max_seqs``
-        sequences, each when set; else None (the process's own)."""
-        if out.prefills:
-            return self.prefill_threads
-        if len(out.decodes) <= self.small_batch_max_seqs:
-            return self.small_batch_threads
-        return None
 
     @torch.inference_mode()
     def _execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq], list[PromptLogprobs]]:

@@ -64,7 +64,7 @@ import torch.distributed as dist
 
 from workers.engine.block_manager import first_window_block
 from workers.engine.config import EngineConfig
-from workers.engine.model_runner import ModelRunner
+from workers.engine.model_runner import ModelRunner, StepThreads
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledSeq, SchedulerOutput
 from workers.engine.sequence import Sequence
@@ -694,9 +694,7 @@ def _serve(config: EngineConfig, groups: RankGroups, device: torch.device, store
         kv,
         sliding_window,
         attention_backend=config.attention_backend,
-        prefill_threads=config.prefill_threads,
-        small_batch_threads=config.small_batch_threads,
-        small_batch_max_seqs=config.small_batch_max_seqs,
+        step_threads=StepThreads.from_config(config),
     )
     agent: RankTransferAgent | None = None
     try:
