@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -116,20 +117,27 @@ def _check_clean(up: Up) -> None:
     assert _until(lambda: not up.session_processes(), 30), f"left running: {up.session_processes()}"
 
 
-def _serve_environments(up: Up) -> dict[str, dict[str, str]]:
-    """The environment of Serve's controller and of each replica process in the session, by
-    deployment ("ServeController" for the controller)."""
-    found: dict[str, dict[str, str]] = {}
+def _serve_processes(up: Up, controller: bool = False) -> Iterator[tuple[str, int]]:
+    """(deployment, pid) of each Serve replica process in the session, and with ``controller``
+    ("ServeController", pid) of Serve's controller too."""
     for line in up.session_processes():
         pid = int(line.split()[0])
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-            if "ServeReplica" in cmdline:
-                name = cmdline.split("\0")[0].rsplit(":", 1)[-1].strip()
-            elif "ServeController" in cmdline:
-                name = "ServeController"
-            else:
-                continue
+        except FileNotFoundError:
+            continue
+        if "ServeReplica" in cmdline:
+            yield cmdline.split("\0")[0].rsplit(":", 1)[-1].strip(), pid
+        elif controller and "ServeController" in cmdline:
+            yield "ServeController", pid
+
+
+def _serve_environments(up: Up) -> dict[str, dict[str, str]]:
+    """The environment of Serve's controller and of each replica process in the session, by
+    deployment ("ServeController" for the controller)."""
+    found: dict[str, dict[str, str]] = {}
+    for name, pid in _serve_processes(up, controller=True):
+        try:
             raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
         except FileNotFoundError:
             continue
@@ -140,16 +148,11 @@ def _serve_environments(up: Up) -> dict[str, dict[str, str]]:
 def _replica_threads_niceness(up: Up) -> dict[str, set[int]]:
     """The niceness of every thread of each Serve replica process in the session, by deployment."""
     found: dict[str, set[int]] = {}
-    for line in up.session_processes():
-        pid = int(line.split()[0])
+    for name, pid in _serve_processes(up):
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-            if "ServeReplica" not in cmdline:
-                continue
             tasks = list(Path(f"/proc/{pid}/task").iterdir())
         except FileNotFoundError:
             continue
-        name = cmdline.split("\0")[0].rsplit(":", 1)[-1].strip()
         for task in tasks:
             try:  # field 19 of stat (after the command's closing parenthesis: the 17th) is nice
                 found.setdefault(name, set()).add(int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]))
