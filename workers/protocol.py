@@ -309,6 +309,10 @@ class GenerateRequest:
     arrival_time: float = 0.0  # wall clock at the ingress, for queue-time metrics
     # decode workers the decode router ranks last: those a continuation left because they retire
     avoid_workers: tuple[str, ...] = ()
+    # host:port of the ingress's output sink: the worker sends this request's chunks there, with
+    # the same step's chunks of that ingress's other requests (workers/output_channel.py); None:
+    # on the call's own stream
+    output_address: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
