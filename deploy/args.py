@@ -266,6 +266,11 @@ class PDServeArgs(BaseModel):
         description="a chat turn that extends an earlier one reuses its exact token ids "
         "(answer included), so the earlier turns' KV blocks are hits",
     )
+    output_channel: bool = Field(
+        default=True,
+        description="worker replicas send an ingress replica each engine step's tokens for all its requests "
+        "in one message (workers/output_channel.py); false: every request's tokens on its own Serve stream",
+    )
     redis_url: str | None = Field(default=None, description="Redis for the prefix index; None: route by load")
     emulated_step_s: tuple[float, float, float] | None = Field(
         default=None,

@@ -12,6 +12,7 @@ import time
 import uuid
 from typing import Any, cast
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
@@ -89,6 +90,7 @@ class OpenAIIngress:
             max_migrations=self.args.max_migrations,
             on_migration=self.metrics.migrated,
             control=self.control,
+            sink_host=ray.util.get_node_ip_address() if self.args.output_channel else None,
         )
         self.stats = RequestStats()
         self.readiness = PoolReadiness(self.pools)  # /health: 503 "starting" until the pools answer
@@ -145,6 +147,7 @@ class OpenAIIngress:
             task.cancel()
         if cut:
             await asyncio.wait(cut, timeout=5.0)
+        await self.workers.stop()  # the output channel: nothing is listening any more
         logger.info("ingress drained: %d requests in flight, %d cut", in_flight, len(cut))
         return {"in_flight": in_flight, "cut": len(cut)}
 
@@ -169,6 +172,7 @@ class OpenAIIngress:
                     "failed_migrations": self.workers.failed_migrations,
                     "retired_streams": self.workers.retired_streams,
                 },
+                "output_channel": self.workers.sink.stats() if self.workers.sink is not None else None,
                 "conversations": self.conversations.stats() if self.conversations is not None else None,
                 "autoscaling": await autoscaling_status(self.autoscaler),
             },

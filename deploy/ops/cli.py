@@ -337,6 +337,12 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         help="tokenize every chat turn afresh (default: a turn extending an earlier one "
         "reuses its token ids, so the earlier turns' KV blocks are hits)",
     )
+    parser.add_argument(
+        "--no-output-channel",
+        action="store_true",
+        help="stream every request's tokens from its worker on its own Serve stream (default: one "
+        "message per engine step to each ingress replica for all its requests)",
+    )
     parser.add_argument("--transport", default="auto", choices=POOL_TRANSPORTS)
     parser.add_argument("--gpus-per-replica", type=float, default=0.0)
     parser.add_argument(
@@ -762,6 +768,7 @@ def up_app_args(args: argparse.Namespace, model: str, redis_url: str | None):
         kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         conversation_reuse=not args.no_conversation_reuse,
+        output_channel=not args.no_output_channel,
         enforce_eager=not args.compile,
         attention_backend=args.attention_backend,
         max_num_seqs=args.max_num_seqs,

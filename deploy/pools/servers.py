@@ -26,6 +26,7 @@ from kvstore import IndexConfig, IndexPublisher, WorkerSpec
 from workers.decode import ColocatedWorker, DecodeWorker
 from workers.engine import LLMEngine
 from workers.engine_loop import EngineLoop
+from workers.output_channel import OutputSender
 from workers.prefill import PrefillWorker
 from workers.protocol import GenerateRequest, PrefillResult, TokenChunk, TransferAddress
 from workers.transfer import TransferConfig, Transport
@@ -97,6 +98,7 @@ class _WorkerServer:
             pool.num_cpus,
         )
         self.publisher: IndexPublisher | None = None
+        self.outputs = OutputSender(self.worker_id)  # to the ingress replicas' output sinks
         self.metrics = WorkerMetrics(self.worker_id, self.role, self.args.model_name)
         # tensor_parallel_size > 1: ranks 1..N-1 are Ray actors in this replica's placement group
         # (Serve's placement_group_bundles, deploy/builder.py), each with the same torch threads.
@@ -207,6 +209,7 @@ class _WorkerServer:
             "small_batch_threads": self.small_batch_threads,
             "small_batch_max_seqs": getattr(self.args, self.role).small_batch_max_seqs,
             "index": index,
+            "output_channel": self.outputs.stats(),
             "recent_transfer_failures": worker.stats.recent_failures(LINK_FAILURE_WINDOW_S),
             **snapshot,
         }
@@ -230,6 +233,8 @@ class _WorkerServer:
             await registration.stop()  # the status stops asking this replica
         if (control := getattr(self, "_own_control", None)) is not None:
             await control.stop()
+        if (outputs := getattr(self, "outputs", None)) is not None:
+            await outputs.close()
         worker, publisher = getattr(self, "worker", None), getattr(self, "publisher", None)
         if worker is not None:
             try:
@@ -316,13 +321,17 @@ class DecodeServer(_WorkerServer):
         return ended
 
     async def generate(self, request: GenerateRequest, prefill: PrefillResult) -> AsyncIterator[TokenChunk]:
+        async for chunk in self.outputs.stream(request.output_address, self._timed(request, prefill)):
+            yield chunk
+
+    async def _timed(self, request: GenerateRequest, prefill: PrefillResult) -> AsyncIterator[TokenChunk]:
         async for chunk in self.worker.generate(request, prefill):
             if chunk.timing:
                 self.metrics.request_timing(chunk.timing)
             yield chunk
 
     async def generate_local(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
-        async for chunk in self.worker.generate_local(request):
+        async for chunk in self.outputs.stream(request.output_address, self.worker.generate_local(request)):
             yield chunk
 
 
@@ -338,5 +347,5 @@ class ColocatedServer(_WorkerServer):
         await self._start_publisher(loop.engine, self.worker_id)
 
     async def generate_local(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
-        async for chunk in self.worker.generate_local(request):
+        async for chunk in self.outputs.stream(request.output_address, self.worker.generate_local(request)):
             yield chunk

@@ -18,6 +18,7 @@ from deploy.api.http_errors import is_cancellation
 from deploy.api.openai_protocol import RequestError
 from deploy.args import Mode
 from workers.decode import DecodeRetiring
+from workers.output_channel import END_GRACE_S, OutputChannelError, OutputSink, terminal
 from workers.protocol import GenerateRequest, PrefillResult, TokenChunk, TokenLogprobs
 from workers.transfer.control import ControlClient
 from workers.transfer.errors import KVTransferError
@@ -50,8 +51,15 @@ CONTROL_TIMEOUT_S = 5.0  # a release or lease extension at a prefill worker's co
 LEASE_EXTENSION_S = 10.0  # each extension while a request waits for room on the decode pool
 MAX_DECODE_WAIT_S = 120.0  # then the request fails with the decode pool's 503
 SKIP_PREFILL_FRACTION = 0.9  # decode holds this much of the prompt: it computes the rest itself
+_CALL_ENDED = object()  # the output channel's consumer: the worker's call returned
 # A worker replica's process is gone (killed, its node lost): the call did not fail on its own.
 REPLICA_DEATHS = (ray.exceptions.RayActorError,)  # ActorDiedError, ActorUnavailableError
+
+
+def channel_lost(exc: BaseException) -> bool:
+    """The output channel between the decode replica and this ingress broke mid-stream (either
+    end saw it): the stream resumes elsewhere as for a lost replica."""
+    return any(isinstance(error, OutputChannelError) for error in (exc, getattr(exc, "cause", None)))
 
 
 def retiring_worker(exc: BaseException) -> str | None:
@@ -102,7 +110,11 @@ class WorkerCalls:
         max_migrations: int = 0,
         on_migration: Callable[[], None] | None = None,
         control: ControlClient | None = None,
+        sink_host: str | None = None,
     ) -> None:
+        """``sink_host``: this ingress's address for the output channel
+        (``workers/output_channel.py``): the worker replicas send each step's tokens there in
+        one message; None: every request's tokens come on its own Serve stream."""
         self.mode = mode
         self.control = control  # the prefill workers' KV control servers (release, lease extension)
         self.prefill, self.decode, self.colocated = prefill, decode, colocated
@@ -116,14 +128,46 @@ class WorkerCalls:
         self.failed_migrations = 0  # streams that broke once more than max_migrations allows
         self.retired_streams = 0  # of the migrations: streams a retiring decode replica handed over
         self._background: set[asyncio.Task] = set()
+        self.sink_host = sink_host
+        self.sink: OutputSink | None = None
+        self._sink_start: asyncio.Task | None = None
+
+    async def _output_address(self) -> str | None:
+        """This ingress's sink address, started on first use (it needs the replica's event loop);
+        None when the channel is off or could not start (then the Serve streams carry tokens)."""
+        if self.sink_host is None:
+            return None
+        if self._sink_start is None:
+            sink = OutputSink()
+
+            async def start() -> OutputSink | None:
+                try:
+                    address = await sink.start(self.sink_host or "")
+                except OSError as exc:
+                    logger.warning("output channel not started (%s): tokens stream per request", exc)
+                    return None
+                logger.info("ingress output channel listening at %s", address)
+                self.sink = sink
+                return sink
+
+            self._sink_start = asyncio.get_running_loop().create_task(start())
+        sink = await asyncio.shield(self._sink_start)
+        return sink.address if sink is not None else None
+
+    async def stop(self) -> None:
+        if self.sink is not None:
+            await self.sink.stop()
 
     async def generate(self, choice: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         """One choice's tokens. In disaggregated mode a decode stream whose replica dies resumes
         on another decode replica (at most ``max_migrations`` times) from the prompt plus the
         tokens already yielded: the caller sees one uninterrupted stream."""
+        address = await self._output_address()
+        if address is not None:
+            choice = dataclasses.replace(choice, output_address=address)
         if self.mode is Mode.COLOCATED:
             stream = self.colocated.options(stream=True).generate_local.remote(choice)
-            async for chunk in self._relay(stream):
+            async for chunk in self._relay(stream, choice):
                 yield chunk
             return
         produced: list[int] = []
@@ -148,7 +192,7 @@ class WorkerCalls:
             except Exception as exc:
                 retired_from = retiring_worker(exc)
                 retiring = retired_from is not None
-                if not retiring and not isinstance(exc, REPLICA_DEATHS):
+                if not retiring and not isinstance(exc, REPLICA_DEATHS) and not channel_lost(exc):
                     raise
                 if not produced and not retiring:
                     raise  # nothing went out yet: the prefill stage retries on its own
@@ -217,7 +261,7 @@ class WorkerCalls:
             # The decode router ranks the replica holding the prefix first (it looks the same
             # blocks up); if it has no room now, another computes the whole prompt itself.
             stream = self.decode.options(stream=True).generate_local.remote(choice)
-            async for chunk in self._relay(stream):
+            async for chunk in self._relay(stream, choice):
                 yield chunk
             return
         result = await self._prefill(choice)
@@ -246,7 +290,7 @@ class WorkerCalls:
             stream = self.decode.options(stream=True).generate.remote(choice, result)
             started = False
             try:
-                async for chunk in self._relay(stream):
+                async for chunk in self._relay(stream, choice):
                     started = True
                     yield chunk
                 return
@@ -321,8 +365,57 @@ class WorkerCalls:
             self._background.add(task)  # the loop keeps only a weak reference
             task.add_done_callback(self._background.discard)
 
+    async def _relay(self, stream, choice: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        """The chunks of one worker call: from the output channel when ``choice`` names this
+        ingress's sink, else (or when the worker could not reach it) from the call's stream."""
+        sink = self.sink
+        if choice.output_address is None or sink is None:
+            async for chunk in self._relay_stream(stream):
+                yield chunk
+            return
+        queue = sink.open(choice.request_id)
+
+        async def watch() -> None:  # the call: what it yields (a worker's fallback), how it ends
+            try:
+                async for chunk in self._relay_stream(stream):
+                    queue.put_nowait(chunk)
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, cancellation too
+                queue.put_nowait(exc)
+                if is_cancellation(exc):
+                    raise
+            else:
+                queue.put_nowait(_CALL_ENDED)
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            call_ended = False
+            while True:
+                if call_ended:
+                    # The call ended cleanly before its last chunk came: that one is on the channel.
+                    try:
+                        item = await asyncio.wait_for(queue.get(), END_GRACE_S)
+                    except asyncio.TimeoutError:
+                        raise OutputChannelError(
+                            f"request {choice.request_id}: the worker finished but its last tokens did not "
+                            f"arrive on the output channel within {END_GRACE_S:g} s"
+                        ) from None
+                else:
+                    item = await queue.get()
+                if item is _CALL_ENDED:
+                    call_ended = True
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if terminal(item):
+                    return
+        finally:
+            sink.close(choice.request_id)
+            if not watcher.done():
+                watcher.cancel()  # its stream's finally cancels the call: the worker aborts
+
     @staticmethod
-    async def _relay(stream) -> AsyncIterator[TokenChunk]:
+    async def _relay_stream(stream) -> AsyncIterator[TokenChunk]:
         try:
             async for chunk in stream:
                 yield chunk
