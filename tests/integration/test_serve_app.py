@@ -260,6 +260,41 @@ def test_status_and_metrics_move_with_traffic(apps, serve_cluster):
     assert totals["pdserve_kv_transfer_bytes_total"] > 0
 
 
+def test_concurrent_streams_share_one_output_channel_frame_per_step(apps, tiny_llama):
+    """Four requests decoding together: their tokens reach the ingress over the output channel
+    (workers/output_channel.py), several to a frame, and each is still exact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompts = random_prompts((11, 23, 37, 41), seed=80)
+    expected = [tok.decode(hf_greedy(tiny_llama, tuple(p), 16), skip_special_tokens=True) for p in prompts]
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    for name in ("pd", "colo"):
+        base = apps[name]
+        before = httpx.get(f"{base}/v1/cluster/status", headers=auth).json()
+
+        def text(prompt: list[int], base: str = base) -> str:
+            out = client(base).completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+            return out.choices[0].text
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(text, prompts))
+        after = httpx.get(f"{base}/v1/cluster/status", headers=auth).json()
+        channel, earlier = after["output_channel"], before["output_channel"]
+        # decode's chunks came over the channel (disaggregated: all but prefill's first token)
+        chunks = channel["chunks"] - earlier["chunks"]
+        frames = channel["frames"] - earlier["frames"]
+        assert chunks >= 4 * 15, (name, channel, earlier)
+        assert frames < chunks, (name, channel, earlier)  # a step's chunks shared frames
+        assert channel["dropped_chunks"] == earlier["dropped_chunks"]
+        assert channel["listening"] == 0
+        pool_name = "decode" if name == "pd" else "colocated"
+        assert all(r["output_channel"]["fallbacks"] == 0 for r in after["pools"][pool_name])
+        assert got == expected, name
+
+
 def test_api_keys_and_body_limit(apps):
     base = apps["colo"]
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
