@@ -373,6 +373,8 @@ class WorkerCalls:
             async for chunk in self._relay_stream(stream):
                 yield chunk
             return
+        # Registered before this task first awaits: the sink reads on this event loop, so no chunk
+        # of the call can arrive before it.
         queue = sink.open(choice.request_id)
 
         async def watch() -> None:  # the call: what it yields (a worker's fallback), how it ends
