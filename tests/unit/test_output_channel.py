@@ -35,6 +35,19 @@ async def free_address() -> str:
     return f"{HOST}:{port}"
 
 
+@contextlib.asynccontextmanager
+async def channel():
+    """A sink on this host and a worker's sender, closed afterwards: (sink, its address, sender)."""
+    sink = OutputSink()
+    address = await sink.start(HOST)
+    sender = OutputSender("w0")
+    try:
+        yield sink, address, sender
+    finally:
+        await sender.close()
+        await sink.stop()
+
+
 async def until(condition, timeout_s: float = 10.0) -> None:
     """Wait for ``condition()`` (an event another task causes), failing after ``timeout_s``."""
     async with asyncio.timeout(timeout_s):
@@ -44,53 +57,45 @@ async def until(condition, timeout_s: float = 10.0) -> None:
 
 def test_the_chunks_of_one_step_leave_in_one_frame():
     async def main():
-        sink = OutputSink()
-        address = await sink.start(HOST)
-        sender = OutputSender("w0")
-        queues = {rid: sink.open(rid) for rid in ("a", "b", "c")}
-        step = asyncio.Event()
+        async with channel() as (sink, address, sender):
+            queues = {rid: sink.open(rid) for rid in ("a", "b", "c")}
+            step = asyncio.Event()
 
-        async def request(rid: str) -> None:  # a request's stream, woken by the step's outputs
-            link = await sender.link(address)
-            await step.wait()
-            await link.send(chunk(rid, ord(rid)))
+            async def request(rid: str) -> None:  # a request's stream, woken by the step's outputs
+                link = await sender.link(address)
+                await step.wait()
+                await link.send(chunk(rid, ord(rid)))
 
-        tasks = [asyncio.create_task(request(rid)) for rid in queues]
-        await asyncio.sleep(0.05)  # every request waits for the step
-        step.set()  # one step's outputs wake all three in the same loop iteration
-        await asyncio.gather(*tasks)
-        got = {rid: await asyncio.wait_for(q.get(), 10) for rid, q in queues.items()}
-        assert got == {rid: chunk(rid, ord(rid)) for rid in queues}
-        assert sink.frames == 1 and sink.chunks == 3 and sender.stats()["frames"] == 1
-        # a request nobody listens for any more (cancelled, migrated): its chunks are dropped
-        sink.close("a")
-        await (await sender.link(address)).send(chunk("a", 1))
-        await until(lambda: sink.dropped == 1)
-        assert sink.stats()["listening"] == 2
-        await sender.close()
-        await sink.stop()
+            tasks = [asyncio.create_task(request(rid)) for rid in queues]
+            await asyncio.sleep(0.05)  # every request waits for the step
+            step.set()  # one step's outputs wake all three in the same loop iteration
+            await asyncio.gather(*tasks)
+            got = {rid: await asyncio.wait_for(q.get(), 10) for rid, q in queues.items()}
+            assert got == {rid: chunk(rid, ord(rid)) for rid in queues}
+            assert sink.frames == 1 and sink.chunks == 3 and sender.stats()["frames"] == 1
+            # a request nobody listens for any more (cancelled, migrated): its chunks are dropped
+            sink.close("a")
+            await (await sender.link(address)).send(chunk("a", 1))
+            await until(lambda: sink.dropped == 1)
+            assert sink.stats()["listening"] == 2
 
     asyncio.run(main())
 
 
 def test_stream_sends_everything_to_the_sink_and_yields_nothing():
     async def main():
-        sink = OutputSink()
-        address = await sink.start(HOST)
-        sender = OutputSender("w0")
-        queue = sink.open("r")
+        async with channel() as (sink, address, sender):
+            queue = sink.open("r")
 
-        async def chunks():
-            for i in range(5):
-                yield chunk("r", i, last=i == 4)
+            async def chunks():
+                for i in range(5):
+                    yield chunk("r", i, last=i == 4)
 
-        yielded = [c async for c in sender.stream(address, chunks())]
-        assert yielded == []
-        received = [await asyncio.wait_for(queue.get(), 10) for _ in range(5)]
-        assert [c.token_ids[0] for c in received] == list(range(5)) and received[-1].finish_reason == "length"
-        assert sender.fallbacks == 0
-        await sender.close()
-        await sink.stop()
+            yielded = [c async for c in sender.stream(address, chunks())]
+            assert yielded == []
+            received = [await asyncio.wait_for(queue.get(), 10) for _ in range(5)]
+            assert [c.token_ids[0] for c in received] == list(range(5)) and received[-1].finish_reason == "length"
+            assert sender.fallbacks == 0
 
     asyncio.run(main())
 
@@ -140,25 +145,21 @@ def test_a_closed_sink_fails_the_requests_sending_to_it_and_the_next_connects_ag
 
 def test_a_malformed_frame_closes_only_its_connection():
     async def main():
-        sink = OutputSink()
-        address = await sink.start(HOST)
-        host, _, port = address.rpartition(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(b"\x00\x00\x00\x05hello")  # not an OutputFrame
-        await writer.drain()
-        assert await asyncio.wait_for(reader.read(1), 10) == b""  # the sink closed it
-        writer.close()
-        huge = await asyncio.open_connection(host, int(port))
-        huge[1].write(b"\xff\xff\xff\xff")  # a length over the limit: refused before reading it
-        await huge[1].drain()
-        assert await asyncio.wait_for(huge[0].read(1), 10) == b""
-        huge[1].close()
-        queue = sink.open("r")
-        sender = OutputSender("w0")
-        await (await sender.link(address)).send(chunk("r", 7))
-        assert (await asyncio.wait_for(queue.get(), 10)).token_ids == (7,)
-        await sender.close()
-        await sink.stop()
+        async with channel() as (sink, address, sender):
+            host, _, port = address.rpartition(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"\x00\x00\x00\x05hello")  # not an OutputFrame
+            await writer.drain()
+            assert await asyncio.wait_for(reader.read(1), 10) == b""  # the sink closed it
+            writer.close()
+            huge = await asyncio.open_connection(host, int(port))
+            huge[1].write(b"\xff\xff\xff\xff")  # a length over the limit: refused before reading it
+            await huge[1].drain()
+            assert await asyncio.wait_for(huge[0].read(1), 10) == b""
+            huge[1].close()
+            queue = sink.open("r")
+            await (await sender.link(address)).send(chunk("r", 7))
+            assert (await asyncio.wait_for(queue.get(), 10)).token_ids == (7,)
 
     asyncio.run(main())
 
