@@ -77,6 +77,7 @@ class _Link:
         self.flushing: asyncio.Task | None = None
         self.error: OutputChannelError | None = None
         self.frames = 0
+        self.watch: asyncio.Future | None = None  # the read that returns when the sink closes
 
     def send(self, chunk: TokenChunk) -> asyncio.Future:
         if self.error is not None:
@@ -97,10 +98,8 @@ class _Link:
                 self.writer.write(_LENGTH.pack(len(body)) + body)
                 await self.writer.drain()
             except (OSError, RuntimeError) as exc:  # reset, closed transport
+                self.pending = batch + self.pending  # fail() fails them with the rest
                 self.fail(OutputChannelError(f"output channel to {self.address} broke: {exc!r}"))
-                for _, done in batch:
-                    if not done.done():
-                        done.set_exception(self.error)  # type: ignore[arg-type]
                 return
             self.frames += 1
             for _, done in batch:
@@ -165,7 +164,7 @@ class OutputSender:
                 del self._links[address]
 
         task.add_done_callback(closed)
-        link.watch = task  # type: ignore[attr-defined]  # kept alive with the link
+        link.watch = task
         logger.info("worker %s: output channel to ingress %s open", self.worker_id, address)
         return link
 

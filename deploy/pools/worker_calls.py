@@ -390,21 +390,17 @@ class WorkerCalls:
 
         watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            call_ended = False
+            grace: float | None = None  # once the call ended cleanly: how long its last chunk may take
             while True:
-                if call_ended:
-                    # The call ended cleanly before its last chunk came: that one is on the channel.
-                    try:
-                        item = await asyncio.wait_for(queue.get(), END_GRACE_S)
-                    except asyncio.TimeoutError:
-                        raise OutputChannelError(
-                            f"request {choice.request_id}: the worker finished but its last tokens did not "
-                            f"arrive on the output channel within {END_GRACE_S:g} s"
-                        ) from None
-                else:
-                    item = await queue.get()
-                if item is _CALL_ENDED:
-                    call_ended = True
+                try:  # (wait_for without a timeout is a plain await: nothing added per token)
+                    item = await asyncio.wait_for(queue.get(), grace)
+                except asyncio.TimeoutError:
+                    raise OutputChannelError(
+                        f"request {choice.request_id}: the worker finished but its last tokens did not "
+                        f"arrive on the output channel within {END_GRACE_S:g} s"
+                    ) from None
+                if item is _CALL_ENDED:  # the last chunk is still on the channel
+                    grace = END_GRACE_S
                     continue
                 if isinstance(item, BaseException):
                     raise item
