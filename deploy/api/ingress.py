@@ -8,6 +8,7 @@ colocated (one pool). Text, stop strings and logprobs are assembled here (``depl
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from typing import Any, cast
@@ -173,6 +174,8 @@ class OpenAIIngress:
                     "retired_streams": self.workers.retired_streams,
                 },
                 "output_channel": self.workers.sink.stats() if self.workers.sink is not None else None,
+                # Serve reads the switch from its environment at start-up, as this process did
+                "http_front_end": "haproxy" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "serve_proxy",
                 "conversations": self.conversations.stats() if self.conversations is not None else None,
                 "autoscaling": await autoscaling_status(self.autoscaler),
             },

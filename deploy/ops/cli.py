@@ -343,6 +343,13 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         help="stream every request's tokens from its worker on its own Serve stream (default: one "
         "message per engine step to each ingress replica for all its requests)",
     )
+    parser.add_argument(
+        "--haproxy",
+        action="store_true",
+        help="serve HTTP through Ray Serve's HAProxy ingress: HAProxy takes the port and hands each "
+        "connection to an ingress replica's own HTTP server, out of Serve's Python proxy (a Ray "
+        "that pdserve up starts; an existing cluster sets RAY_SERVE_ENABLE_HA_PROXY=1 itself)",
+    )
     parser.add_argument("--transport", default="auto", choices=POOL_TRANSPORTS)
     parser.add_argument("--gpus-per-replica", type=float, default=0.0)
     parser.add_argument(
@@ -619,12 +626,17 @@ def _run_up(args: argparse.Namespace) -> int:
     except ValueError as exc:  # pydantic's ValidationError is one
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
-    local = LocalCluster(
-        redis_url=args.redis_url,
-        ray_address=args.ray_address,
-        on_phase=_say,
-        ray_init_kwargs={} if debug else {"logging_level": logging.WARNING},
-    )
+    try:
+        local = LocalCluster(
+            redis_url=args.redis_url,
+            ray_address=args.ray_address,
+            on_phase=_say,
+            ray_init_kwargs={} if debug else {"logging_level": logging.WARNING},
+            haproxy=args.haproxy,
+        )
+    except ValueError as exc:  # --haproxy with an existing Ray
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 2
     signals.on_force = local.kill
     try:
         try:

@@ -9,6 +9,7 @@ Serve access log, and nothing left running."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -22,9 +23,12 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from transformers import AutoTokenizer
 
 from cluster.local import SERVE_PERIODS_ENV
+from tests.integration.conftest import wait_idle
 from tests.redis_server import RedisServer, find_redis_server, free_port
+from tests.unit.engine_helpers import hf_greedy
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -241,3 +245,67 @@ def test_up_leaves_the_prefix_index_before_it_stops(tiny_llama):
             assert client.keys("pd:*:wblocks:*") == [] and client.keys("pd:*:blk:*") == []
             assert all(client.hlen(key) == 0 for key in client.keys("pd:*:workers"))
     _check_clean(up)
+
+
+def test_up_with_haproxy_serves_exactly_through_haproxy_and_stops_cleanly(tiny_llama):
+    """`pdserve up --haproxy`: HAProxy (not Serve's Python proxy) holds the port, and what comes
+    through it is what the engine makes: greedy text exact against transformers, plain and as SSE;
+    a bad parameter is a 400 naming it; a client that leaves mid-stream aborts its request and
+    frees its blocks; Ctrl-C stops everything, HAProxy included."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    up = Up(
+        "--model", tiny_llama, "--served-model-name", "tiny", "--port", str(port),
+        "--mode", "colocated", "--colocated", "1", "--haproxy",
+    )  # fmt: skip
+    try:
+        up.wait_for("HTTP through HAProxy", 120)
+        up.wait_for("pdserve is up", 300)
+        holders = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True).stdout
+        assert '"haproxy"' in holders, holders  # HAProxy listens on the port, not Serve's proxy
+        assert httpx.get(f"{base}/v1/cluster/status", timeout=10).json()["http_front_end"] == "haproxy"
+        environments = _serve_environments(up)
+        assert environments["ingress"].get("RAY_SERVE_ENABLE_HA_PROXY") == "1", environments["ingress"]
+
+        prompt = list(range(3, 40))
+        want = AutoTokenizer.from_pretrained(tiny_llama).decode(
+            hf_greedy(tiny_llama, tuple(prompt), 8), skip_special_tokens=True
+        )
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        plain = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert plain.status_code == 200, plain.text
+        assert plain.json()["choices"][0]["text"] == want
+        events: list[str] = []
+        with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=60) as resp:
+            assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+            events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == want
+
+        bad = httpx.post(f"{base}/v1/completions", json={**body, "max_tokens": -3}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens", bad.text
+
+        before = httpx.get(f"{base}/v1/cluster/status", timeout=10).json()["requests"]
+        long = {**body, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=long, timeout=60) as resp:
+            got = 0
+            for line in resp.iter_lines():
+                got += line.startswith("data: ")
+                if got == 4:
+                    break  # leave mid-stream: HAProxy closes its side to the ingress replica
+        assert _until(
+            lambda: (
+                httpx.get(f"{base}/v1/cluster/status", timeout=10).json()["requests"]["aborted"]
+                == before["aborted"] + 1
+            ),
+            30,
+        )
+        status = wait_idle(base)
+        assert status["requests"]["failed"] == before["failed"]
+        assert all(r["num_running"] == 0 for pool in status["pools"].values() for r in pool)
+
+        assert up.ctrl_c() == 0, up.output
+    finally:
+        up.close()
+    up.wait_for("Ray stopped", 5)
+    _check_clean(up)  # nothing left in the session, HAProxy included

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cluster.local import (
+    HAPROXY_ENV,
     RAY_DEFAULT_GCS_PORT,
     SERVE_PERIODS_ENV,
     LocalCluster,
@@ -106,6 +107,30 @@ def test_serve_periods_env_adds_what_is_unset_and_restores(monkeypatch: pytest.M
         assert added == {other: SERVE_PERIODS_ENV[other]}
         assert os.environ[mine] == "2.5" and os.environ[other] == SERVE_PERIODS_ENV[other]
     assert os.environ[mine] == "2.5" and other not in os.environ
+
+
+def test_serve_periods_env_adds_haproxy_switch_only_where_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--haproxy` adds Serve's HAProxy switch and drain period beside the periods; an operator's
+    own drain period wins, and afterwards both are gone."""
+    (switch, drain) = list(HAPROXY_ENV)
+    monkeypatch.delenv(switch, raising=False)
+    monkeypatch.setenv(drain, "7")
+    with serve_periods_env(HAPROXY_ENV) as added:
+        assert added[switch] == "1" and drain not in added
+        assert os.environ[switch] == "1" and os.environ[drain] == "7"
+    assert switch not in os.environ and os.environ[drain] == "7"
+
+
+def test_haproxy_with_an_existing_ray_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An existing cluster's Serve reads its HAProxy switch from its own `ray start`: asking for
+    it here would be silently ignored, so it is refused, saying where to set it."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ValueError, match="RAY_SERVE_ENABLE_HA_PROXY=1"):
+        LocalCluster(ray_address="10.0.0.1:6379", haproxy=True)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    with pytest.raises(ValueError, match="existing cluster"):
+        LocalCluster(haproxy=True)
+    assert LocalCluster(haproxy=False)._ray_address == "10.0.0.1:6379"
 
 
 def test_redact_url_hides_password() -> None:
