@@ -311,7 +311,8 @@ class PDServeArgs(BaseModel):
     fault_injection: dict[str, float] = Field(
         default_factory=dict,
         description="testing only: prefill_delay_s (sleep before each prefill), send_stall_s (stall before "
-        "each KV send) to exercise replica deaths and transfer deadlines",
+        "each KV send), step_delay_s (sleep after each engine step that runs sequences) to exercise "
+        "replica deaths and transfer deadlines",
     )
 
     @field_validator("block_size")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import AsyncIterator
 
 import ray
@@ -169,6 +170,8 @@ class _WorkerServer:
     def _on_step(self, engine: LLMEngine) -> None:
         """Engine thread, after each step and on idle ticks: events out, load refreshed."""
         state = engine.stats()
+        if state.num_running and (delay := self.args.fault_injection.get("step_delay_s")):
+            time.sleep(delay)  # testing only: a slow engine, so a test can act while sequences run
         self._load = {
             "free_blocks": state.num_free_blocks,
             "total_blocks": state.num_blocks,

@@ -28,7 +28,15 @@ def two_decode_app(serve_cluster, tiny_llama):
         serve_cluster,
         APP,
         "/migrate",
-        app_args(tiny_llama, serve_cluster.redis.url, decode={"replicas": 2, "num_cpus": 0.5}),
+        app_args(
+            tiny_llama,
+            serve_cluster.redis.url,
+            decode={"replicas": 2, "num_cpus": 0.5},
+            # Each step that runs sequences takes 10 ms more: a 160-token answer lasts >= 1.6 s on
+            # any machine, so the tests' kill (or retirement) lands while it runs. Without it a fast
+            # machine finished the tiny model's answer before the status poll saw it running.
+            fault_injection={"step_delay_s": 0.01},
+        ),
     )
     yield base
     from ray import serve
