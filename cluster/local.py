@@ -76,10 +76,17 @@ SERVE_PERIODS_ENV = {
 # while no ingress replica is up. A stopping ingress replica is held open this many seconds (Serve:
 # 30, capped by the ingress' drain budget) so HAProxy can take it out of rotation first; HAProxy
 # retries a refused connection, and Serve's routing updates reach it within a fraction of a second.
+HAPROXY_SWITCH = "RAY_SERVE_ENABLE_HA_PROXY"
 HAPROXY_ENV = {
-    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    HAPROXY_SWITCH: "1",
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
 }
+
+
+def haproxy_enabled() -> bool:
+    """Whether Serve in this process's environment serves HTTP through HAProxy (Serve reads the
+    switch the same way, once, at import)."""
+    return os.environ.get(HAPROXY_SWITCH) == "1"
 
 
 def find_free_port(exclude: frozenset[int] | set[int] = frozenset({RAY_DEFAULT_GCS_PORT})) -> int:
@@ -308,7 +315,7 @@ class LocalCluster:
         extra = HAPROXY_ENV if self._haproxy else {}
         with serve_periods_env(extra):  # Ray's processes inherit the environment ray.init starts them in
             context = ray.init(num_cpus=self._num_cpus, **kwargs)
-            haproxy = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"  # the flag's or the operator's
+            haproxy = haproxy_enabled()  # the flag's or the operator's
         self._ray_initialized_here = True
         self.started_ray = True
         self.gcs_address = ray.get_runtime_context().gcs_address
@@ -508,6 +515,7 @@ __all__ = [
     "LocalCluster",
     "SERVE_PERIODS_ENV",
     "HAPROXY_ENV",
+    "haproxy_enabled",
     "serve_periods_env",
     "RAY_DEFAULT_GCS_PORT",
     "find_free_port",

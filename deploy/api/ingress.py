@@ -8,7 +8,6 @@ colocated (one pool). Text, stop strings and logprobs are assembled here (``depl
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from typing import Any, cast
@@ -18,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
+from cluster.local import haproxy_enabled
 from deploy.api import http_errors
 from deploy.api.context_limit import fit_to_context
 from deploy.api.conversation import ConversationCache, ConversationTurn
@@ -174,8 +174,7 @@ class OpenAIIngress:
                     "retired_streams": self.workers.retired_streams,
                 },
                 "output_channel": self.workers.sink.stats() if self.workers.sink is not None else None,
-                # Serve reads the switch from its environment at start-up, as this process did
-                "http_front_end": "haproxy" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "serve_proxy",
+                "http_front_end": "haproxy" if haproxy_enabled() else "serve_proxy",
                 "conversations": self.conversations.stats() if self.conversations is not None else None,
                 "autoscaling": await autoscaling_status(self.autoscaler),
             },

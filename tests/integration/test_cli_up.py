@@ -23,12 +23,11 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from transformers import AutoTokenizer
 
 from cluster.local import SERVE_PERIODS_ENV
 from tests.integration.conftest import wait_idle
+from tests.integration.test_faults import expected_text, requests_status, wait_ended
 from tests.redis_server import RedisServer, find_redis_server, free_port
-from tests.unit.engine_helpers import hf_greedy
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -268,9 +267,7 @@ def test_up_with_haproxy_serves_exactly_through_haproxy_and_stops_cleanly(tiny_l
         assert environments["ingress"].get("RAY_SERVE_ENABLE_HA_PROXY") == "1", environments["ingress"]
 
         prompt = list(range(3, 40))
-        want = AutoTokenizer.from_pretrained(tiny_llama).decode(
-            hf_greedy(tiny_llama, tuple(prompt), 8), skip_special_tokens=True
-        )
+        want = expected_text(tiny_llama, prompt, 8)
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
         plain = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
         assert plain.status_code == 200, plain.text
@@ -285,7 +282,7 @@ def test_up_with_haproxy_serves_exactly_through_haproxy_and_stops_cleanly(tiny_l
         bad = httpx.post(f"{base}/v1/completions", json={**body, "max_tokens": -3}, timeout=30)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens", bad.text
 
-        before = httpx.get(f"{base}/v1/cluster/status", timeout=10).json()["requests"]
+        before = requests_status(base)
         long = {**body, "max_tokens": 1500, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=long, timeout=60) as resp:
             got = 0
@@ -293,15 +290,10 @@ def test_up_with_haproxy_serves_exactly_through_haproxy_and_stops_cleanly(tiny_l
                 got += line.startswith("data: ")
                 if got == 4:
                     break  # leave mid-stream: HAProxy closes its side to the ingress replica
-        assert _until(
-            lambda: (
-                httpx.get(f"{base}/v1/cluster/status", timeout=10).json()["requests"]["aborted"]
-                == before["aborted"] + 1
-            ),
-            30,
-        )
+        after = wait_ended(base, before, 1)
+        assert after["aborted"] == before["aborted"] + 1, (before, after)  # a disconnect is an abort,
+        assert after["failed"] == before["failed"], (before, after)  # not a failure
         status = wait_idle(base)
-        assert status["requests"]["failed"] == before["failed"]
         assert all(r["num_running"] == 0 for pool in status["pools"].values() for r in pool)
 
         assert up.ctrl_c() == 0, up.output

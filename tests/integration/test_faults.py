@@ -171,16 +171,16 @@ def test_decode_replica_death_ends_the_stream_with_an_error(slow_prefill_app, ti
     wait_idle(base)
 
 
-def _requests(base: str) -> dict:
+def requests_status(base: str) -> dict:
     return httpx.get(f"{base}/v1/cluster/status", timeout=10).json()["requests"]
 
 
-def _wait_ended(base: str, before: dict, count: int, timeout_s: float = 30) -> dict:
+def wait_ended(base: str, before: dict, count: int, timeout_s: float = 30) -> dict:
     """The request figures once ``count`` more choices have ended (the ingress sees a
     disconnect a moment after the client closes)."""
     deadline = time.time() + timeout_s
     while True:
-        now = _requests(base)
+        now = requests_status(base)
         ended = sum(now[k] - before[k] for k in ("finished", "failed", "aborted"))
         if (ended >= count and now["active"] == 0) or time.time() > deadline:
             return now
@@ -189,7 +189,7 @@ def _wait_ended(base: str, before: dict, count: int, timeout_s: float = 30) -> d
 
 def test_client_disconnect_aborts_and_frees_everything(slow_prefill_app):
     base = slow_prefill_app
-    before = _requests(base)
+    before = requests_status(base)
     body = {
         "model": MODEL,
         "prompt": random_prompts((40,), seed=84)[0],
@@ -208,7 +208,7 @@ def test_client_disconnect_aborts_and_frees_everything(slow_prefill_app):
     # A client that leaves during the prefill (inside the 2 s delay), without streaming:
     with pytest.raises(httpx.TimeoutException):
         complete(base, random_prompts((45,), seed=87)[0], 1500, timeout=1.0, ignore_eos=True)
-    after = _wait_ended(base, before, 2)
+    after = wait_ended(base, before, 2)
     assert after["aborted"] == before["aborted"] + 2, (before, after)  # a disconnect is an abort,
     assert after["failed"] == before["failed"], (before, after)  # not a failure
     status = wait_idle(base, timeout_s=30)
