@@ -83,6 +83,18 @@ HAPROXY_ENV = {
 }
 
 
+def metrics_url() -> str | None:
+    """Where Prometheus scrapes this node's metrics (Ray's metrics agent; pdserve's are among
+    them, named ``ray_pdserve_*``), or None when Ray has not said yet. The dashboard writes the same
+    targets to Prometheus' service discovery file; without it, this is the way to find them."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    node = next((n for n in ray.nodes() if n.get("NodeID") == node_id), None)
+    port = node.get("MetricsExportPort") if node else None
+    return f"http://{node['NodeManagerAddress']}:{port}/metrics" if node and port else None
+
+
 def haproxy_enabled() -> bool:
     """Whether Serve in this process's environment serves HTTP through HAProxy (Serve reads the
     switch the same way, once, at import)."""
@@ -151,6 +163,10 @@ class LocalCluster:
     haproxy: the Ray started here serves HTTP through Serve's HAProxy ingress (`HAPROXY_ENV`).
         An existing Ray decides for itself (its `ray start` environment), so with `ray_address`
         this is an error.
+    ray_dashboard: False starts the local Ray without its dashboard (the head process and its
+        module processes, which poll the cluster while it idles; BENCHMARKS.md, "Idle CPU by process").
+        Ray's metrics agent runs either way, so Prometheus still reads every metric. An existing
+        Ray keeps its own.
     """
 
     def __init__(
@@ -164,6 +180,7 @@ class LocalCluster:
         on_phase: Callable[[str], None] | None = None,
         ray_init_kwargs: dict | None = None,
         haproxy: bool = False,
+        ray_dashboard: bool = True,
     ) -> None:
         if redis_url is not None and redis_port is not None:
             raise ValueError("give redis_url (an existing Redis) or redis_port (a managed one), not both")
@@ -180,6 +197,7 @@ class LocalCluster:
                 "RAY_SERVE_ENABLE_HA_PROXY=1 in the environment of every node's `ray start` (see cluster/*.yaml)"
             )
         self._haproxy = haproxy
+        self._ray_dashboard = ray_dashboard
         self._num_cpus = num_cpus
         self._redis_port = redis_port
         self._start_ray = start_ray
@@ -312,6 +330,7 @@ class LocalCluster:
         # A fresh head: ray.init() binds its GCS to a free port unless RAY_GCS_SERVER_PORT is set.
         kwargs = dict(self._ray_init_kwargs)
         kwargs["_system_config"] = {"worker_niceness": RAY_WORKER_NICENESS, **kwargs.get("_system_config", {})}
+        kwargs.setdefault("include_dashboard", self._ray_dashboard)
         extra = HAPROXY_ENV if self._haproxy else {}
         with serve_periods_env(extra):  # Ray's processes inherit the environment ray.init starts them in
             context = ray.init(num_cpus=self._num_cpus, **kwargs)
@@ -324,7 +343,8 @@ class LocalCluster:
         self._phase(
             f"Ray started: local instance (gcs {self.gcs_address}, {cpus:g} CPUs"
             + (", HTTP through HAProxy" if haproxy else "")
-            + (f", Ray dashboard http://{dashboard}" if dashboard else "")
+            + (f", Ray dashboard http://{dashboard}" if dashboard else ", Ray dashboard off")
+            + (f", metrics {metrics}" if (metrics := metrics_url()) else "")
             + ")"
         )
 

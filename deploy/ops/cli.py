@@ -350,6 +350,13 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         "connection to an ingress replica's own HTTP server, out of Serve's Python proxy (a Ray "
         "that pdserve up starts; an existing cluster sets RAY_SERVE_ENABLE_HA_PROXY=1 itself)",
     )
+    parser.add_argument(
+        "--ray-dashboard",
+        action="store_true",
+        help="start the local Ray with its dashboard (port 8265; default: without it, which saves its "
+        "processes' idle CPU; --autoscaling pd starts it, as it scales through the dashboard's REST "
+        "API; an existing cluster keeps its own)",
+    )
     parser.add_argument("--transport", default="auto", choices=POOL_TRANSPORTS)
     parser.add_argument("--gpus-per-replica", type=float, default=0.0)
     parser.add_argument(
@@ -428,7 +435,7 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=("pd", "queue"),
         default=None,
         help="size the pools while serving: pd moves replicas between prefill and decode within "
-        "--max-replicas in all (needs the Ray dashboard, which a local cluster runs); queue gives "
+        "--max-replicas in all (through the Ray dashboard, which pdserve up then starts); queue gives "
         "each pool Serve's own queue-length autoscaling between 1 and --max-replicas (default: fixed replicas)",
     )
     parser.add_argument(
@@ -633,6 +640,7 @@ def _run_up(args: argparse.Namespace) -> int:
             on_phase=_say,
             ray_init_kwargs={} if debug else {"logging_level": logging.WARNING},
             haproxy=args.haproxy,
+            ray_dashboard=_ray_dashboard(args),
         )
     except ValueError as exc:  # --haproxy with an existing Ray
         print(f"pdserve up: {exc}", file=sys.stderr)
@@ -650,6 +658,12 @@ def _run_up(args: argparse.Namespace) -> int:
         return _deploy_and_serve(args, model, local, signals, debug)
     finally:
         local.stop()  # Ray first, then Redis: nothing is left that talks to the index
+
+
+def _ray_dashboard(args: argparse.Namespace) -> bool:
+    """Whether a Ray that `pdserve up` starts runs its dashboard: asked for, or needed (the pd
+    autoscaler sets the pools' targets through its REST API)."""
+    return bool(args.ray_dashboard or args.autoscaling == "pd")
 
 
 # Cores `pdserve up` keeps from the engines on a local CPU cluster, for the serving path (every

@@ -27,6 +27,7 @@ import redis
 from cluster.local import SERVE_PERIODS_ENV
 from tests.integration.conftest import wait_idle
 from tests.integration.test_faults import expected_text, requests_status, wait_ended
+from tests.integration.test_serve_app import scrape
 from tests.redis_server import RedisServer, find_redis_server, free_port
 
 pytestmark = [
@@ -85,6 +86,11 @@ class Up:
             ["ps", "-o", "pid=,comm=", "--sid", str(self.proc.pid)], capture_output=True, text=True
         ).stdout
         return [line for line in out.splitlines() if line.strip()]
+
+    def session_commands(self) -> list[str]:
+        """The full command line of every process in the session."""
+        out = subprocess.run(["ps", "-ww", "-o", "args=", "--sid", str(self.proc.pid)], capture_output=True, text=True)
+        return [line.strip() for line in out.stdout.splitlines() if line.strip()]
 
     @property
     def output(self) -> str:
@@ -178,7 +184,8 @@ def test_up_narrates_serves_and_stops_cleanly_on_ctrl_c(tiny_llama):
     up = Up("--model", tiny_llama, "--served-model-name", "tiny", "--port", str(port))
     try:
         up.wait_for("model resolved", 60)
-        up.wait_for("Ray started", 120)
+        ray_line = up.wait_for("Ray started", 120)
+        assert "Ray dashboard off" in ray_line  # no --ray-dashboard, no pd autoscaling
         redis_line = up.wait_for("Redis started", 60)
         redis_pid = int(re.search(r"\(pid (\d+)\)", redis_line).group(1))
         assert os.getpgid(redis_pid) != up.proc.pid  # not in the group a Ctrl-C reaches
@@ -203,6 +210,14 @@ def test_up_narrates_serves_and_stops_cleanly_on_ctrl_c(tiny_llama):
 
         assert _serve_one(base)["choices"][0]["finish_reason"] in ("length", "stop")
 
+        # Without Ray's dashboard (none of its module processes: NodeHead, StateHead, ServeHead, ...),
+        # its metrics agent still exports pdserve's metrics where the start-up line says.
+        commands = up.session_commands()
+        assert not [c for c in commands if c.startswith("ray-dashboard-")], commands
+        metrics = re.search(r"metrics (http://\S+/metrics)", ray_line)
+        assert metrics is not None, ray_line
+        assert _until(lambda: _requests_exported(metrics.group(1)) >= 1, 60)
+
         # The engines do not yield the CPU to Ray's daemons: a Ray that pdserve up started runs its
         # workers, the replicas and every thread of theirs, at niceness 0 (Ray's default is 15).
         replicas = _replica_threads_niceness(up)
@@ -221,6 +236,14 @@ def test_up_narrates_serves_and_stops_cleanly_on_ctrl_c(tiny_llama):
     up.wait_for("Redis stopped", 5)
     _check_clean(up)
     assert not _alive(redis_pid)
+
+
+def _requests_exported(url: str) -> float:
+    """``pdserve_requests_total`` as Prometheus would scrape it from ``url``; 0 while nothing answers."""
+    try:
+        return scrape(url).get("pdserve_requests_total", 0.0)
+    except httpx.HTTPError:
+        return 0.0
 
 
 def test_up_leaves_the_prefix_index_before_it_stops(tiny_llama):

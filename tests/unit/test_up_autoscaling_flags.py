@@ -55,3 +55,17 @@ def test_fixed_replicas_without_the_flag(tiny_llama):
 def test_wrong_combinations_are_refused_with_the_reason(tiny_llama, flags, message):
     with pytest.raises(ValueError, match=message):
         _app_args(tiny_llama, *flags)
+
+
+def test_ray_dashboard_runs_when_asked_for_or_needed_by_pd():
+    """A Ray that `pdserve up` starts runs without its dashboard (idle CPU) unless --ray-dashboard
+    asks for it or --autoscaling pd needs its REST API; queue autoscaling is Serve's own."""
+    from deploy.ops.cli import _ray_dashboard
+
+    def dashboard(*flags: str) -> bool:
+        return _ray_dashboard(build_parser().parse_args(["up", *flags]))
+
+    assert dashboard() is False
+    assert dashboard("--ray-dashboard") is True
+    assert dashboard("--autoscaling", "pd") is True
+    assert dashboard("--autoscaling", "queue") is False
