@@ -237,12 +237,6 @@ def main(argv: list[str] | None = None) -> None:
         "and compare it in (b) and (c), where it is the baseline",
     )
     ap.add_argument(
-        "--no-mkl",
-        action="store_true",
-        help="also build an eager engine without MKL packs (mkl_linear_rows=(): oneDNN above the "
-        "F.linear rows) and compare it in (b) and (c), where it is the baseline",
-    )
-    ap.add_argument(
         "--sdpa",
         action="store_true",
         help="also build an eager engine with attention_backend sdpa (decodes gather their blocks) "
@@ -282,8 +276,6 @@ def main(argv: list[str] | None = None) -> None:
     engines = {"eager": engine}
     if args.sdpa:  # first: (c) gives every engine's step as a ratio to the first's
         engines = {"sdpa": LLMEngine(str(model_dir), attention_backend="sdpa", **engine_kwargs), **engines}
-    if args.no_mkl:
-        engines = {"no-mkl": LLMEngine(str(model_dir), mkl_linear_rows=(), **engine_kwargs), **engines}
     if args.unpacked:
         engines = {"unpacked": LLMEngine(str(model_dir), prepack_weights=False, **engine_kwargs), **engines}
     cfg = engine.model_config
@@ -291,8 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"# model {model_dir} ({cfg.num_params / 1e6:.0f}M params, {cfg.num_layers}x{cfg.hidden_size}), "
         f"device {device} {engine.dtype}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-        f"eager attention {engine.runner.attention_backend}, F.linear up to {engine.model.plain_linear_rows} rows, "
-        f"MKL packs at {'/'.join(map(str, engine.model.mkl_linear_rows)) or 'no'} rows, "
+        f"eager attention {engine.runner.attention_backend}, "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average at start "
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )

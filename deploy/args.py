@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from workers.protocol import KVCacheDType, Transport
 
@@ -255,13 +255,6 @@ class PDServeArgs(BaseModel):
         description="CPU fp32: linears multiply with oneDNN on weights reordered once at load "
         "(faster; the linears' weights then take twice their memory); false: F.linear",
     )
-    mkl_linear_rows: tuple[PositiveInt, ...] | None = Field(
-        default=None,
-        description="with prepack_weights: the decode batch sizes (row counts) that multiply through "
-        "MKL's packed GEMM, one more copy of the weights each (each serves the counts above the one "
-        "below it, padded); null: the ones among 4, 8 and 16 where MKL beat oneDNN by 8 % when timed at "
-        "load; []: never",
-    )
     attention_backend: Literal["auto", "sdpa", "flex", "paged"] = Field(
         default="auto",
         description="sdpa: decodes gather their blocks for SDPA; paged: decodes read the cache through "
@@ -460,7 +453,6 @@ class PDServeArgs(BaseModel):
             enable_prefix_caching=self.enable_prefix_caching,
             enforce_eager=self.enforce_eager,
             prepack_weights=self.prepack_weights,
-            mkl_linear_rows=self.mkl_linear_rows,
             attention_backend=self.attention_backend,
             model_key=self.model_key,
             tensor_parallel_size=getattr(self, role).tensor_parallel_size,

@@ -377,16 +377,6 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         "FlexAttention (not with --compile); default auto: paged on CPU, sdpa on CUDA",
     )
     parser.add_argument(
-        "--mkl-linear-rows",
-        type=_positive_int,
-        nargs="*",
-        default=None,
-        metavar="ROWS",
-        help="CPU fp32: decode batch sizes whose linears multiply through MKL packs, a copy of the "
-        "weights each (default: those among 4, 8, 16 where MKL beats oneDNN by 8 %% when timed at load; "
-        "given with no sizes: never)",
-    )
-    parser.add_argument(
         "--max-num-seqs", type=_positive_int, default=128, help="sequences in one engine step (default 128)"
     )
     parser.add_argument(
@@ -807,7 +797,6 @@ def up_app_args(args: argparse.Namespace, model: str, redis_url: str | None):
         output_channel=not args.no_output_channel,
         enforce_eager=not args.compile,
         attention_backend=args.attention_backend,
-        mkl_linear_rows=tuple(args.mkl_linear_rows) if args.mkl_linear_rows is not None else None,
         max_num_seqs=args.max_num_seqs,
         redis_url=redis_url,
         transport=args.transport,

@@ -122,16 +122,13 @@ class _WorkerServer:
             "num_waiting": 0,
         }
         logger.info(
-            "%s replica %s ready: %d KV blocks on %s%s%s",
+            "%s replica %s ready: %d KV blocks on %s%s",
             self.role,
             self.worker_id,
             engine.num_kv_blocks,
             self.device,
             f", batches of up to {rows} row(s) multiply with F.linear, larger ones with oneDNN"
             if (rows := engine.model.plain_linear_rows)
-            else "",
-            f", batches of {'/'.join(map(str, mkl))} rows with MKL packs"
-            if (mkl := engine.model.mkl_linear_rows)
             else "",
         )
         return self.loop

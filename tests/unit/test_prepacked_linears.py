@@ -16,16 +16,11 @@ from tests.unit.test_engine_parity import GREEDY, assert_matches_hf, make_engine
 from workers.models.config import ModelConfig
 from workers.models.loader import load_model
 from workers.models.parallel import (
-    MKL_ROW_CANDIDATES,
-    MKL_ROWS_MARGIN,
     PLAIN_ROW_CANDIDATES,
     PLAIN_ROWS_MARGIN,
     ColumnParallelLinear,
     PackedLinear,
     TPGroup,
-    _mkl_available,
-    _packed_units,
-    choose_mkl_rows,
     choose_plain_rows,
     prepack_linears,
 )
@@ -73,8 +68,7 @@ class _CaptureAttention:
 
 @pytest.mark.parametrize("arch", ("llama", "qwen2", "qwen3"))  # qwen2: q/k/v biases; qwen3: q/k norms
 def test_fused_layers_equal_the_separately_packed_ones_bit_for_bit(tiny_model_dirs, arch):
-    # oneDNN only (no MKL packs, which this CPU may choose): the fused copy against the separate ones
-    model = load_model(tiny_model_dirs[arch], progress=False, prepack=True, plain_rows=0, mkl_rows=())
+    model = load_model(tiny_model_dirs[arch], progress=False, prepack=True, plain_rows=0)
     layer = model.model.layers[1]
     hidden = model.config.hidden_size
     torch.manual_seed(0)
@@ -102,7 +96,7 @@ def test_fused_layers_equal_the_separately_packed_ones_bit_for_bit(tiny_model_di
 
 @pytest.mark.parametrize("arch", ("llama", "qwen2"))  # qwen2: q/k/v biases
 def test_small_batches_take_f_linear_on_the_fused_plain_weight(tiny_model_dirs, arch):
-    model = load_model(tiny_model_dirs[arch], progress=False, prepack=True, plain_rows=2, mkl_rows=())
+    model = load_model(tiny_model_dirs[arch], progress=False, prepack=True, plain_rows=2)
     attn = model.model.layers[0].self_attn
     fused = attn.fused
     assert fused is not None and fused.plain_rows == 2 and attn.o_proj.plain_rows == 2
@@ -127,7 +121,7 @@ def test_small_batches_take_f_linear_on_the_fused_plain_weight(tiny_model_dirs, 
 
 
 def test_plain_rows_are_measured_when_not_given(tiny_model_dirs):
-    model = load_model(tiny_model_dirs["llama"], progress=False, prepack=True, plain_rows=0, mkl_rows=())
+    model = load_model(tiny_model_dirs["llama"], progress=False, prepack=True, plain_rows=0)
     rows, timings = choose_plain_rows(model)  # timed on this CPU, both ways
     assert timings and [t.rows for t in timings] == list(PLAIN_ROW_CANDIDATES[: len(timings)])
     assert all(t.plain_s > 0 and t.packed_s > 0 for t in timings)
@@ -194,61 +188,6 @@ def test_greedy_parity_both_ways(tiny_model_dirs, prepack, plain_rows):
     fused = {id(getattr(m, name)) for m in engine.model.modules() for name in getattr(m, "fused_inputs", ())}
     assert all((m.packed is not None) == (prepack and id(m) not in fused) for m in layers)
     assert all((layer.mlp.fused is not None) == prepack for layer in engine.model.model.layers)
-    prompts = random_prompts(seed=5)
-    assert_matches_hf(model_dir, prompts, engine.generate(prompts, GREEDY))
-    engine.check_idle()
-
-
-needs_mkl = pytest.mark.skipif(not _mkl_available(), reason="this torch has no MKL")
-
-
-@needs_mkl
-def test_mkl_packs_serve_their_bands_padded_and_agree_with_f_linear():
-    torch.manual_seed(0)
-    layer = ColumnParallelLinear(64, 96, bias=True, tp=TPGroup())
-    with torch.no_grad():
-        layer.weight.normal_(0, 0.05)
-        layer.bias.normal_(0, 0.05)
-    layer.pack(8)
-    layer.plain_rows = 1
-    model = torch.nn.Sequential(layer)
-    assert choose_mkl_rows(model, (4, 8)) == ((4, 8), [])  # as configured: nothing timed
-    assert sorted(layer.mkl) == [4, 8] and layer.mkl[4][0] == 1 and layer.mkl[8][0] == 4  # bands (1, 4], (4, 8]
-    x = torch.randn(12, 64)
-    for rows, op in ((1, "aten::linear"), (2, "mkl::_mkl_linear"), (4, "mkl::_mkl_linear"), (5, "mkl::_mkl_linear"),
-                     (8, "mkl::_mkl_linear"), (9, "mkldnn::_linear_pointwise")):  # fmt: skip
-        with torch.inference_mode():
-            out = layer(x[:rows])
-            assert op in _ops(lambda rows=rows: layer(x[:rows])), rows
-        torch.testing.assert_close(out, F.linear(x[:rows], layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-    with torch.inference_mode():
-        # A row's output does not depend on the rows beside it: padded with zeros or with other rows
-        assert torch.equal(layer(x[:5]), layer(x[:8])[:5])
-        assert torch.equal(layer(x[:2]), layer(x[:4])[:2])
-        assert layer(x[:6].view(2, 3, 64)).shape == (2, 3, 96)
-    assert choose_mkl_rows(model, ()) == ((), []) and layer.mkl == {}  # (): none
-
-
-@needs_mkl
-def test_mkl_rows_are_measured_when_not_given(tiny_model_dirs):
-    model = load_model(tiny_model_dirs["llama"], progress=False, prepack=True, plain_rows=2, mkl_rows=())
-    units = _packed_units(model)
-    assert all(unit.mkl == {} for unit in units)
-    kept, timings = choose_mkl_rows(model)  # timed on this CPU, both ways
-    assert [t.rows for t in timings] == [r for r in MKL_ROW_CANDIDATES if r > 2]
-    assert all(t.mkl_s > 0 and t.onednn_s > 0 for t in timings)
-    assert list(kept) == [t.rows for t in timings if t.mkl_s <= t.onednn_s * (1 - MKL_ROWS_MARGIN)]
-    assert all(sorted(unit.mkl) == list(kept) for unit in units)
-    assert model.mkl_linear_rows == ()  # load_model was told (): choose_mkl_rows alone does not set it
-
-
-@needs_mkl
-def test_greedy_parity_with_mkl_packs(tiny_model_dirs):
-    # every decode batch of 2-8 sequences (and the LM head's rows) through MKL packs, padded up to
-    # 4 or 8 rows; one row on F.linear; prompt chunks on oneDNN
-    model_dir = tiny_model_dirs["qwen2"]  # biased q/k/v: the MKL path adds the bias
-    engine = make_engine(model_dir, plain_linear_rows=1, mkl_linear_rows=(4, 8))
-    assert engine.model.mkl_linear_rows == (4, 8)
     prompts = random_prompts(seed=5)
     assert_matches_hf(model_dir, prompts, engine.generate(prompts, GREEDY))
     engine.check_idle()

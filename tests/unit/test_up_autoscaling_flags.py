@@ -69,14 +69,3 @@ def test_ray_dashboard_runs_when_asked_for_or_needed_by_pd():
     assert dashboard("--ray-dashboard") is True
     assert dashboard("--autoscaling", "pd") is True
     assert dashboard("--autoscaling", "queue") is False
-
-
-def test_mkl_linear_rows_flag_reaches_the_engine_arguments(tiny_llama):
-    """`--mkl-linear-rows`: absent, the engine times MKL at load (None); with sizes, those; with
-    none, never (an empty tuple)."""
-    assert _app_args(tiny_llama).mkl_linear_rows is None
-    app = _app_args(tiny_llama, "--mkl-linear-rows", "8", "16")
-    assert app.mkl_linear_rows == (8, 16) and app.engine_kwargs("cpu")["mkl_linear_rows"] == (8, 16)
-    assert _app_args(tiny_llama, "--mkl-linear-rows").mkl_linear_rows == ()
-    with pytest.raises(SystemExit):  # argparse: a size must be a positive integer
-        _app_args(tiny_llama, "--mkl-linear-rows", "0")

@@ -37,11 +37,6 @@ class EngineConfig:
     # faster at one or two rows depends on the CPU); None: timed both ways at load
     # (workers/models/parallel.py, choose_plain_rows).
     plain_linear_rows: int | None = None
-    # With prepack_weights: the row counts (decode batches) that multiply through MKL's packed GEMM,
-    # one more copy of the weights each, which some CPUs run faster than oneDNN there; each serves
-    # the counts above the one below it, padded. None: timed against oneDNN at load among 4, 8, 16
-    # (workers/models/parallel.py, choose_mkl_rows); (): never.
-    mkl_linear_rows: tuple[int, ...] | None = None
     # "sdpa": attention gathers the blocks it reads; "flex": FlexAttention over the physical cache;
     # "paged": decodes read the cache through their block tables in one compiled kernel ("flex"
     # and "paged": full-precision cache only); "auto": the measured choice (model_runner.py)
@@ -98,10 +93,6 @@ class EngineConfig:
                 "must be positive",
             ),
             "small_batch_max_seqs": (self.small_batch_max_seqs > 0, "must be positive"),
-            "mkl_linear_rows": (
-                self.mkl_linear_rows is None or all(r > 0 for r in self.mkl_linear_rows),
-                "must be positive row counts",
-            ),
             "emulated_step_s": (
                 self.emulated_step_s is None or (len(self.emulated_step_s) == 3 and min(self.emulated_step_s) >= 0),
                 "must be three non-negative numbers (per step, per prefill token, per decode context token)",

@@ -195,9 +195,6 @@ class LlamaForCausalLM(nn.Module):
     # Batches of up to this many rows multiply with F.linear though the linears are packed
     # (prepack_linears, choose_plain_rows: set by load_model)
     plain_linear_rows = 0
-    # ... and batches of these row counts (each serving the counts above the one below) through MKL
-    # packs (choose_mkl_rows: set by load_model)
-    mkl_linear_rows: tuple[int, ...] = ()
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None, tp: TPGroup | None = None) -> None:
         super().__init__()

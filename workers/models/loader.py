@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from workers.models.config import ModelConfig
 from workers.models.llama import LlamaForCausalLM
-from workers.models.parallel import Shard, TPGroup, choose_mkl_rows, choose_plain_rows, prepack_linears
+from workers.models.parallel import Shard, TPGroup, choose_plain_rows, prepack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +60,11 @@ def load_model(
     tp: TPGroup | None = None,
     prepack: bool = False,
     plain_rows: int | None = None,
-    mkl_rows: tuple[int, ...] | None = None,
 ) -> LlamaForCausalLM:
     """The model (``tp``: this rank's shard of it) with its weights from ``model_dir``.
     ``prepack``: on a CPU, fp32 linears get a oneDNN copy of their weights (``prepack_linears``),
     and inputs of up to ``plain_rows`` rows keep ``F.linear`` (None: measured on this CPU at the
-    current thread count, ``choose_plain_rows``); inputs of the row counts ``choose_mkl_rows``
-    keeps (``mkl_rows``, or measured) multiply through MKL packs."""
+    current thread count, ``choose_plain_rows``)."""
     model_dir = Path(model_dir)
     device = torch.device(device)
     cfg = ModelConfig.from_dir(model_dir)
@@ -149,15 +147,4 @@ def load_model(
             rows,
             f"measured on {torch.get_num_threads()} threads: {measured}" if timings else "as configured",
         )
-        buckets, mkl_timings = choose_mkl_rows(model, mkl_rows)
-        model.mkl_linear_rows = buckets
-        if buckets or mkl_timings:
-            measured = ", ".join(
-                f"{t.rows} rows: MKL {t.mkl_s * 1e3:.1f} ms, oneDNN {t.onednn_s * 1e3:.1f} ms" for t in mkl_timings
-            )
-            logger.info(
-                "batches of %s rows multiply with MKL packs (%s)",
-                "/".join(map(str, buckets)) or "no",
-                f"measured: {measured}" if mkl_timings else "as configured",
-            )
     return model.eval()

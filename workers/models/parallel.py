@@ -34,17 +34,6 @@ faster at batches 1-2 and oneDNN from batch 4. So after packing, the linears are
 at 1, 2 and 4 rows on the weights themselves, and batches up to the largest row count where
 ``F.linear`` won (every smaller count winning too) keep ``F.linear``: a decode step of that many
 sequences, and the LM head's rows of any step.
-
-**MKL packs for decode batches** (``choose_mkl_rows``): on some CPUs MKL's packed GEMM beats
-oneDNN's inner product at the row counts of a decode step. On an Intel AMX VM a pass over
-SmolLM2's linears as the engine runs them (q/k/v and gate/up fused) took 38.6 / 47.4 ms at 8 / 16
-rows through MKL against oneDNN's 43.6 / 54.4 (4 rows: 33.6 against 35.9); on another VM MKL was no
-faster than ``F.linear``. An MKL pack serves one row count (``_mkl_reorder_linear_weight``
-packs for it) and is one more copy of the weights, so after ``choose_plain_rows`` each of
-``MKL_ROW_CANDIDATES`` is timed against oneDNN on the weights themselves and kept only where MKL
-is ``MKL_ROWS_MARGIN`` faster, within ``MKL_PACK_MAX_BYTES`` of packs. A kept count serves the
-row counts above the candidate below it, padded with zero rows up to it: a row's output does not
-depend on the other rows (bit for bit, ``tests/unit/test_prepacked_linears.py``).
 """
 
 from __future__ import annotations
@@ -152,33 +141,6 @@ def _runs_packed(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and not torch.compiler.is_compiling()
 
 
-def _mkl_available() -> bool:
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-
-
-def _mkl_band(mkl: dict[int, tuple[int, torch.Tensor]], rows: int) -> tuple[int, torch.Tensor] | None:
-    """The MKL pack (and the row count it was packed for) serving ``rows``: the one whose band
-    ``(low, rows_packed]`` holds it, or None."""
-    for packed_rows, (low, pack) in mkl.items():
-        if low < rows <= packed_rows:
-            return packed_rows, pack
-    return None
-
-
-def _mkl_linear(
-    x: torch.Tensor, band: tuple[int, torch.Tensor], weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` through an MKL pack made for ``band[0]`` rows: ``x``'s rows
-    padded with zeros up to it, the padding's outputs dropped."""
-    packed_rows, pack = band
-    flat = x.reshape(-1, x.shape[-1])
-    rows = flat.shape[0]
-    if rows < packed_rows:
-        flat = torch.cat([flat, flat.new_zeros(packed_rows - rows, flat.shape[1])])
-    out = torch.ops.mkl._mkl_linear(flat, pack, weight, bias, packed_rows)[:rows]
-    return out.reshape(*x.shape[:-1], weight.shape[0])
-
-
 class PackedLinear(nn.Module):
     """A linear layer's ``weight`` (and ``bias``), and, once ``pack`` has run, a oneDNN copy of
     the weight that ``_linear`` multiplies with outside ``torch.compile`` (inside, the graph
@@ -190,7 +152,6 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.packed: torch.Tensor | None = None  # a plain attribute: not in state_dict, not moved by .to()
         self.plain_rows = 0  # inputs of up to this many rows take F.linear even when packed (choose_plain_rows)
-        self.mkl: dict[int, tuple[int, torch.Tensor]] = {}  # rows packed for -> (band's low end, pack)
 
     def pack(self, batch_hint: int) -> bool:
         """Reorder the weight for oneDNN (``batch_hint``: the batch size the layout is picked
@@ -203,11 +164,9 @@ class PackedLinear(nn.Module):
         return True
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is not None and _runs_packed(x) and (rows := _rows(x)) > self.plain_rows:
+        if self.packed is not None and _runs_packed(x) and _rows(x) > self.plain_rows:
             if x.numel() == 0:  # oneDNN rejects an empty batch
                 return x.new_empty((*x.shape[:-1], self.weight.shape[0]))
-            if self.mkl and (band := _mkl_band(self.mkl, rows)):
-                return _mkl_linear(x, band, self.weight, bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
 
@@ -237,7 +196,6 @@ class FusedPackedLinear:
                 m.weight.data = self.weight[start : start + rows]
                 start += rows
         self.plain_rows = 0
-        self.mkl: dict[int, tuple[int, torch.Tensor]] = {}  # as PackedLinear's
 
     def applies(self, x: torch.Tensor) -> bool:
         """Whether ``__call__`` takes ``x``: as a packed linear would (``_runs_packed``), and a
@@ -246,11 +204,8 @@ class FusedPackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The layers' outputs side by side, ``[..., the layers' output widths summed]``."""
-        rows = _rows(x)
-        if rows <= self.plain_rows:
+        if _rows(x) <= self.plain_rows:
             return F.linear(x, self.weight, self.bias)
-        if self.mkl and (band := _mkl_band(self.mkl, rows)):
-            return _mkl_linear(x, band, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -337,77 +292,6 @@ def choose_plain_rows(model: nn.Module, rows: int | None = None, rounds: int = 3
             chosen = candidate
     _set_plain_rows(units, chosen)
     return chosen, timings
-
-
-MKL_ROW_CANDIDATES = (4, 8, 16)  # the row counts choose_mkl_rows times, smallest first
-MKL_ROWS_MARGIN = 0.08  # a kept count costs a copy of the weights: MKL must be this much faster
-MKL_PACK_MAX_BYTES = 2 << 30  # the most memory the MKL packs of a model may take together
-
-
-@dataclass(frozen=True, slots=True)
-class MKLRowsTiming:
-    """One row count's pass over a model's packed linears: MKL's pack against oneDNN's."""
-
-    rows: int
-    mkl_s: float
-    onednn_s: float
-
-
-def choose_mkl_rows(
-    model: nn.Module, rows: tuple[int, ...] | None = None, rounds: int = 3
-) -> tuple[tuple[int, ...], list[MKLRowsTiming]]:
-    """Give the packed linears of ``model`` MKL packs for the row counts where MKL's GEMM is the
-    faster (see the module's docstring): ``rows`` when given (``()``: none), else measured on this
-    CPU at its current thread count: each of ``MKL_ROW_CANDIDATES`` above the units' ``plain_rows``
-    times one pass over every packed linear both ways, alternating, ``rounds`` times, and keeps its
-    packs when MKL is ``MKL_ROWS_MARGIN`` faster and they fit in ``MKL_PACK_MAX_BYTES`` with the
-    ones kept before. Each kept count serves the row counts above the candidate (or ``plain_rows``)
-    below it. Returns the counts kept and what was timed."""
-    units = _packed_units(model)
-    for unit in units:
-        unit.mkl = {}
-    if not units or not _mkl_available() or rows == ():
-        return (), []
-    plain = max(unit.plain_rows for unit in units)
-    candidates = sorted(set(rows)) if rows is not None else [r for r in MKL_ROW_CANDIDATES if r > plain]
-    pack_bytes = sum(unit.weight.numel() * unit.weight.element_size() for unit in units)
-    kept: list[int] = []
-    timings: list[MKLRowsTiming] = []
-    low = plain
-    with torch.inference_mode():
-        for candidate in candidates:
-            if candidate <= low:
-                continue
-            if rows is None and pack_bytes * (len(kept) + 1) > MKL_PACK_MAX_BYTES:
-                break
-            for unit in units:
-                pack = torch.ops.mkl._mkl_reorder_linear_weight(unit.weight.detach(), candidate)
-                unit.mkl[candidate] = (low, pack)
-            if rows is None:
-                inputs = [torch.randn(candidate, unit.weight.shape[1]) for unit in units]
-                packs = {unit_index: unit.mkl.pop(candidate) for unit_index, unit in enumerate(units)}
-                best = {"mkl": float("inf"), "onednn": float("inf")}
-                for round_ in range(rounds + 1):  # round 0 warms both ways up and is not counted
-                    for way in best:
-                        if way == "mkl":
-                            for unit_index, unit in enumerate(units):
-                                unit.mkl[candidate] = packs[unit_index]
-                        start = time.perf_counter()
-                        _pass(units, inputs)
-                        if round_:
-                            best[way] = min(best[way], time.perf_counter() - start)
-                        if way == "mkl":
-                            for unit in units:
-                                unit.mkl.pop(candidate)
-                timings.append(MKLRowsTiming(candidate, best["mkl"], best["onednn"]))
-                if best["mkl"] > best["onednn"] * (1 - MKL_ROWS_MARGIN):
-                    low = candidate  # oneDNN serves this band; the next candidate's starts above it
-                    continue
-                for unit_index, unit in enumerate(units):
-                    unit.mkl[candidate] = packs[unit_index]
-            kept.append(candidate)
-            low = candidate
-    return tuple(kept), timings
 
 
 def _pass(units: list[PackedLinear | FusedPackedLinear], inputs: list[torch.Tensor]) -> None:
