@@ -5,7 +5,7 @@
     python bench/idle.py --pdserve-arg=--haproxy       # one more `pdserve up` argument (repeatable)
 
 The server is started alone as ``bench/peer.py`` starts it (its own session; every descendant
-remembered and stopped at the end), sent one short request so every lazy path has run, left
+remembered and stopped at the end), sent ``--requests`` short requests (one by default) so every lazy path has run, left
 ``--settle-s`` seconds, then the CPU time (user + system, ``/proc`` through psutil) of each of its
 processes and their threads is read at the start and the end of ``--window-s`` seconds with no
 request in flight. The table gives each process's share of one core over the window, busiest
@@ -105,12 +105,14 @@ def format_window(rows: Sequence[ProcessCPU], seconds: float, threads: int) -> s
     return "\n".join(lines)
 
 
-def send_one(base_url: str, model: str) -> None:
+def send(base_url: str, model: str, n: int) -> None:
+    """``n`` short greedy completions, one after another."""
     import httpx
 
     body = {"model": model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
-    r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120, trust_env=False)
-    r.raise_for_status()
+    for _ in range(n):
+        r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120, trust_env=False)
+        r.raise_for_status()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="model directory (default: `pdserve pull`'s SmolLM2)")
     ap.add_argument("--port", type=int, default=8011)
     ap.add_argument("--served-model-name", default="SmolLM2-135M-Instruct")
+    ap.add_argument("--requests", type=int, default=1, help="requests served before the settle")
     ap.add_argument("--settle-s", type=float, default=10.0)
     ap.add_argument("--window-s", type=float, default=30.0)
     ap.add_argument("--windows", type=int, default=1, help="windows in a row, each printed")
@@ -139,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     server.start()
     try:
         server.wait_ready(args.startup_timeout_s)
-        send_one(f"http://127.0.0.1:{args.port}", args.served_model_name)
-        say(f"ready; one request served; settling {args.settle_s:g} s")
+        send(f"http://127.0.0.1:{args.port}", args.served_model_name, args.requests)
+        say(f"ready; {args.requests} request(s) served; settling {args.settle_s:g} s")
         time.sleep(args.settle_s)
         for i in range(args.windows):
             server.track()
