@@ -81,16 +81,17 @@ class Up:
         os.killpg(self.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
         return self.proc.wait(timeout=timeout_s)
 
+    def _ps(self, columns: str) -> list[str]:
+        """``ps``'s ``columns`` (untruncated) of every process in the session, one line each."""
+        out = subprocess.run(["ps", "-ww", "-o", columns, "--sid", str(self.proc.pid)], capture_output=True, text=True)
+        return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
     def session_processes(self) -> list[str]:
-        out = subprocess.run(
-            ["ps", "-o", "pid=,comm=", "--sid", str(self.proc.pid)], capture_output=True, text=True
-        ).stdout
-        return [line for line in out.splitlines() if line.strip()]
+        return self._ps("pid=,comm=")
 
     def session_commands(self) -> list[str]:
         """The full command line of every process in the session."""
-        out = subprocess.run(["ps", "-ww", "-o", "args=", "--sid", str(self.proc.pid)], capture_output=True, text=True)
-        return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+        return self._ps("args=")
 
     @property
     def output(self) -> str:
