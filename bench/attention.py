@@ -1,10 +1,13 @@
 """Decode step time per attention backend (sdpa: gather + SDPA; flex: FlexAttention over the
-physical cache; paged: one compiled kernel per layer reading through the block tables), side by
-side in one run, each as a ratio to sdpa.
+physical cache; paged: one kernel per layer reading through the block tables, on CPU fp32 the C++
+one of ``workers/layers/cpu_paged.py``; paged-inductor: the paged backend with inductor's kernel
+instead, gather + SDPA below PAGED_MIN_KEYS keys), side by side in one run, each as a ratio to
+sdpa.
 
     python bench/attention.py                                   # SmolLM2-135M and the tiny llama
     python bench/attention.py --models smollm2 --batches 8 --contexts 1024 --steps 10
     python bench/attention.py --backends sdpa paged             # leave flex out
+    python bench/attention.py --models smollm2 --backends sdpa paged-inductor paged
 
 A decode step here is what ``ModelRunner.execute`` runs for B decodes (the model's forward with
 the step's K/V writes and attention in every layer, then the LM head), without the scheduler:
@@ -17,6 +20,7 @@ The header gives the load average: on a shared machine it says how much to trust
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import statistics
@@ -74,12 +78,24 @@ def decode_step(engine: LLMEngine, attn: PagedAttention, tokens: torch.Tensor, p
     return time.perf_counter() - start
 
 
+class InductorPagedAttention(PagedDecodeAttention):
+    """The paged backend with inductor's kernel on CPU fp32 too (what ran there before the C++
+    kernel of ``workers/layers/cpu_paged.py``): gather + SDPA below PAGED_MIN_KEYS keys."""
+
+    cpu_kernel = False
+
+
 KINDS: dict[str, type[PagedAttention]] = {
     "sdpa": PagedAttention,
     "flex": FlexPagedAttention,
     "paged": PagedDecodeAttention,
+    "paged-inductor": InductorPagedAttention,
 }
-WARM_UPS = {"flex": warm_up_flex, "paged": warm_up_paged_decode}
+WARM_UPS = {
+    "flex": warm_up_flex,
+    "paged": warm_up_paged_decode,
+    "paged-inductor": functools.partial(warm_up_paged_decode, cpu_kernel=False),
+}
 
 
 def run(name: str, backends: list[str], batches: list[int], contexts: list[int], steps: int, device: str) -> None:

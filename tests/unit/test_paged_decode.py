@@ -1,8 +1,10 @@
-"""The paged attention backend (decodes attend through their block tables in one compiled
-kernel, no gathered copy): greedy output equals transformers' generate on the tiny
-architectures with chunked prefill, preemption, prefix caching and a sliding window; a decode
-step reads nothing through the cache's gather and nothing outside its blocks; batch and table
-width vary without recompiling; a quantized cache refuses it."""
+"""The paged attention backend (decodes attend through their block tables in one kernel, no
+gathered copy), each test with both CPU kernels: the C++ one (``cpu_paged``, the default for an
+fp32 cache) and inductor's (other dtypes, or where the C++ one does not build). Greedy output
+equals transformers' generate on the tiny architectures with chunked prefill, preemption,
+prefix caching and a sliding window; a decode step reads nothing through the cache's gather and
+nothing outside its blocks; batch and table width vary without recompiling; a quantized cache
+refuses it."""
 
 from __future__ import annotations
 
@@ -24,10 +26,14 @@ from workers.models.config import ModelConfig
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 
-@pytest.fixture(autouse=True)
-def kernel_at_every_size(monkeypatch):
-    """The tiny models' steps read far fewer keys than PAGED_MIN_KEYS: run the kernel anyway."""
+@pytest.fixture(autouse=True, params=["cpp", "inductor"])
+def kernel(request, monkeypatch) -> str:
+    """Which CPU kernel the test runs. The tiny models' steps read far fewer keys than
+    PAGED_MIN_KEYS: the inductor kernel runs anyway (the C++ one runs at every size)."""
     monkeypatch.setattr(PagedDecodeAttention, "min_keys", 0)
+    if request.param == "inductor":
+        monkeypatch.setattr(PagedDecodeAttention, "cpu_kernel", False)
+    return request.param
 
 
 def paged_engine(model_dir: str, **kwargs):
@@ -126,9 +132,10 @@ def test_one_graph_for_every_batch_and_width(tiny_llama):
     assert compiled_graphs() == frames, "a decode batch recompiled the paged graph"
 
 
-def test_small_batches_gather(tiny_llama, monkeypatch):
-    """Below ``min_keys`` the step gathers and runs SDPA (cheaper there), with the same output;
-    at or above it nothing is gathered."""
+def test_small_batches_gather(tiny_llama, monkeypatch, kernel):
+    """With the inductor kernel, below ``min_keys`` the step gathers and runs SDPA (cheaper
+    there), with the same output; at or above it nothing is gathered. The C++ kernel runs at
+    every size: nothing is gathered either way."""
     model = ModelConfig.from_dir(tiny_llama)
     kv = PagedKVCache(model, 64, 16, "auto", torch.float32, torch.device("cpu"))
     gen = torch.Generator().manual_seed(2)
@@ -139,14 +146,33 @@ def test_small_batches_gather(tiny_llama, monkeypatch):
     kv.bytes_gathered = 0
     monkeypatch.setattr(PagedDecodeAttention, "min_keys", 97)
     below = _decode_step(kv, PagedDecodeAttention, tables, lens, mask=False)
-    assert kv.bytes_gathered > 0
+    assert (kv.bytes_gathered > 0) == (kernel == "inductor")
     kv.bytes_gathered = 0
     monkeypatch.setattr(PagedDecodeAttention, "min_keys", 96)
     at = _decode_step(kv, PagedDecodeAttention, tables, lens, mask=False)
     assert kv.bytes_gathered == 0
     for a, b, w in zip(below, at, want):
-        torch.testing.assert_close(a, w, rtol=0, atol=0)
+        exact = kernel == "inductor"  # the gather path is the reference's arithmetic
+        torch.testing.assert_close(a, w, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5)
         torch.testing.assert_close(b, w, rtol=1e-5, atol=1e-5)
+
+
+def test_each_kernel_runs_where_chosen(tiny_llama, kernel):
+    """The step's plan is the kernel the test asked for: the C++ one by default on CPU fp32,
+    inductor's when it is turned off (so neither parametrisation tests the other by accident)."""
+    model = ModelConfig.from_dir(tiny_llama)
+    kv = PagedKVCache(model, 16, 16, "auto", torch.float32, torch.device("cpu"))
+    meta = AttentionMetadata(
+        write=None,
+        num_decodes=1,
+        decode_block_tables=torch.tensor([[1, 2]]),
+        decode_context_lens=torch.tensor([20]),
+        decode_first_pos=torch.zeros(1, dtype=torch.long),
+    )
+    attn = PagedDecodeAttention(kv, meta, 1.0)
+    empty = torch.empty(0, kv.num_kv_heads, kv.head_dim)
+    attn.forward(0, torch.zeros(1, 2 * kv.num_kv_heads, kv.head_dim), empty, empty)
+    assert (attn._plan == "cpp") == (kernel == "cpp")
 
 
 def test_paged_with_a_quantized_cache_is_refused(tiny_llama):

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from workers.layers import triton_paged
+from workers.layers import cpu_paged, triton_paged
 from workers.layers.kv_cache import KVWritePlan, PagedKVCache
 
 if TYPE_CHECKING:
@@ -300,15 +300,21 @@ def check_full_precision(kv: PagedKVCache | None, backend: str) -> None:
 
 
 class PagedDecodeAttention(PagedAttention):
-    """The paged backend: decodes attend through their block tables in one compiled kernel per
-    layer (``_paged_decode``), which reads each block of the step's tables once and copies
-    nothing; a decode batch of fewer than ``min_keys`` keys gathers instead (faster there). On
-    CUDA, where Triton is importable, the kernel is the hand-written one of ``triton_paged``
-    (split over the keys, tensor cores) at every size instead.
+    """The paged backend: decodes attend through their block tables in one kernel per layer,
+    which reads each block of the step's tables once and copies nothing. Which kernel:
+
+    - CPU, fp32 cache: the hand-written C++ one of ``cpu_paged`` (split over the keys, online
+      softmax), at every size, where it builds (``cpu_kernel``);
+    - CUDA, where Triton is importable: the hand-written one of ``triton_paged`` (split over the
+      keys, tensor cores), at every size;
+    - otherwise inductor's compilation of ``_paged_decode``, and a decode batch of fewer than
+      ``min_keys`` keys gathers instead (faster there).
+
     Prefill chunks run as in the sdpa backend (a fresh prompt reads no cache, a chunk after
     cached context gathers its own blocks for one SDPA call with many queries)."""
 
-    min_keys = PAGED_MIN_KEYS  # tests set 0 to run the kernel at every size
+    min_keys = PAGED_MIN_KEYS  # tests set 0 to run the inductor kernel at every size
+    cpu_kernel = True  # tests set False to run the inductor kernel on CPU fp32 too
 
     def __init__(self, kv: PagedKVCache | None, meta: AttentionMetadata, scale: float):
         check_full_precision(kv, "paged")
@@ -325,6 +331,8 @@ class PagedDecodeAttention(PagedAttention):
                 raise ValueError("a step with decodes needs their block tables, context and first positions")
             if q.device.type == "cuda" and triton_paged.available():
                 self._plan = "triton"
+            elif self.cpu_kernel and cpu_paged_usable(q, cache.layers[layer][0]):
+                self._plan = "cpp"
             elif tables.numel() * cache.block_size < self.min_keys:
                 self._plan = "gather"
                 if meta.decode_mask is None:
@@ -336,6 +344,13 @@ class PagedDecodeAttention(PagedAttention):
             tables, firsts, lens = meta.decode_block_tables, meta.decode_first_pos, meta.decode_context_lens
             assert tables is not None and firsts is not None and lens is not None
             return triton_paged.paged_decode(
+                q, layer_cache[0], layer_cache[1], tables, firsts, lens, self.scale, meta.sliding_window
+            )
+        if self._plan == "cpp":  # CPU fp32: the hand-written kernel (workers/layers/cpu_paged.py)
+            layer_cache = cache.layers[layer]
+            tables, firsts, lens = meta.decode_block_tables, meta.decode_first_pos, meta.decode_context_lens
+            assert tables is not None and firsts is not None and lens is not None
+            return cpu_paged.paged_decode(
                 q, layer_cache[0], layer_cache[1], tables, firsts, lens, self.scale, meta.sliding_window
             )
         if isinstance(self._plan, str):
@@ -366,10 +381,29 @@ def _pad_decode_rows(
     return tables, firsts, lens
 
 
-def warm_up_paged_decode(kv: PagedKVCache, scale: float, num_q_heads: int, window: int | None) -> None:
-    """Compile the paged decode graph now: 3 rows of 5 blocks (distinct sizes, so that dynamo's
-    duck shaping does not tie batch and blocks to one symbol); what it reads is void."""
+def cpu_paged_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether this step's decodes run ``cpu_paged``'s kernel: a CPU fp32 cache of a shape it
+    takes, and the kernel built for that shape."""
+    if not cpu_paged.supports(q, k_cache):
+        return False
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    return cpu_paged.available(block_size, num_kv_heads, q.shape[1] // num_kv_heads, head_dim)
+
+
+def warm_up_paged_decode(
+    kv: PagedKVCache, scale: float, num_q_heads: int, window: int | None, cpu_kernel: bool | None = None
+) -> None:
+    """Build the kernel the paged backend will run now: on CPU fp32 ``cpu_paged``'s C++ kernel
+    (compiled in about a second, then cached on disk), else the inductor graph: 3 rows of 5
+    blocks (distinct sizes, so that dynamo's duck shaping does not tie batch and blocks to one
+    symbol); what it reads is void. ``cpu_kernel``: as ``PagedDecodeAttention.cpu_kernel``
+    unless given."""
     dev = kv.layers[0].device
+    probe = torch.zeros(1, num_q_heads, kv.head_dim, dtype=kv.dtype, device=dev)
+    if cpu_kernel is None:
+        cpu_kernel = PagedDecodeAttention.cpu_kernel
+    if cpu_kernel and cpu_paged_usable(probe, kv.layers[0][0]):
+        return
     with torch.inference_mode():  # steps run in it: their tensors are inference tensors (guarded)
         meta = AttentionMetadata(
             write=None,
@@ -380,7 +414,7 @@ def warm_up_paged_decode(kv: PagedKVCache, scale: float, num_q_heads: int, windo
             sliding_window=window,
         )
         attn = PagedDecodeAttention(kv, meta, scale)
-        attn.min_keys = 0
+        attn.min_keys, attn.cpu_kernel = 0, False
         attn._decode(0, torch.zeros(3, num_q_heads, kv.head_dim, dtype=kv.dtype, device=dev))
 
 
