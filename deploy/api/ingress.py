@@ -32,6 +32,7 @@ from deploy.ops.dashboard import install_dashboard
 from deploy.ops.metrics import IngressMetrics
 from deploy.pools import directory as worker_directory
 from deploy.pools.worker_calls import PoolReadiness, WorkerCalls
+from deploy.replica_logging import route_to_serve
 from kvstore.hashing import hash_prompt_blocks
 from workers.engine.config import EngineConfig
 from workers.models.config import ModelConfig
@@ -61,6 +62,7 @@ class OpenAIIngress:
         from transformers import AutoTokenizer
 
         self.args = PDServeArgs.model_validate(args)
+        route_to_serve(self.args.log_level)  # pdserve's lines reach the replica's log and the console
         self.tokenizer = AutoTokenizer.from_pretrained(self.args.model)
         self.model_config = ModelConfig.from_dir(self.args.model)
         # build_app set it once for the whole app; derived here only for an ingress built otherwise

@@ -23,6 +23,7 @@ from deploy.args import PDServeArgs, PoolArgs
 from deploy.ops.metrics import WorkerMetrics
 from deploy.pools.directory import Registration
 from deploy.pools.routers import LINK_FAILURE_WINDOW_S
+from deploy.replica_logging import route_to_serve
 from kvstore import IndexConfig, IndexPublisher, WorkerSpec
 from workers.decode import ColocatedWorker, DecodeWorker
 from workers.engine import LLMEngine
@@ -76,7 +77,7 @@ class _WorkerServer:
 
     def _setup(self, args: dict) -> EngineLoop:
         self.args = PDServeArgs.model_validate(args)
-        logging.getLogger("pdserve").setLevel(self.args.log_level)
+        route_to_serve(self.args.log_level)  # pdserve's and the engine's lines reach the replica's log
         self.worker_id = serve.get_replica_context().replica_id.unique_id
         self.node_ip = ray.util.get_node_ip_address()  # what status shows and the KVHandle advertises
         self.device = resolve_device(self.args.device)

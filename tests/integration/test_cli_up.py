@@ -65,16 +65,17 @@ class Up:
                 self.lines.append(line.rstrip("\n"))
                 self._new.notify_all()
 
-    def wait_for(self, text: str, timeout_s: float) -> str:
+    def wait_for(self, text: str, timeout_s: float, also: str = "") -> str:
+        """The first line holding ``text`` (and ``also``), waiting for it up to ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         with self._new:
             while True:
                 for line in self.lines:
-                    if text in line:
+                    if text in line and also in line:
                         return line
                 left = deadline - time.monotonic()
                 if left <= 0 or self.proc.poll() is not None:
-                    raise AssertionError(f"no {text!r} line (exit {self.proc.poll()}):\n" + self.output)
+                    raise AssertionError(f"no {text!r} {also!r} line (exit {self.proc.poll()}):\n" + self.output)
                 self._new.wait(min(left, 0.5))
 
     def ctrl_c(self, timeout_s: float = 120) -> int:
@@ -210,6 +211,15 @@ def test_up_narrates_serves_and_stops_cleanly_on_ctrl_c(tiny_llama):
         assert health.status_code == 200 and health.json() == {"status": "ok"}  # the banner means serving
 
         assert _serve_one(base)["choices"][0]["finish_reason"] in ("length", "stop")
+
+        # The replicas' own start-up lines reach the console (through Serve's replica logger,
+        # deploy/replica_logging.py): each pool's threads and KV blocks, the engine's attention
+        # kernel, the ingress.
+        for role in ("prefill", "decode"):
+            up.wait_for(f"{role} replica", 30, also="engine runs torch with")
+            up.wait_for(f"{role} replica", 30, also="KV blocks on cpu")
+        up.wait_for("attention ready in", 30)
+        up.wait_for("ingress ready: model tiny", 30)
 
         # Without Ray's dashboard (none of its module processes: NodeHead, StateHead, ServeHead, ...),
         # its metrics agent still exports pdserve's metrics where the start-up line says.
