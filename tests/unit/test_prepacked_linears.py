@@ -20,6 +20,7 @@ from workers.models.parallel import (
     PLAIN_ROWS_MARGIN,
     ColumnParallelLinear,
     PackedLinear,
+    PlainRowsTiming,
     TPGroup,
     choose_plain_rows,
     prepack_linears,
@@ -125,8 +126,10 @@ def test_plain_rows_are_measured_when_not_given(tiny_model_dirs):
     rows, timings = choose_plain_rows(model)  # timed on this CPU, both ways
     assert timings and [t.rows for t in timings] == list(PLAIN_ROW_CANDIDATES[: len(timings)])
     assert all(t.plain_s > 0 and t.packed_s > 0 for t in timings)
-    # the count is the largest before the first that F.linear does not win by the margin
-    wins = [t.plain_s <= t.packed_s * (1 - PLAIN_ROWS_MARGIN) for t in timings]
+    # the count is the largest before the first that F.linear does not win by the margin, at
+    # best and in every round
+    wins = [t.plain_won_each_round and t.plain_s <= t.packed_s * (1 - PLAIN_ROWS_MARGIN) for t in timings]
+    assert wins == [t.plain_wins for t in timings]
     assert wins[:-1] == [True] * (len(wins) - 1)
     assert rows == (timings[-1].rows if wins[-1] else (timings[-2].rows if len(timings) > 1 else 0))
     assert len(timings) == len(PLAIN_ROW_CANDIDATES) or not wins[-1]
@@ -134,6 +137,43 @@ def test_plain_rows_are_measured_when_not_given(tiny_model_dirs):
     units += [layer.self_attn.fused for layer in model.model.layers] + [layer.mlp.fused for layer in model.model.layers]
     assert all(unit.plain_rows == rows for unit in units)
     assert choose_plain_rows(model, 1) == (1, []) and all(unit.plain_rows == 1 for unit in units)
+
+
+def test_a_row_count_needs_a_win_in_every_round():
+    """A pass slowed by something else on the host decides nothing alone: F.linear faster at
+    best but not in every round keeps oneDNN."""
+    assert PlainRowsTiming(1, 0.040, 0.050, True).plain_wins
+    assert not PlainRowsTiming(1, 0.040, 0.050, False).plain_wins
+    assert not PlainRowsTiming(1, 0.049, 0.050, True).plain_wins  # within the margin
+
+
+def test_linears_are_timed_alone_on_the_host(tiny_model_dirs, monkeypatch):
+    """Every timed pass runs under the host's timing lock (another engine starting beside it
+    cannot take the lock meanwhile); it is free again afterwards."""
+    import fcntl
+
+    from workers.models import parallel
+
+    model = load_model(tiny_model_dirs["llama"], progress=False, prepack=True, plain_rows=0)
+    held: list[bool] = []
+    timed = parallel._pass
+
+    def probing_pass(units, inputs):
+        with open(parallel.TIMING_LOCK, "a+") as other:  # another open file: as another engine would
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held.append(True)
+            else:
+                held.append(False)
+                fcntl.flock(other, fcntl.LOCK_UN)
+        timed(units, inputs)
+
+    monkeypatch.setattr(parallel, "_pass", probing_pass)
+    _, timings = choose_plain_rows(model)
+    assert timings and held and all(held), held
+    with open(parallel.TIMING_LOCK, "a+") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released: raises if still held
 
 
 def test_packed_forward_runs_onednn_and_agrees_with_f_linear():

@@ -140,7 +140,9 @@ def load_model(
         rows, timings = choose_plain_rows(model, plain_rows)
         model.plain_linear_rows = rows
         measured = ", ".join(
-            f"{t.rows} row(s): F.linear {t.plain_s * 1e3:.1f} ms, oneDNN {t.packed_s * 1e3:.1f} ms" for t in timings
+            f"{t.rows} row(s): F.linear {t.plain_s * 1e3:.1f} ms, oneDNN {t.packed_s * 1e3:.1f} ms"
+            + (" (faster at best, not in every round)" if t.plain_s < t.packed_s and not t.plain_won_each_round else "")
+            for t in timings
         )
         logger.info(
             "batches of up to %d rows multiply with F.linear, larger ones with oneDNN (%s)",
