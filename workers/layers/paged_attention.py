@@ -394,7 +394,7 @@ def warm_up_paged_decode(
     kv: PagedKVCache, scale: float, num_q_heads: int, window: int | None, cpu_kernel: bool | None = None
 ) -> None:
     """Build the kernel the paged backend will run now: on CPU fp32 ``cpu_paged``'s C++ kernel
-    (compiled in about a second, then cached on disk), else the inductor graph: 3 rows of 5
+    (~10 s on a cold inductor cache, then from its disk cache), else the inductor graph: 3 rows of 5
     blocks (distinct sizes, so that dynamo's duck shaping does not tie batch and blocks to one
     symbol); what it reads is void. ``cpu_kernel``: as ``PagedDecodeAttention.cpu_kernel``
     unless given."""
