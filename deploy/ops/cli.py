@@ -624,6 +624,9 @@ def _run_up(args: argparse.Namespace) -> int:
     )
     for chatty in ("httpx", "httpcore"):  # a line per /health poll
         logging.getLogger(chatty).setLevel(logging.DEBUG if debug else logging.WARNING)
+    if not sys.stdout.isatty():
+        # the replicas' lines that Ray forwards to this console carry no colour codes in a file or pipe
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     signals = _StopSignals()
     signals.install()  # before anything slow: a Ctrl-C while starting stops in order too
     model = resolve_model_arg(args.model)

@@ -220,6 +220,8 @@ def test_up_narrates_serves_and_stops_cleanly_on_ctrl_c(tiny_llama):
             up.wait_for(f"{role} replica", 30, also="KV blocks on cpu")
         up.wait_for("attention ready in", 30)
         up.wait_for("ingress ready: model tiny", 30)
+        coloured = [line for line in up.lines if "\x1b[" in line]
+        assert not coloured, "terminal colour codes in piped output:\n" + "\n".join(coloured[:5])
 
         # Without Ray's dashboard (none of its module processes: NodeHead, StateHead, ServeHead, ...),
         # its metrics agent still exports pdserve's metrics where the start-up line says.
