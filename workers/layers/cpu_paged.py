@@ -246,7 +246,7 @@ def _kernel(block_size: int, num_kv_heads: int, group: int, head_dim: int) -> An
 
 
 @functools.cache
-def available(block_size: int = 16, num_kv_heads: int = 1, group: int = 1, head_dim: int = 64) -> bool:
+def available(block_size: int, num_kv_heads: int, group: int, head_dim: int) -> bool:
     """Whether the kernel builds for this shape here (asked once per shape; a failure is logged
     and the caller keeps the inductor kernel)."""
     try:

@@ -299,6 +299,14 @@ def check_full_precision(kv: PagedKVCache | None, backend: str) -> None:
         )
 
 
+# The paged backend's hand-written decode kernels, by plan: one signature (q, k_cache, v_cache,
+# tables, first_pos, context_lens, scale, window), every batch size.
+HAND_WRITTEN = {
+    "triton": triton_paged.paged_decode,  # CUDA (workers/layers/triton_paged.py)
+    "cpp": cpu_paged.paged_decode,  # CPU fp32 (workers/layers/cpu_paged.py)
+}
+
+
 class PagedDecodeAttention(PagedAttention):
     """The paged backend: decodes attend through their block tables in one kernel per layer,
     which reads each block of the step's tables once and copies nothing. Which kernel:
@@ -319,8 +327,9 @@ class PagedDecodeAttention(PagedAttention):
     def __init__(self, kv: PagedKVCache | None, meta: AttentionMetadata, scale: float):
         check_full_precision(kv, "paged")
         super().__init__(kv, meta, scale)
-        # Decided on the first layer, for the step: the kernel's padded (tables, firsts, lens), or
-        # "gather" when the step's decodes are too few keys for it (min_keys)
+        # Decided on the first layer, for the step: "triton" or "cpp" (a HAND_WRITTEN kernel),
+        # inductor's kernel's padded (tables, firsts, lens), or "gather" when the step's decodes are
+        # too few keys for it (min_keys)
         self._plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | str | None = None
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
@@ -339,18 +348,11 @@ class PagedDecodeAttention(PagedAttention):
                     meta.decode_mask = decode_mask(tables, lens, firsts, cache.block_size, meta.sliding_window)
             else:
                 self._plan = _pad_decode_rows(tables, firsts, lens)
-        if self._plan == "triton":  # CUDA: the hand-written kernel (workers/layers/triton_paged.py)
+        if isinstance(self._plan, str) and self._plan in HAND_WRITTEN:
             layer_cache = cache.layers[layer]
             tables, firsts, lens = meta.decode_block_tables, meta.decode_first_pos, meta.decode_context_lens
             assert tables is not None and firsts is not None and lens is not None
-            return triton_paged.paged_decode(
-                q, layer_cache[0], layer_cache[1], tables, firsts, lens, self.scale, meta.sliding_window
-            )
-        if self._plan == "cpp":  # CPU fp32: the hand-written kernel (workers/layers/cpu_paged.py)
-            layer_cache = cache.layers[layer]
-            tables, firsts, lens = meta.decode_block_tables, meta.decode_first_pos, meta.decode_context_lens
-            assert tables is not None and firsts is not None and lens is not None
-            return cpu_paged.paged_decode(
+            return HAND_WRITTEN[self._plan](
                 q, layer_cache[0], layer_cache[1], tables, firsts, lens, self.scale, meta.sliding_window
             )
         if isinstance(self._plan, str):

@@ -249,7 +249,7 @@ class PlainRowsTiming:
     rows: int
     plain_s: float
     packed_s: float
-    plain_won_each_round: bool = True  # F.linear beat oneDNN by the margin in every round's pair
+    plain_won_each_round: bool  # F.linear beat oneDNN by the margin in every round's pair
 
     @property
     def plain_wins(self) -> bool:
