@@ -12,6 +12,12 @@ Each figure is the minimum over ``--rounds`` rounds of ``--repeats`` steps, the 
 alternating round by round. "equal" says whether the packed output equals ``F.linear``'s bit
 for bit (on the LM head and a down projection): the engine's greedy output is held to
 transformers' token for token, which runs ``F.linear``.
+
+Batches of up to ``cpu_linear.MAX_ROWS`` rows also run the engine's panel kernel on its panel
+copies of the weights (``workers/layers/cpu_linear.py``; a dash where it does not apply or did
+not build), with the weights' bytes over its time (GB/s): a small batch only streams the weights.
+
+    python bench/packed_linear.py --batches 1 2 4 8 16 --threads 2   # the panel kernel's range
 """
 
 from __future__ import annotations
@@ -19,10 +25,16 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workers.layers import cpu_linear  # noqa: E402
 
 HIDDEN, INNER, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30  # SmolLM2-135M
 SHAPES = [
@@ -57,6 +69,13 @@ def onednn_step(packed: list, head_packed, x: torch.Tensor, xi: torch.Tensor) ->
     torch.ops.mkldnn._linear_pointwise(x, head_packed, None, "none", [], "")
 
 
+def panel_step(panels: list, head: torch.Tensor, x: torch.Tensor, xi: torch.Tensor) -> None:
+    for layer in panels:
+        for j, (w, n) in enumerate(layer):
+            cpu_linear.linear(xi if j == 6 else x, w, n)
+    cpu_linear.linear(x, head, VOCAB)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -74,11 +93,16 @@ def main() -> None:
     reorder = torch.ops.mkldnn._reorder_linear_weight
     onednn = [[reorder(w, opts.onednn_hint) for w in layer] for layer in layers]
     onednn_head = reorder(head, opts.onednn_hint)
+    kernel = cpu_linear.available()
+    panels = [[(cpu_linear.pack(w), w.shape[0]) for w in layer] for layer in layers] if kernel else []
+    head_panels = cpu_linear.pack(head) if kernel else head
     print(
         "| batch | threads | F.linear (ms) | MKL packed per batch (ms) | plain / MKL | MKL equal "
-        f"| oneDNN, one reorder (hint {opts.onednn_hint}) (ms) | plain / oneDNN | oneDNN equal |"
+        f"| oneDNN, one reorder (hint {opts.onednn_hint}) (ms) | plain / oneDNN | oneDNN equal "
+        "| panel kernel (ms) | panel kernel GB/s | oneDNN / panel kernel |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    weight_bytes = (sum(o * i for o, i in SHAPES) * LAYERS + VOCAB * HIDDEN) * 4
     for threads in opts.threads:
         torch.set_num_threads(threads)
         for b in opts.batches:
@@ -91,6 +115,8 @@ def main() -> None:
                 "mkl": functools.partial(packed_step, layers, packed, head, head_packed, x, xi, b),
                 "onednn": functools.partial(onednn_step, onednn, onednn_head, x, xi),
             }
+            if kernel and cpu_linear.takes(x):
+                ways["rows"] = functools.partial(panel_step, panels, head_panels, x, xi)
             equal = torch.equal(F.linear(x, head), torch.ops.mkl._mkl_linear(x, head_packed, head, None, b))
             equal &= torch.equal(
                 F.linear(xi, layers[0][6]), torch.ops.mkl._mkl_linear(xi, packed[0][6], layers[0][6], None, b)
@@ -110,7 +136,12 @@ def main() -> None:
             plain_ms, mkl_ms, one_ms = best["plain"], best["mkl"], best["onednn"]
             print(
                 f"| {b} | {threads} | {plain_ms:.1f} | {mkl_ms:.1f} | {plain_ms / mkl_ms:.2f}x | {equal} "
-                f"| {one_ms:.1f} | {plain_ms / one_ms:.2f}x | {one_equal} |",
+                f"| {one_ms:.1f} | {plain_ms / one_ms:.2f}x | {one_equal} "
+                + (
+                    f"| {best['rows']:.1f} | {weight_bytes / best['rows'] / 1e6:.1f} | {one_ms / best['rows']:.2f}x |"
+                    if "rows" in best
+                    else "| — | — | — |"
+                ),
                 flush=True,
             )
     print(f"# load after: {os.getloadavg()[0]:.2f}")

@@ -252,8 +252,9 @@ class PDServeArgs(BaseModel):
     )
     prepack_weights: bool = Field(
         default=True,
-        description="CPU fp32: linears multiply with oneDNN on weights reordered once at load "
-        "(faster; the linears' weights then take twice their memory); false: F.linear",
+        description="CPU fp32: linears multiply with oneDNN on weights reordered once at load, small "
+        "batches with pdserve's panel kernel on a panel copy (faster; the linears' weights then take "
+        "three times their memory); false: F.linear",
     )
     attention_backend: Literal["auto", "sdpa", "flex", "paged"] = Field(
         default="auto",

@@ -6,7 +6,7 @@ forwards to the driver's console, prefixed with the replica's name. Its level is
 deployment's ``LoggingConfig`` level, which pdserve sets to WARNING to mute Serve's own per-call
 lines (``deploy/builder.py``). pdserve's loggers (``pdserve``, and the engine's under
 ``workers``) are not under it: their records reached only Python's last-resort handler, which
-drops everything below WARNING, so a replica's start-up lines (its torch threads, the F.linear /
+drops everything below WARNING, so a replica's start-up lines (its torch threads, the small-batch /
 oneDNN choice, the attention kernel, its KV blocks) were lost. ``route_to_serve`` gives them
 Serve's handlers at pdserve's own ``log_level``.
 """

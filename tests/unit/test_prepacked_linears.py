@@ -1,6 +1,7 @@
 """Prepacked CPU linears (``prepack_weights``): every linear of an fp32 CPU model gets a oneDNN
-copy of its weight at load, the eager forward multiplies with it, the compiled graph and other
-dtypes keep ``F.linear``, and greedy output still equals transformers'. The parity suites
+copy of its weight at load (and a panel copy for the small batches' kernel), the eager forward
+multiplies with them, the compiled graph and other dtypes keep ``F.linear``, and greedy output
+still equals transformers'. The parity suites
 (tiny models, and SmolLM2 in test_real_model.py) run with packing on, the default; here the
 switch and the op actually used are checked."""
 
@@ -13,6 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from tests.unit.engine_helpers import random_prompts
 from tests.unit.test_engine_parity import GREEDY, assert_matches_hf, make_engine
+from workers.layers import cpu_linear
 from workers.models.config import ModelConfig
 from workers.models.loader import load_model
 from workers.models.parallel import (
@@ -96,17 +98,22 @@ def test_fused_layers_equal_the_separately_packed_ones_bit_for_bit(tiny_model_di
 
 
 @pytest.mark.parametrize("arch", ("llama", "qwen2"))  # qwen2: q/k/v biases
-def test_small_batches_take_f_linear_on_the_fused_plain_weight(tiny_model_dirs, arch):
+def test_small_batches_take_the_panel_kernel_on_the_fused_weight(tiny_model_dirs, arch):
     model = load_model(tiny_model_dirs[arch], progress=False, prepack=True, plain_rows=2)
     attn = model.model.layers[0].self_attn
     fused = attn.fused
     assert fused is not None and fused.plain_rows == 2 and attn.o_proj.plain_rows == 2
+    layers = [getattr(attn, name) for name in attn.fused_inputs]
     # one plain copy: each layer's weight is a view of its rows of the fused weight
-    widths = [getattr(attn, name).weight.shape[0] for name in attn.fused_inputs]
+    widths = [m.weight.shape[0] for m in layers]
     starts = [0, widths[0], widths[0] + widths[1]]
-    for name, start in zip(attn.fused_inputs, starts, strict=True):
-        weight = getattr(attn, name).weight
-        assert weight.data_ptr() == fused.weight[start].data_ptr()
+    for m, start in zip(layers, starts, strict=True):
+        assert m.weight.data_ptr() == fused.weight[start].data_ptr()
+    if not cpu_linear.available():
+        pytest.skip("the panel kernel did not build here (no C++ compiler)")
+    # one panel copy too: the fused one, none for the layers it serves
+    assert fused.panels is not None and attn.o_proj.panels is not None
+    assert all(m.panels is None and m.packed is None for m in layers)
     torch.manual_seed(0)
     for rows in (1, 2, 3):
         x = torch.randn(rows, model.config.hidden_size)
@@ -114,8 +121,13 @@ def test_small_batches_take_f_linear_on_the_fused_plain_weight(tiny_model_dirs, 
             out = fused(x)
             ops = _ops(lambda x=x: fused(x))
         assert ("mkldnn::_linear_pointwise" in ops) == (rows > 2), (rows, ops)
-        separate = torch.cat([getattr(attn, name)(x) for name in attn.fused_inputs], dim=-1)
-        if rows <= 2:  # the separate layers also take F.linear: one GEMM or three, the same sums
+        assert "aten::linear" not in ops, ops
+        # each layer's columns: its own weight through the kernel, bit for bit (an output depends
+        # on its own weight row and input row only)
+        separate = torch.cat(
+            [cpu_linear.linear(x, cpu_linear.pack(m.weight), m.weight.shape[0], m.bias) for m in layers], dim=-1
+        )
+        if rows <= 2:
             assert torch.equal(out, separate), rows
         else:
             torch.testing.assert_close(out, separate, rtol=1e-5, atol=1e-5)
@@ -219,8 +231,8 @@ def test_compiled_graph_keeps_f_linear():
     ("prepack", "plain_rows"), ((True, 0), (True, 4), (False, None)), ids=("packed", "packed-small-plain", "plain")
 )
 def test_greedy_parity_both_ways(tiny_model_dirs, prepack, plain_rows):
-    # packed-small-plain: decode batches of up to 4 (and the LM head's rows) on F.linear, the
-    # prompt chunks on oneDNN
+    # packed-small-plain: decode batches of up to 4 (and the LM head's rows) on the panel kernel
+    # (F.linear where it does not build), the prompt chunks on oneDNN
     model_dir = tiny_model_dirs["qwen2"]  # biased q/k/v: the packed path adds the bias
     engine = make_engine(model_dir, prepack_weights=prepack, plain_linear_rows=plain_rows)
     lookup = engine.model.model.embed_tokens  # untied here: it only looks rows up, never packed

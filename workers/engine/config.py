@@ -31,11 +31,12 @@ class EngineConfig:
     enforce_eager: bool = True
     compile_batch_sizes: tuple[int, ...] | None = None  # decode buckets; None: powers of two to max_num_seqs
     # CPU fp32: eager linears multiply with oneDNN on weights reordered once at load (1.2-2.5x
-    # faster than F.linear; workers/models/parallel.py). False: F.linear on the plain weights.
+    # faster than F.linear), small batches with the panel kernel (workers/layers/cpu_linear.py)
+    # on a panel copy; workers/models/parallel.py. False: F.linear on the plain weights.
     prepack_weights: bool = True
-    # With prepack_weights: batches of up to this many rows multiply with F.linear instead (which is
-    # faster at one or two rows depends on the CPU); None: timed both ways at load
-    # (workers/models/parallel.py, choose_plain_rows).
+    # With prepack_weights: batches of up to this many rows multiply with the panel kernel (F.linear
+    # where it does not build) instead of oneDNN (which is faster where depends on the CPU); None:
+    # timed both ways at load (workers/models/parallel.py, choose_plain_rows).
     plain_linear_rows: int | None = None
     # "sdpa": attention gathers the blocks it reads; "flex": FlexAttention over the physical cache;
     # "paged": decodes read the cache through their block tables in one compiled kernel ("flex"

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from workers.models.config import ModelConfig
 from workers.models.llama import LlamaForCausalLM
-from workers.models.parallel import Shard, TPGroup, choose_plain_rows, prepack_linears
+from workers.models.parallel import Shard, TPGroup, choose_plain_rows, prepack_linears, small_op_name
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +63,9 @@ def load_model(
 ) -> LlamaForCausalLM:
     """The model (``tp``: this rank's shard of it) with its weights from ``model_dir``.
     ``prepack``: on a CPU, fp32 linears get a oneDNN copy of their weights (``prepack_linears``),
-    and inputs of up to ``plain_rows`` rows keep ``F.linear`` (None: measured on this CPU at the
-    current thread count, ``choose_plain_rows``)."""
+    and inputs of up to ``plain_rows`` rows multiply with the plain weights (the CPU row kernel,
+    else ``F.linear``; None: measured on this CPU at the current thread count,
+    ``choose_plain_rows``)."""
     model_dir = Path(model_dir)
     device = torch.device(device)
     cfg = ModelConfig.from_dir(model_dir)
@@ -139,14 +140,16 @@ def load_model(
         logger.info("prepacked %d linear weights for oneDNN (CPU fp32)", packed)
         rows, timings = choose_plain_rows(model, plain_rows)
         model.plain_linear_rows = rows
+        small_op = small_op_name()
         measured = ", ".join(
-            f"{t.rows} row(s): F.linear {t.plain_s * 1e3:.1f} ms, oneDNN {t.packed_s * 1e3:.1f} ms"
+            f"{t.rows} row(s): {small_op} {t.plain_s * 1e3:.1f} ms, oneDNN {t.packed_s * 1e3:.1f} ms"
             + (" (faster at best, not in every round)" if t.plain_s < t.packed_s and not t.plain_won_each_round else "")
             for t in timings
         )
         logger.info(
-            "batches of up to %d rows multiply with F.linear, larger ones with oneDNN (%s)",
+            "batches of up to %d rows multiply with %s, larger ones with oneDNN (%s)",
             rows,
+            small_op,
             f"measured on {torch.get_num_threads()} threads: {measured}" if timings else "as configured",
         )
     return model.eval()

@@ -21,19 +21,26 @@ into the blocked layout its GEMM reads fastest; ``F.linear`` on the plain weight
 out on every call. One reorder serves every batch size. ``bench/packed_linear.py`` measured
 SmolLM2's 211 linears 1.2-2.5x faster this way (batch 1-32, one or two threads). The result
 differs from ``F.linear``'s in the last bits (another summation order; |diff| ~1e-6), so the
-engine's greedy parity with transformers is held by its tests with packing on. The plain
-weight stays (the compiled path traces ``F.linear`` on it; inductor packs its own), so the
-linears' weights take twice their memory on CPU. Linears that read the same input (q/k/v,
-gate/up) are packed as one ``FusedPackedLinear``: one call per layer instead of three and two,
-bit for bit the separate layers' outputs.
+engine's greedy parity with transformers is held by its tests with packing on. Linears that
+read the same input (q/k/v, gate/up) are packed as one ``FusedPackedLinear``: one call per layer
+instead of three and two, bit for bit the separate layers' outputs.
 
-**Small batches on ``F.linear``** (``choose_plain_rows``): which path is faster at one or two
-rows depends on the CPU. On one VM oneDNN ran SmolLM2's linears 1.2x faster than ``F.linear`` at
-batch 1; on another (Intel, one core streaming ~13 GB/s) ``F.linear`` (MKL's GEMV) was 1.2x
-faster at batches 1-2 and oneDNN from batch 4. So after packing, the linears are timed both ways
-at 1, 2 and 4 rows on the weights themselves, and batches up to the largest row count where
-``F.linear`` won (every smaller count winning too) keep ``F.linear``: a decode step of that many
-sequences, and the LM head's rows of any step.
+**Small batches on the panel kernel** (``choose_plain_rows``): a decode step multiplies each
+weight by a few rows and only streams the weights, which oneDNN does at 20-25 GB/s on a VM that
+streams 30-40 (and ``F.linear`` at 8-12). Packing also makes a panel copy of each weight for
+``workers/layers/cpu_linear.py``, a hand-written kernel that streams it at 31-33 GB/s at 1-8
+rows there (SmolLM2's linears 1.35-1.73x oneDNN's speed at 1-16 rows; BENCHMARKS.md). Which is
+faster at a row count depends on the CPU, so after packing the linears are timed both ways at
+1, 2, 4, 8 and 16 rows on the weights themselves, and batches up to the largest row count where
+the kernel won (every smaller count winning too) take it: a decode step of that many sequences,
+and the LM head's rows of any step. Where the kernel does not build, ``F.linear`` on the plain
+weight is the small-batch side of the timing, as before it existed (on an Intel VM streaming ~13
+GB/s a core, MKL's GEMV beat oneDNN at 1-2 rows).
+
+**Memory**: the plain weight stays (the compiled path traces ``F.linear`` on it, inductor packs
+its own; the embedding looks rows up in it; the other paths fall back to it), so on CPU fp32 the
+linears' weights take three times their memory: plain, oneDNN's and the panels
+(``prepack_weights=False`` keeps only the plain one, at the speed of ``F.linear``).
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.layers import cpu_linear
 from workers.models.config import ModelConfig
 from workers.transfer.tp_plan import heads_of_rank
 
@@ -141,6 +149,21 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
+def small_linear(
+    x: torch.Tensor, weight: torch.Tensor, panels: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """A small batch (up to ``plain_rows``): the panel kernel on ``panels``
+    (``workers/layers/cpu_linear.py``) where it takes ``x``, else ``F.linear`` on the plain weight."""
+    if panels is not None and cpu_linear.takes(x):
+        return cpu_linear.linear(x, panels, weight.shape[0], bias)
+    return F.linear(x, weight, bias)
+
+
+def small_op_name() -> str:
+    """What small batches multiply with here, for the start-up lines."""
+    return "the panel kernel" if cpu_linear.available() else "F.linear"
+
+
 def _runs_packed(x: torch.Tensor) -> bool:
     """Whether ``x`` is multiplied with a oneDNN-packed weight: eager (a compiled graph keeps
     ``F.linear`` on the plain weight, and inductor packs its own) and fp32."""
@@ -157,7 +180,8 @@ class PackedLinear(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.packed: torch.Tensor | None = None  # a plain attribute: not in state_dict, not moved by .to()
-        self.plain_rows = 0  # inputs of up to this many rows take F.linear even when packed (choose_plain_rows)
+        self.panels: torch.Tensor | None = None  # the panel kernel's copy (cpu_linear.pack), with packed
+        self.plain_rows = 0  # inputs of up to this many rows take small_linear, not oneDNN (choose_plain_rows)
 
     def pack(self, batch_hint: int) -> bool:
         """Reorder the weight for oneDNN (``batch_hint``: the batch size the layout is picked
@@ -167,6 +191,7 @@ class PackedLinear(nn.Module):
             return False
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
+        self.panels = cpu_linear.pack(w.detach()) if cpu_linear.available() else None
         return True
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -174,6 +199,8 @@ class PackedLinear(nn.Module):
             if x.numel() == 0:  # oneDNN rejects an empty batch
                 return x.new_empty((*x.shape[:-1], self.weight.shape[0]))
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        if self.packed is not None and _runs_packed(x):  # a small batch: plain_rows
+            return small_linear(x, self.weight, self.panels, bias)
         return F.linear(x, self.weight, bias)
 
 
@@ -185,8 +212,9 @@ class FusedPackedLinear:
     layers' concatenated (bit for bit in ``tests/unit/test_prepacked_linears.py``).
 
     The plain weights are concatenated too, and each layer's ``weight`` becomes a view of its
-    rows (one plain copy, as before): inputs of up to ``plain_rows`` rows take one ``F.linear``
-    on it (``choose_plain_rows``)."""
+    rows (one plain copy, as before). Inputs of up to ``plain_rows`` rows (``choose_plain_rows``)
+    take the panel kernel on the fused weight's panels (``small_linear``; where it does not
+    build, one ``F.linear`` on the fused plain weight)."""
 
     def __init__(self, linears: list[PackedLinear], batch_hint: int) -> None:
         biases = [b.detach() for m in linears if (b := getattr(m, "bias", None)) is not None]
@@ -195,6 +223,7 @@ class FusedPackedLinear:
         with torch.no_grad():
             self.weight = torch.cat([m.weight.detach() for m in linears])
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, batch_hint)
+            self.panels = cpu_linear.pack(self.weight) if cpu_linear.available() else None
             self.bias = torch.cat(biases) if biases else None
             start = 0
             for m in linears:  # each layer's weight: its rows of the fused one
@@ -211,7 +240,7 @@ class FusedPackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The layers' outputs side by side, ``[..., the layers' output widths summed]``."""
         if _rows(x) <= self.plain_rows:
-            return F.linear(x, self.weight, self.bias)
+            return small_linear(x, self.weight, self.panels, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -234,12 +263,12 @@ def prepack_linears(model: nn.Module, batch_hint: int = 8) -> int:
             if linears and all(m.packed is not None for m in linears):
                 setattr(module, "fused", FusedPackedLinear(linears, batch_hint))  # noqa: B010 - any nn.Module
                 for m in linears:
-                    m.packed = None  # the fused copy serves them: no second copy of each weight
+                    m.packed = m.panels = None  # the fused copies serve them: no second copy of each weight
     return packed
 
 
-PLAIN_ROW_CANDIDATES = (1, 2, 4)  # the batch sizes choose_plain_rows times, smallest first
-PLAIN_ROWS_MARGIN = 0.05  # F.linear keeps a row count only when it is this much faster
+PLAIN_ROW_CANDIDATES = (1, 2, 4, 8, 16)  # the batch sizes choose_plain_rows times, smallest first
+PLAIN_ROWS_MARGIN = 0.05  # the small-batch path keeps a row count only when it is this much faster
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,11 +278,11 @@ class PlainRowsTiming:
     rows: int
     plain_s: float
     packed_s: float
-    plain_won_each_round: bool  # F.linear beat oneDNN by the margin in every round's pair
+    plain_won_each_round: bool  # small_linear beat oneDNN by the margin in every round's pair
 
     @property
     def plain_wins(self) -> bool:
-        """F.linear keeps this row count: faster by ``PLAIN_ROWS_MARGIN`` at best, and in every
+        """The small-batch path (``small_linear``) keeps this row count: faster by ``PLAIN_ROWS_MARGIN`` at best, and in every
         round (a pass slowed by something else on the host decides nothing alone)."""
         return self.plain_won_each_round and self.plain_s <= self.packed_s * (1 - PLAIN_ROWS_MARGIN)
 
@@ -299,11 +328,11 @@ def timing_alone() -> Iterator[None]:
 
 
 def choose_plain_rows(model: nn.Module, rows: int | None = None, rounds: int = 3) -> tuple[int, list[PlainRowsTiming]]:
-    """Set the row count up to which the packed linears of ``model`` take ``F.linear`` (see the
+    """Set the row count up to which the packed linears of ``model`` take ``small_linear`` (see the
     module's docstring): ``rows`` when given, else measured on this CPU at its current thread
     count: each of ``PLAIN_ROW_CANDIDATES`` (smallest first) times one pass over every packed
     linear both ways, alternating, ``rounds`` times; the count is the largest before the first
-    where ``F.linear`` is not ``PLAIN_ROWS_MARGIN`` faster, at best and in every round
+    where ``small_linear`` is not ``PLAIN_ROWS_MARGIN`` faster, at best and in every round
     (``PlainRowsTiming.plain_wins``: under noise the packed default stays). Returns the count
     and what was timed (empty when given, or nothing is packed)."""
     units = _packed_units(model)
