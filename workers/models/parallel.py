@@ -282,8 +282,9 @@ class PlainRowsTiming:
 
     @property
     def plain_wins(self) -> bool:
-        """The small-batch path (``small_linear``) keeps this row count: faster by ``PLAIN_ROWS_MARGIN`` at best, and in every
-        round (a pass slowed by something else on the host decides nothing alone)."""
+        """The small-batch path (``small_linear``) keeps this row count: faster by
+        ``PLAIN_ROWS_MARGIN`` at best, and in every round (a pass slowed by something else on the
+        host decides nothing alone)."""
         return self.plain_won_each_round and self.plain_s <= self.packed_s * (1 - PLAIN_ROWS_MARGIN)
 
 
