@@ -138,9 +138,10 @@ def test_plain_rows_are_measured_when_not_given(tiny_model_dirs):
     rows, timings = choose_plain_rows(model)  # timed on this CPU, both ways
     assert timings and [t.rows for t in timings] == list(PLAIN_ROW_CANDIDATES[: len(timings)])
     assert all(t.plain_s > 0 and t.packed_s > 0 for t in timings)
-    # the count is the largest before the first that F.linear does not win by the margin, at
-    # best and in every round
-    wins = [t.plain_won_each_round and t.plain_s <= t.packed_s * (1 - PLAIN_ROWS_MARGIN) for t in timings]
+    # the count is the largest before the first that the small-batch path does not win by the
+    # margin, at best and in most rounds
+    assert all(t.rounds == 5 and 0 <= t.plain_rounds_won <= 5 for t in timings)
+    wins = [2 * t.plain_rounds_won > t.rounds and t.plain_s <= t.packed_s * (1 - PLAIN_ROWS_MARGIN) for t in timings]
     assert wins == [t.plain_wins for t in timings]
     assert wins[:-1] == [True] * (len(wins) - 1)
     assert rows == (timings[-1].rows if wins[-1] else (timings[-2].rows if len(timings) > 1 else 0))
@@ -151,12 +152,15 @@ def test_plain_rows_are_measured_when_not_given(tiny_model_dirs):
     assert choose_plain_rows(model, 1) == (1, []) and all(unit.plain_rows == 1 for unit in units)
 
 
-def test_a_row_count_needs_a_win_in_every_round():
-    """A pass slowed by something else on the host decides nothing alone: F.linear faster at
-    best but not in every round keeps oneDNN."""
-    assert PlainRowsTiming(1, 0.040, 0.050, True).plain_wins
-    assert not PlainRowsTiming(1, 0.040, 0.050, False).plain_wins
-    assert not PlainRowsTiming(1, 0.049, 0.050, True).plain_wins  # within the margin
+def test_a_row_count_needs_a_win_in_most_rounds():
+    """A pass slowed by something else on the host decides nothing alone: the small-batch path
+    faster at best but in only half the rounds or fewer keeps oneDNN; one round lost to a
+    neighbour's burst does not."""
+    assert PlainRowsTiming(1, 0.040, 0.050, 5, 5).plain_wins
+    assert PlainRowsTiming(1, 0.040, 0.050, 5, 3).plain_wins
+    assert not PlainRowsTiming(1, 0.040, 0.050, 5, 2).plain_wins
+    assert not PlainRowsTiming(1, 0.040, 0.050, 4, 2).plain_wins  # a tie is not most
+    assert not PlainRowsTiming(1, 0.049, 0.050, 5, 5).plain_wins  # within the margin
 
 
 def test_linears_are_timed_alone_on_the_host(tiny_model_dirs, monkeypatch):

@@ -143,7 +143,11 @@ def load_model(
         small_op = small_op_name()
         measured = ", ".join(
             f"{t.rows} row(s): {small_op} {t.plain_s * 1e3:.1f} ms, oneDNN {t.packed_s * 1e3:.1f} ms"
-            + (" (faster at best, not in every round)" if t.plain_s < t.packed_s and not t.plain_won_each_round else "")
+            + (
+                f" (faster at best, in {t.plain_rounds_won} of {t.rounds} rounds)"
+                if t.plain_s < t.packed_s and not t.plain_wins
+                else ""
+            )
             for t in timings
         )
         logger.info(

@@ -278,14 +278,17 @@ class PlainRowsTiming:
     rows: int
     plain_s: float
     packed_s: float
-    plain_won_each_round: bool  # small_linear beat oneDNN by the margin in every round's pair
+    rounds: int
+    plain_rounds_won: int  # rounds whose pair small_linear won by the margin
 
     @property
     def plain_wins(self) -> bool:
         """The small-batch path (``small_linear``) keeps this row count: faster by
-        ``PLAIN_ROWS_MARGIN`` at best, and in every round (a pass slowed by something else on the
-        host decides nothing alone)."""
-        return self.plain_won_each_round and self.plain_s <= self.packed_s * (1 - PLAIN_ROWS_MARGIN)
+        ``PLAIN_ROWS_MARGIN`` at best, and in most rounds' pairs (a pass slowed by something
+        else on the host decides nothing alone). Every round once: a replica's start timed the
+        kernel 1.22x faster than oneDNN at best at 4 rows, lost one round of three to Ray's
+        start-up beside it, and served its batch-8 steps on oneDNN (BENCHMARKS.md, run 24)."""
+        return 2 * self.plain_rounds_won > self.rounds and self.plain_s <= self.packed_s * (1 - PLAIN_ROWS_MARGIN)
 
 
 def _packed_units(model: nn.Module) -> list[PackedLinear | FusedPackedLinear]:
@@ -328,12 +331,12 @@ def timing_alone() -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def choose_plain_rows(model: nn.Module, rows: int | None = None, rounds: int = 3) -> tuple[int, list[PlainRowsTiming]]:
+def choose_plain_rows(model: nn.Module, rows: int | None = None, rounds: int = 5) -> tuple[int, list[PlainRowsTiming]]:
     """Set the row count up to which the packed linears of ``model`` take ``small_linear`` (see the
     module's docstring): ``rows`` when given, else measured on this CPU at its current thread
     count: each of ``PLAIN_ROW_CANDIDATES`` (smallest first) times one pass over every packed
     linear both ways, alternating, ``rounds`` times; the count is the largest before the first
-    where ``small_linear`` is not ``PLAIN_ROWS_MARGIN`` faster, at best and in every round
+    where ``small_linear`` is not ``PLAIN_ROWS_MARGIN`` faster, at best and in most rounds
     (``PlainRowsTiming.plain_wins``: under noise the packed default stays). Returns the count
     and what was timed (empty when given, or nothing is packed)."""
     units = _packed_units(model)
@@ -346,7 +349,7 @@ def choose_plain_rows(model: nn.Module, rows: int | None = None, rounds: int = 3
         for candidate in PLAIN_ROW_CANDIDATES:
             inputs = [torch.randn(candidate, unit.weight.shape[1]) for unit in units]
             best = {candidate: float("inf"), 0: float("inf")}  # plain_rows -> the fastest pass
-            each_round = True
+            won = 0
             for round_ in range(rounds + 1):  # round 0 warms both ways up and is not counted
                 took: dict[int, float] = {}
                 for plain_rows in best:
@@ -356,8 +359,8 @@ def choose_plain_rows(model: nn.Module, rows: int | None = None, rounds: int = 3
                     took[plain_rows] = time.perf_counter() - start
                 if round_:
                     best = {k: min(v, took[k]) for k, v in best.items()}
-                    each_round &= took[candidate] <= took[0] * (1 - PLAIN_ROWS_MARGIN)
-            timing = PlainRowsTiming(candidate, best[candidate], best[0], each_round)
+                    won += took[candidate] <= took[0] * (1 - PLAIN_ROWS_MARGIN)
+            timing = PlainRowsTiming(candidate, best[candidate], best[0], rounds, won)
             timings.append(timing)
             if not timing.plain_wins:
                 break
