@@ -5,6 +5,8 @@ rows around it)."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -37,6 +39,28 @@ def test_equals_the_float64_product(n, k, bias):
         # fp32 sums of k products of unit normals: errors grow like sqrt(k) ulps of the sum
         torch.testing.assert_close(out, _reference(x, w, b), rtol=0, atol=2e-6 * k)
         torch.testing.assert_close(out, F.linear(x, w, b), rtol=0, atol=4e-6 * k)  # both off the exact sum
+
+
+def _vector_widths() -> list[int]:
+    """The kernel's vector paths this CPU runs: AVX-512 (16 floats), AVX2 + FMA (8), plain (4)."""
+    flags = open("/proc/cpuinfo").read().split() if sys.platform == "linux" else []
+    return [w for w, need in ((16, {"avx512f"}), (8, {"avx2", "fma"}), (4, set())) if need <= set(flags)]
+
+
+@pytest.mark.parametrize("width", _vector_widths())
+def test_every_vector_path_this_cpu_runs(width):
+    """The build here takes the widest path; the narrower ones are what other CPUs run (CI's may
+    have no AVX-512): each built and checked on the shapes that cut panels and row blocks."""
+    kernel = cpu_linear.build(width)
+    torch.manual_seed(width)
+    for n, k in ((97, 100), (576, 576), (cpu_linear.PANEL * 2 + 5, 33)):
+        w, b = torch.randn(n, k), torch.randn(n)
+        panels = cpu_linear.pack(w)
+        x = torch.randn(cpu_linear.MAX_ROWS, k)
+        whole = cpu_linear.linear(x, panels, n, b, kernel=kernel)
+        torch.testing.assert_close(whole, _reference(x, w, b), rtol=0, atol=2e-6 * k)
+        for rows in (1, 3, 4, 5, 8, 9):  # both sides of a row block (8 rows with AVX-512, else 4)
+            assert torch.equal(cpu_linear.linear(x[:rows], panels, n, b, kernel=kernel), whole[:rows]), (width, rows)
 
 
 def test_a_rows_output_does_not_depend_on_the_batch():

@@ -25,9 +25,9 @@ spilled them: 57 % of the FMA peak at best); this one holds GCC vector types, wh
 Each output is the same sequence of operations on its own input row and weight row, whatever
 the batch size, the row block or the thread: a row's result does not depend on the batch
 around it, and a fused q/k/v weight gives the separate layers' outputs bit for bit. The
-summation order (k ascending, one FMA each) is not MKL's nor oneDNN's, which differ from each
-other in the last bits too; the engine's greedy parity with transformers is held by its tests on
-this path. Up to how many rows it is taken is timed at load against oneDNN
+summation order (k ascending, one FMA each: AVX-512 and AVX2 give the same bits) is not MKL's
+nor oneDNN's, which differ from each other in the last bits too; the engine's greedy parity with
+transformers is held by its tests on this path. Up to how many rows it is taken is timed at load against oneDNN
 (``workers/models/parallel.py``, ``choose_plain_rows``); oneDNN keeps prompt chunks and wide
 batches, where it runs at the FMA peak and this kernel does not.
 
@@ -52,23 +52,29 @@ MAX_ROWS = 16  # the widest batch the kernel takes
 _SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
 #include <omp.h>
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 
-#if defined(__AVX512F__)
+// the widest vector the build may use (16 floats: AVX-512; tests narrow it to cover the others)
+#define MAX_VL {max_vl}
+#if defined(__AVX512F__) && MAX_VL >= 16
+#define VEC_AVX512 1
 constexpr int VL = 16;
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && MAX_VL >= 8
+#define VEC_AVX2 1
 constexpr int VL = 8;
 #else
-constexpr int VL = 4;
+constexpr int VL = 4;  // plain vector code: what the compiler makes of it (SSE, NEON, ...)
 #endif
 typedef float vf __attribute__((vector_size(VL * 4)));
 
 static inline vf load(const float* p) { vf v; __builtin_memcpy(&v, p, sizeof(vf)); return v; }
 static inline void store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof(vf)); }
 static inline vf fmadd(vf a, vf b, vf c) {  // inductor builds with -ffp-contract=off: fuse explicitly
-#if defined(__AVX512F__)
+#if defined(VEC_AVX512)
   return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(VEC_AVX2)
   return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 #else
   return a * b + c;
@@ -172,10 +178,18 @@ ARGTYPES = [
 
 
 @functools.cache
-def _kernel() -> Any:
+def build(max_vector_floats: int = 16) -> Any:
+    """The kernel compiled for this CPU, using vectors of at most ``max_vector_floats`` floats
+    (16: AVX-512 where the CPU has it; 8: AVX2 + FMA; 4: plain vector code). Below 16 only for
+    the tests, which check each path this CPU can run."""
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-    return CppPythonBindingsCodeCache.load_pybinding(ARGTYPES, _SOURCE.replace("{panel}", str(PANEL)))
+    source = _SOURCE.replace("{panel}", str(PANEL)).replace("{max_vl}", str(max_vector_floats))
+    return CppPythonBindingsCodeCache.load_pybinding(ARGTYPES, source)
+
+
+def _kernel() -> Any:
+    return build()
 
 
 @functools.cache
@@ -214,16 +228,18 @@ def takes(x: torch.Tensor) -> bool:
     )
 
 
-def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None, kernel: Any = None
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` from ``pack(weight)``, for ``x`` ``[..., K]`` that
-    ``takes`` accepts: ``[..., out_features]``."""
+    ``takes`` accepts: ``[..., out_features]``. ``kernel``: a ``build`` (default: this CPU's)."""
     k = panels.shape[1]
     rows = x.numel() // k
     x2 = x.reshape(rows, k)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     out = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
-    _kernel()(
+    (kernel or _kernel())(
         x2,
         panels,
         bias if bias is not None else panels,  # any fp32 tensor: not read without a bias
