@@ -28,8 +28,8 @@ instead of three and two, bit for bit the separate layers' outputs.
 **Small batches on the panel kernel** (``choose_plain_rows``): a decode step multiplies each
 weight by a few rows and only streams the weights, which oneDNN does at 20-25 GB/s on a VM that
 streams 30-40 (and ``F.linear`` at 8-12). Packing also makes a panel copy of each weight for
-``workers/layers/cpu_linear.py``, a hand-written kernel that streams it at 31-33 GB/s at 1-8
-rows there (SmolLM2's linears 1.35-1.73x oneDNN's speed at 1-16 rows; BENCHMARKS.md). Which is
+``workers/layers/cpu_linear.py``, a hand-written kernel that streams it at 31-39 GB/s at 1-8
+rows there (SmolLM2's linears 1.2-1.9x oneDNN's speed at 1-16 rows; BENCHMARKS.md). Which is
 faster at a row count depends on the CPU, so after packing the linears are timed both ways at
 1, 2, 4, 8 and 16 rows on the weights themselves, and batches up to the largest row count where
 the kernel won (every smaller count winning too) take it: a decode step of that many sequences,
