@@ -7,7 +7,7 @@ torch's GEMMs streams them at the memory's speed there. On the Zen 4 VM (BENCHMA
 decode step's linears on a hand-written panel kernel"), oneDNN's inner product on its packed
 copy read SmolLM2's linears at 20-25 GB/s at 1-8 rows, slowest on the narrow ones (q/k/v, o:
 12-17 GB/s inside a step), and ``F.linear`` (MKL, the plain weight) at 8-12 GB/s; this kernel
-reads them at 31-39 GB/s (1.3-1.9x oneDNN's speed at 1-16 rows).
+reads them at 31-39 GB/s (1.2-1.9x oneDNN's speed at 1-16 rows).
 
 The layout: the weight ``[N, K]`` cut into panels of ``PANEL`` output rows, each stored
 transposed, ``[K, PANEL]`` contiguous (``pack``; the last panel padded with zeros), so that
