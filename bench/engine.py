@@ -6,6 +6,8 @@
     python bench/engine.py                      # SmolLM2-135M-Instruct (30 x 576), CPU
     python bench/engine.py --compile            # adds the compiled engine to (b) and (c)
     python bench/engine.py --unpacked           # adds an eager engine on plain F.linear weights
+    python bench/engine.py --onednn             # adds an eager engine whose decodes stay on oneDNN
+                                                # (plain_linear_rows 0: no panel kernel)
     python bench/engine.py --sdpa               # adds an eager engine whose decodes gather (sdpa)
     python bench/engine.py --model tiny         # the generated ~100M random llama (12 x 768)
     python bench/engine.py --device cuda --dtype bfloat16
@@ -237,6 +239,12 @@ def main(argv: list[str] | None = None) -> None:
         "and compare it in (b) and (c), where it is the baseline",
     )
     ap.add_argument(
+        "--onednn",
+        action="store_true",
+        help="also build an eager engine whose small batches stay on oneDNN (plain_linear_rows=0: no "
+        "panel kernel, workers/layers/cpu_linear.py) and compare it in (b) and (c), where it is the baseline",
+    )
+    ap.add_argument(
         "--sdpa",
         action="store_true",
         help="also build an eager engine with attention_backend sdpa (decodes gather their blocks) "
@@ -276,6 +284,8 @@ def main(argv: list[str] | None = None) -> None:
     engines = {"eager": engine}
     if args.sdpa:  # first: (c) gives every engine's step as a ratio to the first's
         engines = {"sdpa": LLMEngine(str(model_dir), attention_backend="sdpa", **engine_kwargs), **engines}
+    if args.onednn:
+        engines = {"onednn": LLMEngine(str(model_dir), plain_linear_rows=0, **engine_kwargs), **engines}
     if args.unpacked:
         engines = {"unpacked": LLMEngine(str(model_dir), prepack_weights=False, **engine_kwargs), **engines}
     cfg = engine.model_config

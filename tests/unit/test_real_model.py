@@ -19,7 +19,7 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
         pytest.param({}, id="default"),
         pytest.param({"max_num_batched_tokens": 32, "num_kv_blocks": 14}, id="chunked-32-preempting"),
         # whatever the load-time timing chose here: decode steps on the panel kernel, or on oneDNN
-        pytest.param({"plain_linear_rows": 16}, id="panel-kernel"),
+        pytest.param({"plain_linear_rows": 64}, id="panel-kernel"),
         pytest.param({"plain_linear_rows": 0}, id="onednn"),
     ],
 )

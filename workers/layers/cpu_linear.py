@@ -7,7 +7,8 @@ torch's GEMMs streams them at the memory's speed there. On the Zen 4 VM (BENCHMA
 decode step's linears on a hand-written panel kernel"), oneDNN's inner product on its packed
 copy read SmolLM2's linears at 20-25 GB/s at 1-8 rows, slowest on the narrow ones (q/k/v, o:
 12-17 GB/s inside a step), and ``F.linear`` (MKL, the plain weight) at 8-12 GB/s; this kernel
-reads them at 31-39 GB/s (1.2-1.9x oneDNN's speed at 1-16 rows).
+reads them at 31-39 GB/s at 1-8 rows (1.1-1.9x oneDNN's speed at 1-64 rows; at 256, a prompt's
+rows, oneDNN is 1.3x faster).
 
 The layout: the weight ``[N, K]`` cut into panels of ``PANEL`` output rows, each stored
 transposed, ``[K, PANEL]`` contiguous (``pack``; the last panel padded with zeros), so that
@@ -48,7 +49,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 PANEL = 48  # output rows per panel: 3 AVX-512 vectors, 6 AVX2 ones
-MAX_ROWS = 16  # the widest batch the kernel takes
+MAX_ROWS = 64  # the widest batch the kernel takes (oneDNN wins from some width up: timed at load)
 
 _SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>

@@ -29,9 +29,9 @@ instead of three and two, bit for bit the separate layers' outputs.
 weight by a few rows and only streams the weights, which oneDNN does at 20-25 GB/s on a VM that
 streams 30-40 (and ``F.linear`` at 8-12). Packing also makes a panel copy of each weight for
 ``workers/layers/cpu_linear.py``, a hand-written kernel that streams it at 31-39 GB/s at 1-8
-rows there (SmolLM2's linears 1.2-1.9x oneDNN's speed at 1-16 rows; BENCHMARKS.md). Which is
+rows there (SmolLM2's linears 1.1-1.9x oneDNN's speed at 1-64 rows; BENCHMARKS.md). Which is
 faster at a row count depends on the CPU, so after packing the linears are timed both ways at
-1, 2, 4, 8 and 16 rows on the weights themselves, and batches up to the largest row count where
+1, 2, 4, 8, 16, 32 and 64 rows on the weights themselves, and batches up to the largest row count where
 the kernel won (every smaller count winning too) take it: a decode step of that many sequences,
 and the LM head's rows of any step. Where the kernel does not build, ``F.linear`` on the plain
 weight is the small-batch side of the timing, as before it existed (on an Intel VM streaming ~13
@@ -267,7 +267,7 @@ def prepack_linears(model: nn.Module, batch_hint: int = 8) -> int:
     return packed
 
 
-PLAIN_ROW_CANDIDATES = (1, 2, 4, 8, 16)  # the batch sizes choose_plain_rows times, smallest first
+PLAIN_ROW_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)  # the batch sizes choose_plain_rows times, smallest first
 PLAIN_ROWS_MARGIN = 0.05  # the small-batch path keeps a row count only when it is this much faster
 
 
