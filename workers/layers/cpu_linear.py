@@ -125,23 +125,17 @@ static inline void tile(const float* __restrict__ x, int64_t K, const float* __r
   }
 }
 
-template <int R>
-static void rows_of(const float* x, int64_t K, const float* w, int64_t j0, float* out, int64_t ldo,
-                    int64_t cols, const float* bias) {
-  tile<R>(x, K, w, j0, out, ldo, cols, bias);
-}
-
 static void block(int64_t r, const float* x, int64_t K, const float* w, int64_t j0, float* out,
                   int64_t ldo, int64_t cols, const float* bias) {
   switch (r) {
-    case 1: rows_of<1>(x, K, w, j0, out, ldo, cols, bias); break;
-    case 2: rows_of<2>(x, K, w, j0, out, ldo, cols, bias); break;
-    case 3: rows_of<3>(x, K, w, j0, out, ldo, cols, bias); break;
-    case 4: rows_of<4>(x, K, w, j0, out, ldo, cols, bias); break;
-    case 5: rows_of<5>(x, K, w, j0, out, ldo, cols, bias); break;
-    case 6: rows_of<6>(x, K, w, j0, out, ldo, cols, bias); break;
-    case 7: rows_of<7>(x, K, w, j0, out, ldo, cols, bias); break;
-    case 8: rows_of<8>(x, K, w, j0, out, ldo, cols, bias); break;
+    case 1: tile<1>(x, K, w, j0, out, ldo, cols, bias); break;
+    case 2: tile<2>(x, K, w, j0, out, ldo, cols, bias); break;
+    case 3: tile<3>(x, K, w, j0, out, ldo, cols, bias); break;
+    case 4: tile<4>(x, K, w, j0, out, ldo, cols, bias); break;
+    case 5: tile<5>(x, K, w, j0, out, ldo, cols, bias); break;
+    case 6: tile<6>(x, K, w, j0, out, ldo, cols, bias); break;
+    case 7: tile<7>(x, K, w, j0, out, ldo, cols, bias); break;
+    case 8: tile<8>(x, K, w, j0, out, ldo, cols, bias); break;
   }
 }
 
@@ -190,16 +184,12 @@ def build(max_vector_floats: int = 16) -> Any:
     return CppPythonBindingsCodeCache.load_pybinding(ARGTYPES, source)
 
 
-def _kernel() -> Any:
-    return build()
-
-
 @functools.cache
 def available() -> bool:
     """Whether the kernel builds here (asked once per process; a failure is logged and the
     small batches keep ``F.linear``)."""
     try:
-        _kernel()
+        build()
     except Exception as exc:  # noqa: BLE001 - no compiler, an inductor without this API ...
         logger.warning("the CPU panel kernel for small batches did not build (%s: %s)", type(exc).__name__, exc)
         return False
@@ -237,11 +227,9 @@ def linear(
     ``takes`` accepts: ``[..., out_features]``. ``kernel``: a ``build`` (default: this CPU's)."""
     k = panels.shape[1]
     rows = x.numel() // k
-    x2 = x.reshape(rows, k)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
+    x2 = x.reshape(rows, k).contiguous()  # a no-op where it already is
     out = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
-    (kernel or _kernel())(
+    (kernel or build())(
         x2,
         panels,
         bias if bias is not None else panels,  # any fp32 tensor: not read without a bias
