@@ -183,11 +183,17 @@ class PackedLinear(nn.Module):
         self.panels: torch.Tensor | None = None  # the panel kernel's copy (cpu_linear.pack), with packed
         self.plain_rows = 0  # inputs of up to this many rows take small_linear, not oneDNN (choose_plain_rows)
 
+    def packable(self) -> bool:
+        """Whether ``pack`` packs this weight: fp32 on a CPU with oneDNN."""
+        w = self.weight
+        return w.device.type == "cpu" and w.dtype == torch.float32 and _onednn_linear_available()
+
     def pack(self, batch_hint: int) -> bool:
         """Reorder the weight for oneDNN (``batch_hint``: the batch size the layout is picked
-        for; any batch runs on it). Only fp32 weights on a CPU with oneDNN; False otherwise."""
+        for; any batch runs on it), and cut it into the panel kernel's panels. Only what
+        ``packable`` accepts; False otherwise."""
         w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or not _onednn_linear_available():
+        if not self.packable():
             return False
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
@@ -195,13 +201,11 @@ class PackedLinear(nn.Module):
         return True
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is not None and _runs_packed(x) and _rows(x) > self.plain_rows:
-            if x.numel() == 0:  # oneDNN rejects an empty batch
-                return x.new_empty((*x.shape[:-1], self.weight.shape[0]))
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-        if self.packed is not None and _runs_packed(x):  # a small batch: plain_rows
+        if self.packed is None or not _runs_packed(x):
+            return F.linear(x, self.weight, bias)
+        if _rows(x) <= self.plain_rows:  # a small batch (an empty one too: oneDNN rejects it)
             return small_linear(x, self.weight, self.panels, bias)
-        return F.linear(x, self.weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
 class FusedPackedLinear:
@@ -249,21 +253,21 @@ def prepack_linears(model: nn.Module, batch_hint: int = 8) -> int:
     vocabulary tables only ``model.head``, the one that scores (an untied embedding only looks
     up rows); the number of layers packed (0: not a CPU fp32 model, or no oneDNN). A module that
     names ``fused_inputs`` (linears reading the same input) gets them packed as one
-    ``FusedPackedLinear`` in ``fused``, in place of their own packed copies."""
+    ``FusedPackedLinear`` in ``fused`` instead of copies of their own (each weight is packed once)."""
     head = getattr(model, "head", None)
+    groups = []  # (module, its fused linears): packed once, as one, never each on its own
+    for module in model.modules():
+        linears = [getattr(module, name) for name in getattr(module, "fused_inputs", ())]
+        if linears and all(m.packable() for m in linears):
+            groups.append((module, linears))
+    fused = {id(m) for _, linears in groups for m in linears}
     packed = sum(
-        m.pack(batch_hint)
+        id(m) in fused or m.pack(batch_hint)  # a fused layer counts: its group's copies serve it
         for m in model.modules()
         if isinstance(m, PackedLinear) and (not isinstance(m, VocabParallelEmbedding) or m is head)
     )
-    if packed:
-        for module in model.modules():
-            names = getattr(module, "fused_inputs", ())
-            linears = [getattr(module, name) for name in names]
-            if linears and all(m.packed is not None for m in linears):
-                setattr(module, "fused", FusedPackedLinear(linears, batch_hint))  # noqa: B010 - any nn.Module
-                for m in linears:
-                    m.packed = m.panels = None  # the fused copies serve them: no second copy of each weight
+    for module, linears in groups:
+        setattr(module, "fused", FusedPackedLinear(linears, batch_hint))  # noqa: B010 - any nn.Module
     return packed
 
 
