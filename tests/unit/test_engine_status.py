@@ -165,6 +165,33 @@ def test_prefix_hits_are_counted_once_per_request(engine):
     assert (engine.stats().prefix_queries, engine.stats().prefix_hits) == (150, 96)
 
 
+def test_a_shared_prefix_being_computed_is_waited_for_not_computed_twice(engine):
+    prefix = random_prompts((32,), seed=35)[0]  # 2 blocks: MIN_SHARED_BLOCKS
+    a, b, c = prefix + [1, 2, 3], prefix + [4, 5, 6, 7], prefix[:16] + [8] * 20
+    alone = {i: engine.generate([p], greedy(3))[0].token_ids for i, p in enumerate((a, b, c))}
+    assert engine.block_manager.reset_prefix_cache()
+    before = engine.stats().prefill_tokens_computed
+    for rid, prompt in (("a", a), ("b", b), ("c", c)):
+        engine.add_request(rid, prompt, greedy(3))
+    engine.step()  # a computes the prefix; b waits for it; c shares one block only and runs
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting) == (2, 1)
+    assert stats.prefill_tokens_computed - before == len(a) + len(c)
+    done = run(engine)
+    assert done == {"a": alone[0], "b": alone[1], "c": alone[2]}  # the same tokens as alone
+    # b computed only what follows the prefix: 32 of its tokens came from a's blocks
+    assert engine.stats().prefill_tokens_computed - before == len(a) + len(c) + len(b) - 32
+
+
+def test_a_request_for_prompt_logprobs_does_not_wait_for_a_shared_prefix(engine):
+    prefix = random_prompts((48,), seed=36)[0]
+    engine.add_request("a", prefix + [1], greedy(2))
+    engine.add_request("b", prefix + [2], dataclasses.replace(greedy(2), prompt_logprobs=1))
+    engine.step()  # b takes no prefix hit (it needs every prompt position's logits): it runs
+    assert (engine.stats().num_running, engine.stats().num_waiting) == (2, 0)
+    run(engine)
+
+
 def test_take_events_hands_over_each_stored_block_once(engine):
     engine.take_events()  # nothing yet
     prompt = random_prompts((33,), seed=34)[0]

@@ -25,12 +25,17 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from kvstore.hashing import BlockHash
 from workers.engine.block_manager import BlockManager, CachedPrefix
 from workers.engine.sequence import FinishReason, RequestStatus, Sequence
 
 WAITING, RUNNING = RequestStatus.WAITING, RequestStatus.RUNNING
 AWAITING_REMOTE_KV, HELD_FOR_DECODE = RequestStatus.AWAITING_REMOTE_KV, RequestStatus.HELD_FOR_DECODE
 FINISHED = RequestStatus.FINISHED
+
+# A waiting request whose next prompt blocks a running prefill is computing waits for them when at
+# least this many would be shared (32 tokens at the default block size, SGLang's threshold).
+MIN_SHARED_BLOCKS = 2
 
 # Every move a request may make; ``Scheduler._move`` refuses any other (an engine bug, not bad
 # input). A new request enters WAITING or AWAITING_REMOTE_KV; FINISHED is the end.
@@ -186,13 +191,18 @@ class Scheduler:
             # seq itself was preempted: everything after it is gone too; stop
             break
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            seq = self.waiting[0]
+        computing = self._blocks_being_computed(scheduled)
+        w = 0
+        while w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[w]
             cached = self.block_manager.find_cached_prefix(seq)
+            if self._shares_blocks_being_computed(seq, len(cached.blocks), computing):
+                w += 1  # admitted once they are cached; later requests may go first
+                continue
             num_new = min(seq.num_tokens - cached.num_tokens, budget, self.max_chunk_tokens)
             if not self.block_manager.allocate_slots(seq, num_new, cached):
                 break
-            self.waiting.popleft()
+            del self.waiting[w]
             self._move(seq, RUNNING, source=WAITING)
             seq.num_computed_tokens = cached.num_tokens
             self._count_prefix_lookup(seq, cached.num_tokens)
@@ -201,12 +211,40 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+            computing.update(self._uncomputed_full_blocks(seq))
         # One query token over a context already in the cache attends like a decode.
         decodes = [s for s in scheduled if s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0]
         prefills = [s for s in scheduled if not (s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0)]
         return SchedulerOutput(decodes, prefills, preempted)
 
     # --------------------------------------------------------------- internal
+    def _uncomputed_full_blocks(self, seq: Sequence) -> list[BlockHash]:
+        """Hashes of the sequence's full blocks that are not computed yet: what its prefill
+        will add to the prefix cache."""
+        if not self.block_manager.enable_prefix_caching:
+            return []
+        first = seq.num_computed_tokens // self.block_manager.block_size
+        return self.block_manager.block_hashes(seq)[first:]
+
+    def _blocks_being_computed(self, scheduled: list[ScheduledSeq]) -> set[BlockHash]:
+        computing: set[BlockHash] = set()
+        for s in scheduled:
+            if not (s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0):  # a prefill chunk
+                computing.update(self._uncomputed_full_blocks(s.seq))
+        return computing
+
+    def _shares_blocks_being_computed(self, seq: Sequence, num_cached_blocks: int, computing: set[BlockHash]) -> bool:
+        """True when the blocks right after the waiting sequence's cached prefix are ones a
+        running prefill is computing now, at least ``MIN_SHARED_BLOCKS`` of them: it waits for
+        them to be cached rather than compute them a second time (SGLang's in-batch prefix
+        caching; vLLM computes both). A request asking for prompt logprobs takes no hit
+        (``find_cached_prefix``) and never waits."""
+        if not computing or seq.params.prompt_logprobs is not None:
+            return False
+        max_blocks = (seq.num_tokens - 1) // self.block_manager.block_size
+        ahead = self.block_manager.block_hashes(seq)[num_cached_blocks:max_blocks]
+        return len(ahead) >= MIN_SHARED_BLOCKS and all(h in computing for h in ahead[:MIN_SHARED_BLOCKS])
+
     def _preempt(self, seq: Sequence) -> None:
         """RUNNING -> WAITING, at the front of the queue, blocks freed: recomputed from scratch."""
         self._move(seq, WAITING, source=RUNNING)
