@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.events import KVEvent
+from workers.cpu_memory import keep_freed_memory
 from workers.engine.block_manager import NULL_BLOCK, BlockManager, CachedPrefix, first_window_block
 from workers.engine.compiled import CompiledDecode
 from workers.engine.config import EngineConfig
@@ -117,6 +118,8 @@ class LLMEngine:
         self._rank_transfers_open = False  # open_rank_transfers: the worker ranks' transfer agents
         tp = self.tensor_parallel.tp if self.tensor_parallel else TPGroup()
         self.device = rank_device(cfg.device, 0) if self.tensor_parallel else torch.device(cfg.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # before the model's first allocation
         self.model_config = ModelConfig.from_dir(cfg.model_dir)
         self.model_key = cfg.resolved_model_key
         max_len = cfg.max_model_len or self.model_config.max_position_embeddings

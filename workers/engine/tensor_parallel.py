@@ -62,6 +62,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from workers.cpu_memory import keep_freed_memory
 from workers.engine.block_manager import first_window_block
 from workers.engine.config import EngineConfig
 from workers.engine.model_runner import ModelRunner, StepThreads
@@ -652,6 +653,8 @@ def run_worker(
         own = torch.device(device) if device is not None else rank_device(config.device, rank)
         if own.type == "cuda":
             torch.cuda.set_device(own)
+        else:
+            keep_freed_memory()
         store.set(f"tp/joined/{rank}", "1")
         groups = RankGroups(store, rank, world_size, own, bind_host)
         try:
