@@ -139,9 +139,9 @@ def test_plain_rows_are_measured_when_not_given(tiny_model_dirs):
     assert timings and [t.rows for t in timings] == list(PLAIN_ROW_CANDIDATES[: len(timings)])
     assert all(t.plain_s > 0 and t.packed_s > 0 for t in timings)
     # the count is the largest before the first that the small-batch path does not win by the
-    # margin, at best and in most rounds
+    # margin, best pass against best pass
     assert all(t.rounds == 5 and 0 <= t.plain_rounds_won <= 5 for t in timings)
-    wins = [2 * t.plain_rounds_won > t.rounds and t.plain_s <= t.packed_s * (1 - PLAIN_ROWS_MARGIN) for t in timings]
+    wins = [t.plain_s <= t.packed_s * (1 - PLAIN_ROWS_MARGIN) for t in timings]
     assert wins == [t.plain_wins for t in timings]
     assert wins[:-1] == [True] * (len(wins) - 1)
     assert rows == (timings[-1].rows if wins[-1] else (timings[-2].rows if len(timings) > 1 else 0))
@@ -152,15 +152,14 @@ def test_plain_rows_are_measured_when_not_given(tiny_model_dirs):
     assert choose_plain_rows(model, 1) == (1, []) and all(unit.plain_rows == 1 for unit in units)
 
 
-def test_a_row_count_needs_a_win_in_most_rounds():
-    """A pass slowed by something else on the host decides nothing alone: the small-batch path
-    faster at best but in only half the rounds or fewer keeps oneDNN; one round lost to a
-    neighbour's burst does not."""
-    assert PlainRowsTiming(1, 0.040, 0.050, 5, 5).plain_wins
-    assert PlainRowsTiming(1, 0.040, 0.050, 5, 3).plain_wins
-    assert not PlainRowsTiming(1, 0.040, 0.050, 5, 2).plain_wins
-    assert not PlainRowsTiming(1, 0.040, 0.050, 4, 2).plain_wins  # a tie is not most
+def test_a_row_count_is_decided_by_each_ways_best_pass():
+    """Noise only slows a pass: the best pass each way decides, not how many rounds each won.
+    Run 29's replica timed the kernel 1.65x faster at best at 2 rows but won 2 rounds of 5 to
+    Ray's start-up beside it; it keeps the kernel. Within the margin, or slower, oneDNN stays."""
+    assert PlainRowsTiming(2, 0.0174, 0.0287, 5, 2).plain_wins
+    assert PlainRowsTiming(1, 0.040, 0.050, 5, 0).plain_wins
     assert not PlainRowsTiming(1, 0.049, 0.050, 5, 5).plain_wins  # within the margin
+    assert not PlainRowsTiming(64, 0.052, 0.050, 5, 1).plain_wins
 
 
 def test_linears_are_timed_alone_on_the_host(tiny_model_dirs, monkeypatch):
