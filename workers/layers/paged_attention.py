@@ -127,6 +127,7 @@ class PagedAttention:
         self.kv = kv
         self.meta = meta
         self.scale = scale
+        self._context_masks: dict[int, torch.Tensor] = {}  # by span start: built once a step, used by every layer
 
     @property
     def cache(self) -> PagedKVCache:
@@ -179,17 +180,16 @@ class PagedAttention:
         length = span.context_len - span.first_key_pos
         ks = kv[0, :length].transpose(0, 1).unsqueeze(0)
         vs = kv[1, :length].transpose(0, 1).unsqueeze(0)
-        query_pos = torch.arange(span.context_len - span.num_tokens, span.context_len, device=qs.device)
-        key_pos = torch.arange(span.first_key_pos, span.context_len, device=qs.device)
+        mask = self._context_masks.get(span.start)
+        if mask is None:
+            # additive, in q's dtype: what SDPA makes of a bool mask on every call (the same bits)
+            query_pos = torch.arange(span.context_len - span.num_tokens, span.context_len, device=qs.device)
+            key_pos = torch.arange(span.first_key_pos, span.context_len, device=qs.device)
+            allowed = attention_mask(query_pos, key_pos, self.meta.sliding_window)
+            mask = torch.zeros(allowed.shape, dtype=qs.dtype, device=qs.device).masked_fill_(~allowed, float("-inf"))
+            self._context_masks[span.start] = mask
         return self.cache.unrotate_values(
-            F.scaled_dot_product_attention(
-                qs,
-                ks,
-                vs,
-                attn_mask=attention_mask(query_pos, key_pos, self.meta.sliding_window),
-                scale=self.scale,
-                enable_gqa=True,
-            )
+            F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
         )
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
