@@ -5,10 +5,8 @@ Invariants (checked by ``check_idle``):
   in the free queue (ref_count == 0). Never both, never neither.
 - A free block may still carry a hash: it is *cached* and can be revived by a prefix hit until
   the free queue hands it out again, which evicts it (``BlockRemoved``).
-- ``hash -> block`` maps only full blocks that are computed, or that the step being scheduled
-  fills (its layers write their K/V before attention reads them, so a request later in the same
-  step may hit them); every hit is verified against the block's token ids, so a hash collision
-  can cost a miss but never a wrong answer.
+- ``hash -> block`` maps only full, computed blocks; every hit is verified against the block's
+  token ids, so a hash collision can cost a miss but never a wrong answer.
 - Only the block manager frees blocks. A sequence's blocks are freed exactly once, by ``free``.
 
 Sliding-window models: a sequence drops its references to blocks that lie wholly before the
