@@ -154,14 +154,11 @@ class BlockManager:
             seq.block_table.append(block.block_id)
         return True
 
-    def cache_full_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
-        """Register the sequence's full blocks in the prefix cache, up to its computed tokens, or
-        up to ``num_tokens``: the scheduler registers the blocks a step's chunk fills when it
-        schedules the chunk, as every layer writes the step's K/V before any attention reads."""
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's newly computed full blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        upto = seq.num_computed_tokens if num_tokens is None else num_tokens
-        num_computed_full = min(upto // self.block_size, len(seq.block_table))
+        num_computed_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         if num_computed_full <= seq.num_cached_blocks:
             return
         hashes = self.block_hashes(seq)

@@ -33,9 +33,8 @@ WAITING, RUNNING = RequestStatus.WAITING, RequestStatus.RUNNING
 AWAITING_REMOTE_KV, HELD_FOR_DECODE = RequestStatus.AWAITING_REMOTE_KV, RequestStatus.HELD_FOR_DECODE
 FINISHED = RequestStatus.FINISHED
 
-# A waiting request whose next prompt blocks a running prefill computes in a later chunk waits for
-# them when at least this many would be shared (32 tokens at the default block size, the threshold
-# of SGLang's in-batch prefix caching).
+# A waiting request whose next prompt blocks a running prefill is computing waits for them when at
+# least this many would be shared (32 tokens at the default block size, SGLang's threshold).
 MIN_SHARED_BLOCKS = 2
 
 # Every move a request may make; ``Scheduler._move`` refuses any other (an engine bug, not bad
@@ -186,14 +185,13 @@ class Scheduler:
                     break
             else:
                 scheduled.append(ScheduledSeq(seq, num_new))
-                self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
                 budget -= num_new
                 i += 1
                 continue
             # seq itself was preempted: everything after it is gone too; stop
             break
 
-        computing = {h for s in scheduled for h in self._blocks_after_this_step(s.seq, s.num_new_tokens)}
+        computing = self._blocks_being_computed(scheduled)
         w = 0
         while w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[w]
@@ -212,29 +210,34 @@ class Scheduler:
                 seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
-            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
             budget -= num_new
-            computing.update(self._blocks_after_this_step(seq, num_new))
+            computing.update(self._uncomputed_full_blocks(seq))
         # One query token over a context already in the cache attends like a decode.
         decodes = [s for s in scheduled if s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0]
         prefills = [s for s in scheduled if not (s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0)]
         return SchedulerOutput(decodes, prefills, preempted)
 
     # --------------------------------------------------------------- internal
-    def _blocks_after_this_step(self, seq: Sequence, num_new_tokens: int) -> list[BlockHash]:
-        """Hashes of the sequence's full blocks that later chunks of its prefill will compute
-        (the ones this step's chunk fills are registered already: ``schedule``)."""
+    def _uncomputed_full_blocks(self, seq: Sequence) -> list[BlockHash]:
+        """Hashes of the sequence's full blocks that are not computed yet: what its prefill
+        will add to the prefix cache."""
         if not self.block_manager.enable_prefix_caching:
             return []
-        first = (seq.num_computed_tokens + num_new_tokens) // self.block_manager.block_size
+        first = seq.num_computed_tokens // self.block_manager.block_size
         return self.block_manager.block_hashes(seq)[first:]
+
+    def _blocks_being_computed(self, scheduled: list[ScheduledSeq]) -> set[BlockHash]:
+        computing: set[BlockHash] = set()
+        for s in scheduled:
+            if not (s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0):  # a prefill chunk
+                computing.update(self._uncomputed_full_blocks(s.seq))
+        return computing
 
     def _shares_blocks_being_computed(self, seq: Sequence, num_cached_blocks: int, computing: set[BlockHash]) -> bool:
         """True when the blocks right after the waiting sequence's cached prefix are ones a
-        running prefill will compute in a later chunk, at least ``MIN_SHARED_BLOCKS`` of them:
-        it waits for them to be cached rather than compute them a second time. (Blocks this
-        step fills are cached already, so a request admitted after the one filling them hits
-        them in the same step.) A request asking for prompt logprobs takes no hit
+        running prefill is computing now, at least ``MIN_SHARED_BLOCKS`` of them: it waits for
+        them to be cached rather than compute them a second time (SGLang's in-batch prefix
+        caching; vLLM computes both). A request asking for prompt logprobs takes no hit
         (``find_cached_prefix``) and never waits."""
         if not computing or seq.params.prompt_logprobs is not None:
             return False
