@@ -183,6 +183,26 @@ def test_a_shared_prefix_being_computed_is_waited_for_not_computed_twice(engine)
     assert engine.stats().prefill_tokens_computed - before == len(a) + len(c) + len(b) - 32
 
 
+def test_a_prefix_computed_over_several_chunks_is_waited_for_to_its_end(tiny_llama):
+    engine = LLMEngine(tiny_llama, num_kv_blocks=NUM_BLOCKS, max_num_batched_tokens=40, load_progress=False)
+    prefix = random_prompts((64,), seed=37)[0]  # 4 blocks, more than one 40-token chunk
+    a, b, c = prefix + [1, 2, 3], prefix + [4, 5, 6], prefix[:16] + [8] * 20
+    alone = [engine.generate([p], greedy(3))[0].token_ids for p in (a, b, c)]
+    assert engine.block_manager.reset_prefix_cache()
+    before = engine.stats().prefill_tokens_computed
+    for rid, prompt in (("a", a), ("b", b), ("c", c)):
+        engine.add_request(rid, prompt, greedy(3))
+    engine.step()  # a's first chunk (blocks 0-1 and half of 2); b and c wait
+    assert (engine.stats().num_running, engine.stats().num_waiting) == (1, 2)
+    engine.step()  # a's last 27 tokens; b still waits for blocks 2-3; c shares one block only: runs
+    assert (engine.stats().num_running, engine.stats().num_waiting) == (2, 1)
+    assert run(engine) == {"a": alone[0], "b": alone[1], "c": alone[2]}
+    # b computed only its last 3 tokens: all 4 prefix blocks came from a
+    assert engine.stats().prefill_tokens_computed - before == len(a) + (len(b) - 64) + (len(c) - 16)
+    assert engine.stats().num_free_blocks == NUM_BLOCKS
+    engine.check_idle()
+
+
 def test_a_request_for_prompt_logprobs_does_not_wait_for_a_shared_prefix(engine):
     prefix = random_prompts((48,), seed=36)[0]
     engine.add_request("a", prefix + [1], greedy(2))
