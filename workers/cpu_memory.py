@@ -17,6 +17,7 @@ operator who sets glibc's malloc variables or preloads another allocator keeps t
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import platform
@@ -29,18 +30,10 @@ MMAP_THRESHOLD = 32 << 20  # glibc's ceiling on 64-bit (HEAP_MAX_SIZE / 2); a la
 TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: in effect, never trim
 _OPERATOR_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
-_applied: bool | None = None
 
-
+@functools.cache
 def keep_freed_memory() -> bool:
     """Apply the thresholds above (once per process); True when they are in force."""
-    global _applied
-    if _applied is None:
-        _applied = _apply()
-    return _applied
-
-
-def _apply() -> bool:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     preload = os.environ.get("LD_PRELOAD", "")

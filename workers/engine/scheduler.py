@@ -58,6 +58,11 @@ class ScheduledSeq:
         """True when this step reaches the sequence's last token, so a new token is sampled."""
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
+    @property
+    def is_decode(self) -> bool:
+        """One query token over a context already in the cache: it attends like a decode."""
+        return self.num_new_tokens == 1 and self.seq.num_computed_tokens > 0
+
 
 @dataclass(slots=True)
 class SchedulerOutput:
@@ -191,7 +196,7 @@ class Scheduler:
             # seq itself was preempted: everything after it is gone too; stop
             break
 
-        computing = self._blocks_being_computed(scheduled)
+        computing = self._blocks_being_computed(scheduled) if self.waiting else set()
         w = 0
         while w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[w]
@@ -212,9 +217,8 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
             computing.update(self._uncomputed_full_blocks(seq))
-        # One query token over a context already in the cache attends like a decode.
-        decodes = [s for s in scheduled if s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0]
-        prefills = [s for s in scheduled if not (s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0)]
+        decodes = [s for s in scheduled if s.is_decode]
+        prefills = [s for s in scheduled if not s.is_decode]
         return SchedulerOutput(decodes, prefills, preempted)
 
     # --------------------------------------------------------------- internal
@@ -229,15 +233,15 @@ class Scheduler:
     def _blocks_being_computed(self, scheduled: list[ScheduledSeq]) -> set[BlockHash]:
         computing: set[BlockHash] = set()
         for s in scheduled:
-            if not (s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0):  # a prefill chunk
+            if not s.is_decode:  # a prefill chunk
                 computing.update(self._uncomputed_full_blocks(s.seq))
         return computing
 
     def _shares_blocks_being_computed(self, seq: Sequence, num_cached_blocks: int, computing: set[BlockHash]) -> bool:
         """True when the blocks right after the waiting sequence's cached prefix are ones a
         running prefill is computing now, at least ``MIN_SHARED_BLOCKS`` of them: it waits for
-        them to be cached rather than compute them a second time (SGLang's in-batch prefix
-        caching; vLLM computes both). A request asking for prompt logprobs takes no hit
+        them to be cached rather than compute them a second time (as SGLang's in-batch prefix
+        caching does). A request asking for prompt logprobs takes no hit
         (``find_cached_prefix``) and never waits."""
         if not computing or seq.params.prompt_logprobs is not None:
             return False
