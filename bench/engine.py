@@ -8,6 +8,8 @@
     python bench/engine.py --unpacked           # adds an eager engine on plain F.linear weights
     python bench/engine.py --onednn             # adds an eager engine whose decodes stay on oneDNN
                                                 # (plain_linear_rows 0: no panel kernel)
+    python bench/engine.py --fp32-panels        # adds an eager engine whose panel kernel reads fp32
+                                                # panels (coded_weights False: no one-byte codes)
     python bench/engine.py --sdpa               # adds an eager engine whose decodes gather (sdpa)
     python bench/engine.py --model tiny         # the generated ~100M random llama (12 x 768)
     python bench/engine.py --device cuda --dtype bfloat16
@@ -245,6 +247,12 @@ def main(argv: list[str] | None = None) -> None:
         "panel kernel, workers/layers/cpu_linear.py) and compare it in (b) and (c), where it is the baseline",
     )
     ap.add_argument(
+        "--fp32-panels",
+        action="store_true",
+        help="also build an eager engine whose panel kernel reads fp32 panels for every weight "
+        "(coded_weights=False) and compare it in (b) and (c), where it is the baseline",
+    )
+    ap.add_argument(
         "--sdpa",
         action="store_true",
         help="also build an eager engine with attention_backend sdpa (decodes gather their blocks) "
@@ -284,6 +292,8 @@ def main(argv: list[str] | None = None) -> None:
     engines = {"eager": engine}
     if args.sdpa:  # first: (c) gives every engine's step as a ratio to the first's
         engines = {"sdpa": LLMEngine(str(model_dir), attention_backend="sdpa", **engine_kwargs), **engines}
+    if args.fp32_panels:
+        engines = {"fp32-panels": LLMEngine(str(model_dir), coded_weights=False, **engine_kwargs), **engines}
     if args.onednn:
         engines = {"onednn": LLMEngine(str(model_dir), plain_linear_rows=0, **engine_kwargs), **engines}
     if args.unpacked:

@@ -95,3 +95,76 @@ def test_takes_small_fp32_cpu_batches_only():
     assert not cpu_linear.takes(torch.randn(0, 8))
     assert not cpu_linear.takes(torch.randn(1, 8, dtype=torch.bfloat16))
     assert not cpu_linear.takes(torch.randn(1, 8, dtype=torch.float64))
+
+
+# --- coded panels: weights dequantized from a block format, one byte a weight ---------------
+
+
+def _dequantized(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """An fp32 weight as ``pdserve pull`` gets it from a GGUF file: quantized to ``kind`` and
+    dequantized by the ``gguf`` package (what transformers' GGUF loader calls)."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize, quantize
+
+    kind_ = gguf.GGMLQuantizationType[kind]
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy()
+    return torch.from_numpy(dequantize(quantize(w, kind_), kind_).astype("float32").reshape(n, k).copy())
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_a_dequantized_weight_codes_to_the_same_products(kind):
+    """The coded panels give the fp32 panels' outputs bit for bit: each coded weight is the fp32
+    weight exactly and the sums run in the same order. So every parity guarantee of the fp32
+    kernel holds for the coded one."""
+    n, k = 200, 576
+    w, b = _dequantized(kind, n, k, seed=len(kind)), torch.randn(n)
+    coded = cpu_linear.code(w)
+    assert coded is not None
+    assert coded.codes.dtype == torch.uint8 and coded.codes.shape == (-(-n // cpu_linear.PANEL), k, cpu_linear.PANEL)
+    padded = coded.codes.shape[0] * cpu_linear.PANEL
+    assert coded.nbytes == padded * k * (1 + 8 / cpu_linear.GROUP)  # a byte a weight, two fp32 numbers per group
+    panels = cpu_linear.pack(w)
+    x = torch.randn(cpu_linear.MAX_ROWS, k)
+    for rows in (1, 2, 5, 8, 9, 17, cpu_linear.MAX_ROWS):
+        for bias in (None, b):
+            want = cpu_linear.linear(x[:rows], panels, n, bias)
+            assert torch.equal(cpu_linear.linear(x[:rows], coded, n, bias), want), rows
+
+
+@pytest.mark.parametrize("width", _vector_widths())
+def test_the_coded_kernel_on_every_vector_path_this_cpu_runs(width):
+    w = _dequantized("Q4_1", cpu_linear.PANEL * 2 + 5, 64, seed=width)
+    n, k = w.shape
+    coded, panels = cpu_linear.code(w), cpu_linear.pack(w)
+    assert coded is not None
+    x = torch.randn(9, k)
+    for rows in (1, 4, 5, 8, 9):
+        got = cpu_linear.linear(x[:rows], coded, n, kernel=cpu_linear.build_coded(width))
+        assert torch.equal(got, cpu_linear.linear(x[:rows], panels, n, kernel=cpu_linear.build(width))), (width, rows)
+
+
+def test_coding_finds_each_groups_own_step_and_keeps_constant_groups():
+    """Groups of one weight may come from different formats' steps (a Q8_0 embedding beside
+    Q4_1 rows), and a group of equal values has no step at all."""
+    q41, q80 = _dequantized("Q4_1", 48, 64, seed=1), _dequantized("Q8_0", 48, 64, seed=2)
+    w = torch.cat([q41, q80])
+    w[3, 32:64] = 0.25  # a constant group
+    coded = cpu_linear.code(w)
+    assert coded is not None
+    x = torch.randn(3, 64)
+    assert torch.equal(cpu_linear.linear(x, coded, 96), cpu_linear.linear(x, cpu_linear.pack(w), 96))
+
+
+def test_weights_that_do_not_code_exactly_keep_the_fp32_panels():
+    torch.manual_seed(3)
+    assert cpu_linear.code(torch.randn(64, 64)) is None  # a trained fp32 weight: no steps
+    q = _dequantized("Q4_1", 64, 64, seed=3)
+    assert cpu_linear.code(q[:, :48]) is None  # K not whole groups of 32
+    nudged = q.clone()
+    nudged[5, 7] = torch.nextafter(nudged[5, 7], torch.tensor(1.0))  # one weight off its group's grid
+    assert cpu_linear.code(nudged) is None
+    with_nan = q.clone()
+    with_nan[0, 0] = float("nan")
+    assert cpu_linear.code(with_nan) is None
+    assert isinstance(cpu_linear.panels_for(nudged), torch.Tensor)
+    assert isinstance(cpu_linear.panels_for(q), cpu_linear.CodedPanels)

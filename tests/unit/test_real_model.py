@@ -19,7 +19,8 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
         pytest.param({}, id="default"),
         pytest.param({"max_num_batched_tokens": 32, "num_kv_blocks": 14}, id="chunked-32-preempting"),
         # whatever the load-time timing chose here: decode steps on the panel kernel, or on oneDNN
-        pytest.param({"plain_linear_rows": 64}, id="panel-kernel"),
+        pytest.param({"plain_linear_rows": 64}, id="panel-kernel"),  # on coded panels (one byte a weight)
+        pytest.param({"plain_linear_rows": 64, "coded_weights": False}, id="panel-kernel-fp32"),
         pytest.param({"plain_linear_rows": 0}, id="onednn"),
     ],
 )
@@ -32,6 +33,22 @@ def test_engine_equals_transformers_on_chat_prompts(smollm2_dir, engine_kwargs):
     if "num_kv_blocks" in engine_kwargs:  # 8 prompts of 35-40 tokens (+ up to 24) cannot all fit in 14 x 16
         assert engine.stats().preemptions > 0
     engine.check_idle()
+
+
+def test_the_panel_kernel_holds_every_weight_of_the_gguf_checkpoint_coded(smollm2_dir):
+    """SmolLM2's fp32 weights come from Q4_1 (linears) and Q8_0 (embedding and tied head)
+    tensors: every one codes exactly, so decode steps stream a quarter of the bytes."""
+    from workers.layers import cpu_linear
+    from workers.models.parallel import _packed_units
+
+    if not cpu_linear.available():
+        pytest.skip("the panel kernel did not build (no C++ compiler)")
+    engine = LLMEngine(smollm2_dir, load_progress=False, num_kv_blocks=16, plain_linear_rows=64)
+    units = _packed_units(engine.model)
+    assert len(units) == 30 * 4 + 1  # q/k/v, o, gate/up, down per layer; the head
+    assert all(isinstance(u.panels, cpu_linear.CodedPanels) for u in units)
+    plain = LLMEngine(smollm2_dir, load_progress=False, num_kv_blocks=16, plain_linear_rows=64, coded_weights=False)
+    assert not any(isinstance(u.panels, cpu_linear.CodedPanels) for u in _packed_units(plain.model))
 
 
 def test_a_chat_question_with_a_known_answer(smollm2_dir):

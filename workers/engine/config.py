@@ -38,6 +38,11 @@ class EngineConfig:
     # where it does not build) instead of oneDNN (which is faster where depends on the CPU); None:
     # timed both ways at load (workers/models/parallel.py, choose_plain_rows).
     plain_linear_rows: int | None = None
+    # With prepack_weights: the panel kernel holds a weight as one byte a weight where that is
+    # exact (a checkpoint dequantized from a block format, such as a GGUF file's Q4/Q8 tensors:
+    # the same fp32 products from a quarter of the bytes; workers/layers/cpu_linear.py, code).
+    # False: fp32 panels for every weight.
+    coded_weights: bool = True
     # "sdpa": attention gathers the blocks it reads; "flex": FlexAttention over the physical cache;
     # "paged": decodes read the cache through their block tables in one compiled kernel ("flex"
     # and "paged": full-precision cache only); "auto": the measured choice (model_runner.py)

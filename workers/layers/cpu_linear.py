@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,9 +50,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 PANEL = 48  # output rows per panel: 3 AVX-512 vectors, 6 AVX2 ones
+GROUP = 32  # k's per step and offset of coded panels (CodedPanels): GGUF's block size
 MAX_ROWS = 64  # the widest batch the kernel takes (oneDNN wins from some width up: timed at load)
 
-_SOURCE = r"""
+_PRELUDE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
 #include <omp.h>
 #if defined(__x86_64__)
@@ -89,24 +91,11 @@ constexpr int JB = JV < 3 ? JV : 3;      // vectors per block
 constexpr int MB = VL >= 16 ? 8 : 4;     // input rows per block
 static_assert(JV % JB == 0, "a panel is whole blocks");
 
-// out[m][j0 .. j0 + JB*VL) of rows 0..R-1 for one panel (w: the panel, [K][P]); cols: how many
-// of the block's columns exist (the last panel's padding is not written).
+// a tile's last step: add the bias, write the columns that exist (cols of JB*VL: the last
+// panel's padding is not written)
 template <int R>
-static inline void tile(const float* __restrict__ x, int64_t K, const float* __restrict__ w,
-                        int64_t j0, float* __restrict__ out, int64_t ldo, int64_t cols,
-                        const float* __restrict__ bias) {
-  vf acc[R][JB];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < JB; ++j) acc[r][j] = vf{};
-  const float* wk = w + j0;
-  for (int64_t k = 0; k < K; ++k, wk += P) {
-    vf wv[JB];
-    for (int j = 0; j < JB; ++j) wv[j] = load(wk + j * VL);
-    for (int r = 0; r < R; ++r) {
-      const vf xb = vf{} + x[r * K + k];
-      for (int j = 0; j < JB; ++j) acc[r][j] = fmadd(xb, wv[j], acc[r][j]);
-    }
-  }
+static inline void finish(vf (&acc)[R][JB], float* __restrict__ out, int64_t ldo, int64_t cols,
+                          const float* __restrict__ bias) {
   if (bias) {
     alignas(64) float b[JB * VL] = {};
     for (int64_t c = 0; c < cols; ++c) b[c] = bias[c];
@@ -125,40 +114,157 @@ static inline void tile(const float* __restrict__ x, int64_t K, const float* __r
   }
 }
 
-static void block(int64_t r, const float* x, int64_t K, const float* w, int64_t j0, float* out,
-                  int64_t ldo, int64_t cols, const float* bias) {
+// f(std::integral_constant<int, R>) for R = r, 1 <= r <= MB: the row count as a template argument
+template <class F>
+static inline void with_rows(int64_t r, F&& f) {
   switch (r) {
-    case 1: tile<1>(x, K, w, j0, out, ldo, cols, bias); break;
-    case 2: tile<2>(x, K, w, j0, out, ldo, cols, bias); break;
-    case 3: tile<3>(x, K, w, j0, out, ldo, cols, bias); break;
-    case 4: tile<4>(x, K, w, j0, out, ldo, cols, bias); break;
-    case 5: tile<5>(x, K, w, j0, out, ldo, cols, bias); break;
-    case 6: tile<6>(x, K, w, j0, out, ldo, cols, bias); break;
-    case 7: tile<7>(x, K, w, j0, out, ldo, cols, bias); break;
-    case 8: tile<8>(x, K, w, j0, out, ldo, cols, bias); break;
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
   }
 }
 
+// f(j0, m0, r, out block, cols, bias block) for each block of panel p: JB vectors of columns at
+// a time, and the rows MB at a time (wider batches: the panel stays in L2)
+template <class F>
+static inline void for_blocks(int64_t p, int64_t M, int64_t N, const float* bias, float* out, F&& f) {
+  for (int64_t j0 = 0; j0 < P; j0 += JB * VL) {
+    const int64_t col0 = p * P + j0;
+    if (col0 >= N) break;
+    const int64_t cols = N - col0 < JB * VL ? N - col0 : JB * VL;
+    for (int64_t m0 = 0; m0 < M; m0 += MB)
+      f(j0, m0, M - m0 < MB ? M - m0 : MB, out + m0 * N + col0, cols, bias ? bias + col0 : nullptr);
+  }
+}
+
+// out[m][j0 .. j0 + JB*VL) of rows 0..R-1 from one fp32 panel ([K][P])
+template <int R>
+static inline void tile(const float* __restrict__ x, int64_t K, const float* __restrict__ panel, int64_t j0,
+                        float* __restrict__ out, int64_t ldo, int64_t cols, const float* __restrict__ bias) {
+  vf acc[R][JB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < JB; ++j) acc[r][j] = vf{};
+  const float* wk = panel + j0;
+  for (int64_t k = 0; k < K; ++k, wk += P) {
+    vf wv[JB];
+    for (int j = 0; j < JB; ++j) wv[j] = load(wk + j * VL);
+    for (int r = 0; r < R; ++r) {
+      const vf xb = vf{} + x[r * K + k];
+      for (int j = 0; j < JB; ++j) acc[r][j] = fmadd(xb, wv[j], acc[r][j]);
+    }
+  }
+  finish<R>(acc, out, ldo, cols, bias);
+}
+"""
+
+_SOURCE = (
+    _PRELUDE
+    + r"""
+// panels: [num_panels][K][P] fp32; the panels one at a time, in order, to whichever thread is
+// free (module docstring)
 extern "C" void kernel(const float* x, const float* panels, const float* bias, float* out,
                        int64_t M, int64_t N, int64_t K, int64_t has_bias, int64_t threads) {
   if (!has_bias) bias = nullptr;
   const int64_t num_panels = (N + P - 1) / P;
-  // panels one at a time, in order, to whichever thread is free (module docstring)
   #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t p = 0; p < num_panels; ++p) {
-    const float* w = panels + p * K * P;
-    for (int64_t j0 = 0; j0 < P; j0 += JB * VL) {
-      const int64_t col0 = p * P + j0;
-      if (col0 >= N) break;
-      const int64_t cols = N - col0 < JB * VL ? N - col0 : JB * VL;
-      for (int64_t m0 = 0; m0 < M; m0 += MB) {  // wider batches: MB rows at a time, the panel in L2
-        const int64_t r = M - m0 < MB ? M - m0 : MB;
-        block(r, x + m0 * K, K, w, j0, out + m0 * N + col0, N, cols, bias ? bias + col0 : nullptr);
+    const float* panel = panels + p * K * P;
+    for_blocks(p, M, N, bias, out, [&](int64_t j0, int64_t m0, int64_t r, float* o, int64_t cols, const float* b) {
+      with_rows(r, [&](auto R) { tile<R()>(x + m0 * K, K, panel, j0, o, N, cols, b); });
+    });
+  }
+}
+"""
+)
+
+_CODED_SOURCE = (
+    _PRELUDE
+    + r"""
+#include <vector>
+constexpr int G = {group};  // k's per (step, offset) pair
+
+// VL codes (bytes) as floats
+static inline vf codes(const uint8_t* q) {
+#if defined(VEC_AVX512)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q)));
+#elif defined(VEC_AVX2)
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q)));
+#else
+  vf v;
+  for (int i = 0; i < VL; ++i) v[i] = (float)q[i];
+  return v;
+#endif
+}
+
+// Coded panels (CodedPanels): codes [num_panels][K][P] (bytes), scales [num_panels][K / G][2][P]
+// (fp32: each group's step d, then its offset m). A weight is fma(d, code, m), which (d * code
+// exact) is the fp32 weight itself, so the sums are the fp32 panel's, bit for bit.
+
+// one row block of a panel straight from its codes: the weights are made in registers
+template <int R>
+static inline void coded_tile(const float* __restrict__ x, int64_t K, const uint8_t* __restrict__ q,
+                              const float* __restrict__ s, int64_t j0, float* __restrict__ out, int64_t ldo,
+                              int64_t cols, const float* __restrict__ bias) {
+  vf acc[R][JB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < JB; ++j) acc[r][j] = vf{};
+  const uint8_t* qk = q + j0;
+  const float* sg = s + j0;
+  for (int64_t k0 = 0; k0 < K; k0 += G, sg += 2 * P) {
+    vf d[JB], m[JB];
+    for (int j = 0; j < JB; ++j) d[j] = load(sg + j * VL), m[j] = load(sg + P + j * VL);
+    for (int64_t k = k0; k < k0 + G; ++k, qk += P) {
+      vf wv[JB];
+      for (int j = 0; j < JB; ++j) wv[j] = fmadd(d[j], codes(qk + j * VL), m[j]);
+      for (int r = 0; r < R; ++r) {
+        const vf xb = vf{} + x[r * K + k];
+        for (int j = 0; j < JB; ++j) acc[r][j] = fmadd(xb, wv[j], acc[r][j]);
       }
+    }
+  }
+  finish<R>(acc, out, ldo, cols, bias);
+}
+
+// a whole panel's fp32 weights ([K][P]), for batches of several row blocks: made once, then
+// read from L2 by each block, as the fp32 panel would be
+static void decode_panel(const uint8_t* __restrict__ q, const float* __restrict__ s, int64_t K,
+                         float* __restrict__ panel) {
+  for (int64_t k0 = 0; k0 < K; k0 += G, s += 2 * P)
+    for (int64_t k = k0; k < k0 + G; ++k)
+      for (int j = 0; j < JV; ++j)
+        store(panel + k * P + j * VL, fmadd(load(s + j * VL), codes(q + k * P + j * VL), load(s + P + j * VL)));
+}
+
+extern "C" void kernel(const float* x, const uint8_t* codes_, const float* scales, const float* bias, float* out,
+                       int64_t M, int64_t N, int64_t K, int64_t has_bias, int64_t threads) {
+  if (!has_bias) bias = nullptr;
+  const int64_t num_panels = (N + P - 1) / P;
+  #pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> decoded(M > MB ? K * P : 0);  // this thread's panel, for wider batches
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t p = 0; p < num_panels; ++p) {
+      const uint8_t* q = codes_ + p * K * P;
+      const float* s = scales + p * (K / G) * 2 * P;
+      if (M > MB) decode_panel(q, s, K, decoded.data());
+      for_blocks(p, M, N, bias, out, [&](int64_t j0, int64_t m0, int64_t r, float* o, int64_t cols, const float* b) {
+        with_rows(r, [&](auto R) {
+          if (M > MB)
+            tile<R()>(x + m0 * K, K, decoded.data(), j0, o, N, cols, b);
+          else
+            coded_tile<R()>(x + m0 * K, K, q, s, j0, o, N, cols, b);
+        });
+      });
     }
   }
 }
 """
+)
 
 ARGTYPES = [
     "const float*",  # x [M, K]
@@ -173,6 +279,26 @@ ARGTYPES = [
 ]
 
 
+CODED_ARGTYPES = [
+    "const float*",  # x [M, K]
+    "const uint8_t*",  # codes [ceil(N / PANEL), K, PANEL]
+    "const float*",  # scales [ceil(N / PANEL), K / GROUP, 2, PANEL]
+    "const float*",  # bias [N] (read only with has_bias)
+    "float*",  # out [M, N]
+    "int64_t",  # M
+    "int64_t",  # N
+    "int64_t",  # K
+    "int64_t",  # has_bias
+    "int64_t",  # threads
+]
+
+
+def _source(source: str, max_vector_floats: int) -> str:
+    return (
+        source.replace("{panel}", str(PANEL)).replace("{max_vl}", str(max_vector_floats)).replace("{group}", str(GROUP))
+    )
+
+
 @functools.cache
 def build(max_vector_floats: int = 16) -> Any:
     """The kernel compiled for this CPU, using vectors of at most ``max_vector_floats`` floats
@@ -180,16 +306,24 @@ def build(max_vector_floats: int = 16) -> Any:
     the tests, which check each path this CPU can run."""
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-    source = _SOURCE.replace("{panel}", str(PANEL)).replace("{max_vl}", str(max_vector_floats))
-    return CppPythonBindingsCodeCache.load_pybinding(ARGTYPES, source)
+    return CppPythonBindingsCodeCache.load_pybinding(ARGTYPES, _source(_SOURCE, max_vector_floats))
+
+
+@functools.cache
+def build_coded(max_vector_floats: int = 16) -> Any:
+    """The kernel on coded panels (``CodedPanels``), as ``build``."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    return CppPythonBindingsCodeCache.load_pybinding(CODED_ARGTYPES, _source(_CODED_SOURCE, max_vector_floats))
 
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernel builds here (asked once per process; a failure is logged and the
+    """Whether the kernels build here (asked once per process; a failure is logged and the
     small batches keep ``F.linear``)."""
     try:
         build()
+        build_coded()
     except Exception as exc:  # noqa: BLE001 - no compiler, an inductor without this API ...
         logger.warning("the CPU panel kernel for small batches did not build (%s: %s)", type(exc).__name__, exc)
         return False
@@ -207,6 +341,109 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
         return padded.view(num_panels, PANEL, k).transpose(1, 2).contiguous()
 
 
+@dataclass(frozen=True, slots=True)
+class CodedPanels:
+    """A weight's panels held as one byte a weight: ``codes`` ``[ceil(N / PANEL), K, PANEL]``
+    (uint8, laid out as ``pack``'s panels) and, per ``GROUP`` consecutive k's of each output
+    row, a step ``d`` and an offset ``m`` (``scales`` ``[ceil(N / PANEL), K / GROUP, 2,
+    PANEL]``, fp32), such that ``fma(d, code, m)`` is the fp32 weight, bit for bit (``code``
+    builds them only where that holds)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+
+# Steps tried for a group of GROUP weights, as (the group's spread or its largest magnitude,
+# divided by): the levels of the block formats a dequantized checkpoint comes from (GGUF's Q4_1:
+# 16 levels from the group's minimum; Q8_0: 127 steps each side of zero; Q5_1: 32 levels;
+# Q4_0 and Q5_0: the largest magnitude is 8 or 16 steps; plain 8-bit: 256 levels), each tried as
+# an fp16 and as an fp32 number, in that order; the first that reproduces a group codes it.
+_STEP_GUESSES = (
+    ("spread", 15),
+    ("magnitude", 127),
+    ("spread", 31),
+    ("magnitude", 8),
+    ("magnitude", 16),
+    ("spread", 255),
+)
+
+
+def _code_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``code`` on rows ``w`` ``[n, K / GROUP, GROUP]``: (codes, d, m) or None."""
+    lo = w.amin(-1, keepdim=True)
+    spread = w.amax(-1, keepdim=True) - lo
+    magnitude = w.abs().amax(-1, keepdim=True)
+    done = torch.zeros(lo.shape, dtype=torch.bool)
+    codes = torch.zeros(w.shape, dtype=torch.uint8)
+    step = torch.zeros(lo.shape)
+    for what, by in _STEP_GUESSES:
+        base = (spread.double() if what == "spread" else magnitude.double()) / by
+        for dtype in (torch.float16, torch.float32):
+            d = torch.where(spread == 0, 0.0, base.to(dtype).float())
+            # the kernel computes fma(d, q, m), which is fp32's d * q + m where d * q is exact:
+            # a step of at most 16 significant bits (its low 8 mantissa bits clear) times a code
+            # below 2 ** 8, in the normal range
+            bits = d.view(torch.int32)
+            exact = ((bits & 0xFF) == 0) & ((d == 0) | (d.abs() >= 2.0**-100))
+            q = ((w - lo) / torch.where(d == 0, 1.0, d)).round_()
+            good = exact & ~done & ((q >= 0) & (q <= 255)).all(-1, keepdim=True)
+            good &= (d * q + lo == w).all(-1, keepdim=True)
+            if bool(good.any()):
+                codes = torch.where(good, q.clamp_(0, 255).to(torch.uint8), codes)
+                step = torch.where(good, d, step)
+                done |= good
+                if bool(done.all()):
+                    return codes, step.squeeze(-1), lo.squeeze(-1)
+    return None
+
+
+def code(weight: torch.Tensor, chunk_rows: int = 4096) -> CodedPanels | None:
+    """The coded panels of an fp32 ``weight`` ``[N, K]`` whose every group of ``GROUP``
+    consecutive k's takes at most 256 evenly spaced values: what a weight dequantized from a
+    block format holds (a GGUF file's Q4_*/Q8_0 tensors converted to fp32, as ``pdserve pull``
+    does). Each group's step and offset are found from its values and checked: the coded
+    weight is the fp32 weight bit for bit, or None (any other weight, K not a multiple of
+    ``GROUP``), and the kernel keeps the fp32 panels. Rows are coded ``chunk_rows`` at a time
+    (the check's float64 copies stay small)."""
+    n, k = weight.shape
+    if k % GROUP or k == 0 or weight.dtype != torch.float32 or not bool(torch.isfinite(weight).all()):
+        return None
+    parts = []
+    with torch.no_grad():
+        for start in range(0, n, chunk_rows):
+            part = _code_rows(weight[start : start + chunk_rows].reshape(-1, k // GROUP, GROUP))
+            if part is None:
+                return None
+            parts.append(part)
+        q = torch.cat([p[0] for p in parts]).reshape(n, k)
+        d = torch.cat([p[1] for p in parts])
+        m = torch.cat([p[2] for p in parts])
+        num_panels = -(-n // PANEL)
+        rows = num_panels * PANEL
+        codes = q.new_zeros(rows, k)  # padding rows: code 0, d 0, m 0, the weight 0
+        codes[:n] = q
+        scales = d.new_zeros(rows, k // GROUP, 2)
+        scales[:n, :, 0] = d
+        scales[:n, :, 1] = m
+        return CodedPanels(
+            codes=codes.view(num_panels, PANEL, k).transpose(1, 2).contiguous(),
+            scales=scales.view(num_panels, PANEL, k // GROUP, 2).permute(0, 2, 3, 1).contiguous(),
+        )
+
+
+Panels = torch.Tensor | CodedPanels  # what ``linear`` multiplies with: ``pack``'s or ``code``'s
+
+
+def panels_for(weight: torch.Tensor, coded: bool = True) -> Panels:
+    """The kernel's copy of ``weight``: coded where that is exact (``coded``; a quarter of the
+    bytes a step streams, the same products), else ``pack``'s fp32 panels."""
+    return (code(weight) if coded else None) or pack(weight)
+
+
 def takes(x: torch.Tensor) -> bool:
     """Whether ``linear`` takes ``x``: fp32 on CPU, 1..``MAX_ROWS`` rows, outside
     ``torch.compile`` (a graph keeps ``F.linear``)."""
@@ -221,18 +458,28 @@ def takes(x: torch.Tensor) -> bool:
 
 
 def linear(
-    x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None, kernel: Any = None
+    x: torch.Tensor,
+    panels: Panels,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    kernel: Any = None,
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` from ``pack(weight)``, for ``x`` ``[..., K]`` that
-    ``takes`` accepts: ``[..., out_features]``. ``kernel``: a ``build`` (default: this CPU's)."""
-    k = panels.shape[1]
+    """``F.linear(x, weight, bias)`` from ``pack(weight)`` or ``code(weight)``, for ``x``
+    ``[..., K]`` that ``takes`` accepts: ``[..., out_features]``. ``kernel``: a ``build``
+    (``build_coded`` for coded panels; default: this CPU's)."""
+    k = x.shape[-1]
     rows = x.numel() // k
     x2 = x.reshape(rows, k).contiguous()  # a no-op where it already is
     out = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
-    (kernel or build())(
+    weights: tuple[torch.Tensor, ...]
+    if isinstance(panels, CodedPanels):
+        kernel, weights = kernel or build_coded(), (panels.codes, panels.scales)
+    else:
+        kernel, weights = kernel or build(), (panels,)
+    kernel(
         x2,
-        panels,
-        bias if bias is not None else panels,  # any fp32 tensor: not read without a bias
+        *weights,
+        bias if bias is not None else x2,  # any fp32 tensor: not read without a bias
         out,
         rows,
         out_features,

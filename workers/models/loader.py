@@ -26,6 +26,7 @@ from workers.models.parallel import (
     Shard,
     TPGroup,
     choose_plain_rows,
+    describe_coded,
     prepack_linears,
     small_op_name,
 )
@@ -67,12 +68,14 @@ def load_model(
     tp: TPGroup | None = None,
     prepack: bool = False,
     plain_rows: int | None = None,
+    coded: bool = True,
 ) -> LlamaForCausalLM:
     """The model (``tp``: this rank's shard of it) with its weights from ``model_dir``.
     ``prepack``: on a CPU, fp32 linears get a oneDNN copy of their weights (``prepack_linears``),
     and inputs of up to ``plain_rows`` rows multiply with the plain weights (the CPU row kernel,
     else ``F.linear``; None: measured on this CPU at the current thread count,
-    ``choose_plain_rows``)."""
+    ``choose_plain_rows``); ``coded``: the row kernel holds weights that code exactly as one byte
+    a weight (``cpu_linear.code``)."""
     model_dir = Path(model_dir)
     device = torch.device(device)
     cfg = ModelConfig.from_dir(model_dir)
@@ -143,8 +146,10 @@ def load_model(
         device,
         torch_dtype,
     )
-    if prepack and (packed := prepack_linears(model)):
+    if prepack and (packed := prepack_linears(model, coded=coded)):
         logger.info("prepacked %d linear weights for oneDNN (CPU fp32)", packed)
+        if coded_line := describe_coded(model):
+            logger.info("%s", coded_line)
         rows, timings = choose_plain_rows(model, plain_rows)
         model.plain_linear_rows = rows
         small_op = small_op_name()

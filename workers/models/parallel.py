@@ -150,7 +150,7 @@ def _rows(x: torch.Tensor) -> int:
 
 
 def small_linear(
-    x: torch.Tensor, weight: torch.Tensor, panels: torch.Tensor | None, bias: torch.Tensor | None
+    x: torch.Tensor, weight: torch.Tensor, panels: cpu_linear.Panels | None, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """A small batch (up to ``plain_rows``): the panel kernel on ``panels``
     (``workers/layers/cpu_linear.py``) where it takes ``x``, else ``F.linear`` on the plain weight."""
@@ -180,7 +180,7 @@ class PackedLinear(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.packed: torch.Tensor | None = None  # a plain attribute: not in state_dict, not moved by .to()
-        self.panels: torch.Tensor | None = None  # the panel kernel's copy (cpu_linear.pack), with packed
+        self.panels: cpu_linear.Panels | None = None  # the panel kernel's copy (cpu_linear.panels_for), with packed
         self.plain_rows = 0  # inputs of up to this many rows take small_linear, not oneDNN (choose_plain_rows)
 
     def packable(self) -> bool:
@@ -188,16 +188,17 @@ class PackedLinear(nn.Module):
         w = self.weight
         return w.device.type == "cpu" and w.dtype == torch.float32 and _onednn_linear_available()
 
-    def pack(self, batch_hint: int) -> bool:
+    def pack(self, batch_hint: int, coded: bool = True) -> bool:
         """Reorder the weight for oneDNN (``batch_hint``: the batch size the layout is picked
-        for; any batch runs on it), and cut it into the panel kernel's panels. Only what
-        ``packable`` accepts; False otherwise."""
+        for; any batch runs on it), and cut it into the panel kernel's panels (``coded``: one
+        byte a weight where that is exact, ``cpu_linear.panels_for``). Only what ``packable``
+        accepts; False otherwise."""
         w = self.weight
         if not self.packable():
             return False
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
-        self.panels = cpu_linear.pack(w.detach()) if cpu_linear.available() else None
+        self.panels = cpu_linear.panels_for(w.detach(), coded) if cpu_linear.available() else None
         return True
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -220,14 +221,14 @@ class FusedPackedLinear:
     take the panel kernel on the fused weight's panels (``small_linear``; where it does not
     build, one ``F.linear`` on the fused plain weight)."""
 
-    def __init__(self, linears: list[PackedLinear], batch_hint: int) -> None:
+    def __init__(self, linears: list[PackedLinear], batch_hint: int, coded: bool = True) -> None:
         biases = [b.detach() for m in linears if (b := getattr(m, "bias", None)) is not None]
         if biases and len(biases) != len(linears):
             raise ValueError("fused linears must all have a bias or all have none")
         with torch.no_grad():
             self.weight = torch.cat([m.weight.detach() for m in linears])
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, batch_hint)
-            self.panels = cpu_linear.pack(self.weight) if cpu_linear.available() else None
+            self.panels = cpu_linear.panels_for(self.weight, coded) if cpu_linear.available() else None
             self.bias = torch.cat(biases) if biases else None
             start = 0
             for m in linears:  # each layer's weight: its rows of the fused one
@@ -248,12 +249,13 @@ class FusedPackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def prepack_linears(model: nn.Module, batch_hint: int = 8) -> int:
+def prepack_linears(model: nn.Module, batch_hint: int = 8, coded: bool = True) -> int:
     """Pack every linear of ``model`` for oneDNN (see the module's docstring), and of its
     vocabulary tables only ``model.head``, the one that scores (an untied embedding only looks
     up rows); the number of layers packed (0: not a CPU fp32 model, or no oneDNN). A module that
     names ``fused_inputs`` (linears reading the same input) gets them packed as one
-    ``FusedPackedLinear`` in ``fused`` instead of copies of their own (each weight is packed once)."""
+    ``FusedPackedLinear`` in ``fused`` instead of copies of their own (each weight is packed once).
+    ``coded``: the panel kernel's copies are coded where that is exact (``cpu_linear.panels_for``)."""
     head = getattr(model, "head", None)
     groups = []  # (module, its fused linears): packed once, as one, never each on its own
     for module in model.modules():
@@ -262,13 +264,29 @@ def prepack_linears(model: nn.Module, batch_hint: int = 8) -> int:
             groups.append((module, linears))
     fused = {id(m) for _, linears in groups for m in linears}
     packed = sum(
-        id(m) in fused or m.pack(batch_hint)  # a fused layer counts: its group's copies serve it
+        id(m) in fused or m.pack(batch_hint, coded)  # a fused layer counts: its group's copies serve it
         for m in model.modules()
         if isinstance(m, PackedLinear) and (not isinstance(m, VocabParallelEmbedding) or m is head)
     )
     for module, linears in groups:
-        setattr(module, "fused", FusedPackedLinear(linears, batch_hint))  # noqa: B010 - any nn.Module
+        setattr(module, "fused", FusedPackedLinear(linears, batch_hint, coded))  # noqa: B010 - any nn.Module
     return packed
+
+
+def describe_coded(model: nn.Module) -> str | None:
+    """One start-up line on the panel kernel's copies when some are coded: how many, and the bytes
+    a step streams through the kernel against fp32 panels (None: none coded)."""
+    panels = [unit.panels for unit in _packed_units(model) if unit.panels is not None]
+    coded = [p for p in panels if isinstance(p, cpu_linear.CodedPanels)]
+    if not coded:
+        return None
+    held = sum(p.nbytes for p in panels)
+    as_fp32 = sum(p.codes.numel() * 4 if isinstance(p, cpu_linear.CodedPanels) else p.nbytes for p in panels)
+    return (
+        f"the panel kernel holds {len(coded)} of {len(panels)} weights as one byte a weight, exactly "
+        f"(the checkpoint's fp32 values lie on per-{cpu_linear.GROUP} grids, as a block-quantized "
+        f"source leaves them): {held / 1e6:.0f} MB a step instead of {as_fp32 / 1e6:.0f} MB"
+    )
 
 
 PLAIN_ROW_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)  # the batch sizes choose_plain_rows times, smallest first
