@@ -256,6 +256,12 @@ class PDServeArgs(BaseModel):
         "batches with pdserve's panel kernel on a panel copy (faster; the linears' weights then take "
         "three times their memory); false: F.linear",
     )
+    coded_weights: bool = Field(
+        default=True,
+        description="with prepack_weights: the panel kernel reads a weight as one byte a weight where that "
+        "reproduces it bit for bit (a checkpoint dequantized from a block format, such as a GGUF file's "
+        "Q4/Q8 tensors); false: fp32 panels for every weight",
+    )
     attention_backend: Literal["auto", "sdpa", "flex", "paged"] = Field(
         default="auto",
         description="sdpa: decodes gather their blocks for SDPA; paged: decodes read the cache through "
@@ -454,6 +460,7 @@ class PDServeArgs(BaseModel):
             enable_prefix_caching=self.enable_prefix_caching,
             enforce_eager=self.enforce_eager,
             prepack_weights=self.prepack_weights,
+            coded_weights=self.coded_weights,
             attention_backend=self.attention_backend,
             model_key=self.model_key,
             tensor_parallel_size=getattr(self, role).tensor_parallel_size,

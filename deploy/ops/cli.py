@@ -344,6 +344,12 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         "message per engine step to each ingress replica for all its requests)",
     )
     parser.add_argument(
+        "--no-coded-weights",
+        action="store_true",
+        help="keep every weight of the small-batch kernel in fp32 (default: weights dequantized from a "
+        "block format, such as SmolLM2's GGUF, are read as one byte a weight that reproduces them exactly)",
+    )
+    parser.add_argument(
         "--haproxy",
         action="store_true",
         help="serve HTTP through Ray Serve's HAProxy ingress: HAProxy takes the port and hands each "
@@ -798,6 +804,7 @@ def up_app_args(args: argparse.Namespace, model: str, redis_url: str | None):
         max_model_len=args.max_model_len,
         conversation_reuse=not args.no_conversation_reuse,
         output_channel=not args.no_output_channel,
+        coded_weights=not args.no_coded_weights,
         enforce_eager=not args.compile,
         attention_backend=args.attention_backend,
         max_num_seqs=args.max_num_seqs,

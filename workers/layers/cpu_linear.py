@@ -33,6 +33,17 @@ transformers is held by its tests on this path. Up to how many rows it is taken 
 (``workers/models/parallel.py``, ``choose_plain_rows``); oneDNN keeps prompt chunks and wide
 batches, where it runs at the FMA peak and this kernel does not.
 
+**Coded panels** (``code``, ``CodedPanels``): a checkpoint dequantized from a block format keeps
+in fp32 exactly what the format held, a few levels per group of inputs (SmolLM2's GGUF: Q4_1,
+``d * q + m`` with 16 levels per 32 inputs of a row; Q8_0 for the embedding and tied head). Where
+every group of ``GROUP`` consecutive k's of every output row lies on such a grid, found and
+checked bit for bit at load, the kernel reads one byte a weight (the panel layout) and a step and
+offset per group and output row, makes each weight in registers with one FMA (``d * q`` is exact,
+so it is the fp32 weight itself) and runs the same tile: the outputs equal the fp32 panels' bit
+for bit, from a quarter of the bytes (SmolLM2: 168 MB a step instead of 538). A batch of more than
+one row block makes each panel's weights once, into a per-thread buffer in L2, and runs the fp32
+tile over it. A weight with any group off its grid (a trained fp32 checkpoint) keeps fp32 panels.
+
 Built once per process through inductor's C++ toolchain (``CppPythonBindingsCodeCache``: its
 compiler, flags, OpenMP and vector ISA, and its on-disk cache), as ``cpu_paged`` is; where it
 cannot be built, the small batches keep ``F.linear`` (``available`` says which).
