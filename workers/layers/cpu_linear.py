@@ -86,6 +86,17 @@ typedef float vf __attribute__((vector_size(VL * 4)));
 
 static inline vf load(const float* p) { vf v; __builtin_memcpy(&v, p, sizeof(vf)); return v; }
 static inline void store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof(vf)); }
+static inline vf bcast(float v) {  // not vf{} + v: adding 0.0 is an instruction under -ffp-contract=off
+#if defined(VEC_AVX512)
+  return (vf)_mm512_set1_ps(v);
+#elif defined(VEC_AVX2)
+  return (vf)_mm256_set1_ps(v);
+#else
+  vf b;
+  for (int i = 0; i < VL; ++i) b[i] = v;
+  return b;
+#endif
+}
 static inline vf fmadd(vf a, vf b, vf c) {  // inductor builds with -ffp-contract=off: fuse explicitly
 #if defined(VEC_AVX512)
   return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
@@ -165,7 +176,7 @@ static inline void tile(const float* __restrict__ x, int64_t K, const float* __r
     vf wv[JB];
     for (int j = 0; j < JB; ++j) wv[j] = load(wk + j * VL);
     for (int r = 0; r < R; ++r) {
-      const vf xb = vf{} + x[r * K + k];
+      const vf xb = bcast(x[r * K + k]);
       for (int j = 0; j < JB; ++j) acc[r][j] = fmadd(xb, wv[j], acc[r][j]);
     }
   }
@@ -233,7 +244,7 @@ static inline void coded_tile(const float* __restrict__ x, int64_t K, const uint
       vf wv[JB];
       for (int j = 0; j < JB; ++j) wv[j] = fmadd(d[j], codes(qk + j * VL), m[j]);
       for (int r = 0; r < R; ++r) {
-        const vf xb = vf{} + x[r * K + k];
+        const vf xb = bcast(x[r * K + k]);
         for (int j = 0; j < JB; ++j) acc[r][j] = fmadd(xb, wv[j], acc[r][j]);
       }
     }
