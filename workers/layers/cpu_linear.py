@@ -368,8 +368,8 @@ class CodedPanels:
     """A weight's panels held as one byte a weight: ``codes`` ``[ceil(N / PANEL), K, PANEL]``
     (uint8, laid out as ``pack``'s panels) and, per ``GROUP`` consecutive k's of each output
     row, a step ``d`` and an offset ``m`` (``scales`` ``[ceil(N / PANEL), K / GROUP, 2,
-    PANEL]``, fp32), such that ``fma(d, code, m)`` is the fp32 weight, bit for bit (``code``
-    builds them only where that holds)."""
+    PANEL]``, fp32), such that ``fma(d, code, m)`` is the fp32 weight, bit for bit (a -0.0 as
+    0.0, which changes no output: ``_code_rows``; ``code`` builds them only where that holds)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -413,6 +413,9 @@ def _code_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
             exact = ((bits & 0xFF) == 0) & ((d == 0) | (d.abs() >= 2.0**-100))
             q = ((w - lo) / torch.where(d == 0, 1.0, d)).round_()
             good = exact & ~done & ((q >= 0) & (q <= 255)).all(-1, keepdim=True)
+            # == takes a -0.0 weight (GGUF's Q4_0/Q5_0 with a negative step give some) back as
+            # 0.0: no output changes, since the accumulators start at +0.0 and a round-to-nearest
+            # sum is -0.0 only when both addends are
             good &= (d * q + lo == w).all(-1, keepdim=True)
             if bool(good.any()):
                 codes = torch.where(good, q.clamp_(0, 255).to(torch.uint8), codes)
@@ -430,7 +433,7 @@ def code(weight: torch.Tensor, chunk_rows: int = 4096) -> CodedPanels | None:
     does). Each group's step and offset are found from its values and checked: the coded
     weight is the fp32 weight bit for bit, or None (any other weight, K not a multiple of
     ``GROUP``), and the kernel keeps the fp32 panels. Rows are coded ``chunk_rows`` at a time
-    (the check's float64 copies stay small)."""
+    (the check's temporaries stay small)."""
     n, k = weight.shape
     if k % GROUP or k == 0 or weight.dtype != torch.float32 or not bool(torch.isfinite(weight).all()):
         return None
