@@ -288,9 +288,7 @@ extern "C" void kernel(const float* x, const uint8_t* codes_, const float* scale
 """
 )
 
-ARGTYPES = [
-    "const float*",  # x [M, K]
-    "const float*",  # panels [ceil(N / PANEL), K, PANEL]
+_COMMON_ARGTYPES = [  # both kernels' arguments after x and the weights
     "const float*",  # bias [N] (read only with has_bias)
     "float*",  # out [M, N]
     "int64_t",  # M
@@ -299,19 +297,16 @@ ARGTYPES = [
     "int64_t",  # has_bias
     "int64_t",  # threads
 ]
-
-
+ARGTYPES = [
+    "const float*",  # x [M, K]
+    "const float*",  # panels [ceil(N / PANEL), K, PANEL]
+    *_COMMON_ARGTYPES,
+]
 CODED_ARGTYPES = [
     "const float*",  # x [M, K]
     "const uint8_t*",  # codes [ceil(N / PANEL), K, PANEL]
     "const float*",  # scales [ceil(N / PANEL), K / GROUP, 2, PANEL]
-    "const float*",  # bias [N] (read only with has_bias)
-    "float*",  # out [M, N]
-    "int64_t",  # M
-    "int64_t",  # N
-    "int64_t",  # K
-    "int64_t",  # has_bias
-    "int64_t",  # threads
+    *_COMMON_ARGTYPES,
 ]
 
 
