@@ -39,8 +39,10 @@ GB/s a core, MKL's GEMV beat oneDNN at 1-2 rows).
 
 **Memory**: the plain weight stays (the compiled path traces ``F.linear`` on it, inductor packs
 its own; the embedding looks rows up in it; the other paths fall back to it), so on CPU fp32 the
-linears' weights take three times their memory: plain, oneDNN's and the panels
-(``prepack_weights=False`` keeps only the plain one, at the speed of ``F.linear``).
+linears' weights take three times their memory: plain, oneDNN's and the panels, or 2.3 times where
+the panels are coded (``cpu_linear.code``: a byte a weight and two fp32 numbers per 32; a
+checkpoint dequantized from a block format, such as SmolLM2's GGUF) (``prepack_weights=False``
+keeps only the plain one, at the speed of ``F.linear``).
 """
 
 from __future__ import annotations
