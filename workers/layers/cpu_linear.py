@@ -421,6 +421,9 @@ def _code_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return None
 
 
+FIRST_ROWS = 16  # the rows ``code`` tries first: enough to refuse a weight that does not code
+
+
 def code(weight: torch.Tensor, chunk_rows: int = 4096) -> CodedPanels | None:
     """The coded panels of an fp32 ``weight`` ``[N, K]`` whose every group of ``GROUP``
     consecutive k's takes at most 256 evenly spaced values: what a weight dequantized from a
@@ -428,17 +431,21 @@ def code(weight: torch.Tensor, chunk_rows: int = 4096) -> CodedPanels | None:
     does). Each group's step and offset are found from its values and checked: the coded
     weight is the fp32 weight bit for bit, or None (any other weight, K not a multiple of
     ``GROUP``), and the kernel keeps the fp32 panels. Rows are coded ``chunk_rows`` at a time
-    (the check's temporaries stay small)."""
+    (the check's temporaries stay small), after a first ``FIRST_ROWS``: a weight that does not
+    code (a trained fp32 checkpoint's) is refused on its first rows, not after every step has been
+    tried on all of it (a 3072 x 768 random weight took 0.36 s to refuse, against 6 ms to pack)."""
     n, k = weight.shape
     if k % GROUP or k == 0 or weight.dtype != torch.float32 or not bool(torch.isfinite(weight).all()):
         return None
     parts = []
     with torch.no_grad():
-        for start in range(0, n, chunk_rows):
-            part = _code_rows(weight[start : start + chunk_rows].reshape(-1, k // GROUP, GROUP))
+        start, size = 0, FIRST_ROWS
+        while start < n:
+            part = _code_rows(weight[start : start + size].reshape(-1, k // GROUP, GROUP))
             if part is None:
                 return None
             parts.append(part)
+            start, size = start + size, chunk_rows
         q = torch.cat([p[0] for p in parts]).reshape(n, k)
         d = torch.cat([p[1] for p in parts])
         m = torch.cat([p[2] for p in parts])
