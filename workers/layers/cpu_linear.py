@@ -164,21 +164,26 @@ static inline void for_blocks(int64_t p, int64_t M, int64_t N, const float* bias
   }
 }
 
+// one k of a tile, the only arithmetic either kernel does on the inputs: each row's x[r][k]
+// (xk: &x[0][k], rows K apart) times the JB weight vectors, added to its accumulators
+template <int R>
+static inline void step(vf (&acc)[R][JB], const float* __restrict__ xk, int64_t K, const vf (&wv)[JB]) {
+  for (int r = 0; r < R; ++r) {
+    const vf xb = bcast(xk[r * K]);
+    for (int j = 0; j < JB; ++j) acc[r][j] = fmadd(xb, wv[j], acc[r][j]);
+  }
+}
+
 // out[m][j0 .. j0 + JB*VL) of rows 0..R-1 from one fp32 panel ([K][P])
 template <int R>
 static inline void tile(const float* __restrict__ x, int64_t K, const float* __restrict__ panel, int64_t j0,
                         float* __restrict__ out, int64_t ldo, int64_t cols, const float* __restrict__ bias) {
-  vf acc[R][JB];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < JB; ++j) acc[r][j] = vf{};
+  vf acc[R][JB] = {};
   const float* wk = panel + j0;
   for (int64_t k = 0; k < K; ++k, wk += P) {
     vf wv[JB];
     for (int j = 0; j < JB; ++j) wv[j] = load(wk + j * VL);
-    for (int r = 0; r < R; ++r) {
-      const vf xb = bcast(x[r * K + k]);
-      for (int j = 0; j < JB; ++j) acc[r][j] = fmadd(xb, wv[j], acc[r][j]);
-    }
+    step<R>(acc, x + k, K, wv);
   }
   finish<R>(acc, out, ldo, cols, bias);
 }
@@ -232,9 +237,7 @@ template <int R>
 static inline void coded_tile(const float* __restrict__ x, int64_t K, const uint8_t* __restrict__ q,
                               const float* __restrict__ s, int64_t j0, float* __restrict__ out, int64_t ldo,
                               int64_t cols, const float* __restrict__ bias) {
-  vf acc[R][JB];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < JB; ++j) acc[r][j] = vf{};
+  vf acc[R][JB] = {};
   const uint8_t* qk = q + j0;
   const float* sg = s + j0;
   for (int64_t k0 = 0; k0 < K; k0 += G, sg += 2 * P) {
@@ -243,10 +246,7 @@ static inline void coded_tile(const float* __restrict__ x, int64_t K, const uint
     for (int64_t k = k0; k < k0 + G; ++k, qk += P) {
       vf wv[JB];
       for (int j = 0; j < JB; ++j) wv[j] = fmadd(d[j], codes(qk + j * VL), m[j]);
-      for (int r = 0; r < R; ++r) {
-        const vf xb = bcast(x[r * K + k]);
-        for (int j = 0; j < JB; ++j) acc[r][j] = fmadd(xb, wv[j], acc[r][j]);
-      }
+      step<R>(acc, x + k, K, wv);
     }
   }
   finish<R>(acc, out, ldo, cols, bias);
@@ -266,17 +266,18 @@ extern "C" void kernel(const float* x, const uint8_t* codes_, const float* scale
                        int64_t M, int64_t N, int64_t K, int64_t has_bias, int64_t threads) {
   if (!has_bias) bias = nullptr;
   const int64_t num_panels = (N + P - 1) / P;
+  const bool wide = M > MB;  // several row blocks: each panel's weights made once (decode_panel)
   #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> decoded(M > MB ? K * P : 0);  // this thread's panel, for wider batches
+    std::vector<float> decoded(wide ? K * P : 0);  // this thread's panel
     #pragma omp for schedule(dynamic, 1)
     for (int64_t p = 0; p < num_panels; ++p) {
       const uint8_t* q = codes_ + p * K * P;
       const float* s = scales + p * (K / G) * 2 * P;
-      if (M > MB) decode_panel(q, s, K, decoded.data());
+      if (wide) decode_panel(q, s, K, decoded.data());
       for_blocks(p, M, N, bias, out, [&](int64_t j0, int64_t m0, int64_t r, float* o, int64_t cols, const float* b) {
         with_rows(r, [&](auto R) {
-          if (M > MB)
+          if (wide)
             tile<R()>(x + m0 * K, K, decoded.data(), j0, o, N, cols, b);
           else
             coded_tile<R()>(x + m0 * K, K, q, s, j0, o, N, cols, b);
