@@ -176,3 +176,22 @@ def test_weights_that_do_not_code_exactly_keep_the_fp32_panels():
     assert cpu_linear.code(with_nan) is None
     assert isinstance(cpu_linear.panels_for(nudged), torch.Tensor)
     assert isinstance(cpu_linear.panels_for(q), cpu_linear.CodedPanels)
+
+
+def test_a_coded_kernel_that_does_not_build_leaves_the_fp32_panels(monkeypatch):
+    """The two kernels build apart: a coded one that fails takes nothing from the fp32 panels."""
+
+    def no_build(*args, **kwargs):
+        raise RuntimeError("no compiler for this one")
+
+    q = _dequantized("Q4_1", 64, 64, seed=4)
+    monkeypatch.setattr(cpu_linear, "build_coded", no_build)
+    cpu_linear.coded_available.cache_clear()
+    try:
+        assert cpu_linear.available() and not cpu_linear.coded_available()
+        panels = cpu_linear.panels_for(q)
+        assert isinstance(panels, torch.Tensor)
+        x = torch.randn(3, 64)
+        assert torch.allclose(cpu_linear.linear(x, panels, 64), _reference(x, q, None), rtol=1e-5, atol=1e-5)
+    finally:
+        cpu_linear.coded_available.cache_clear()

@@ -306,3 +306,40 @@ def test_each_rank_loads_exactly_its_slice(tiny_model_dirs, tied_odd_vocab, tp):
                 assert torch.equal(
                     params["lm_head.weight"], full["lm_head.weight"][rank * per_rank : (rank + 1) * per_rank]
                 )
+
+
+def _on_a_q4_1_grid(model_dir: str, out_dir) -> str:
+    """A copy of ``model_dir`` whose 2-D weights went through GGUF's Q4_1 and back (as ``pdserve
+    pull`` gets a GGUF checkpoint's), so that the panel kernel may hold them coded."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize, quantize
+    from safetensors.torch import save_file
+
+    q4_1 = gguf.GGMLQuantizationType.Q4_1
+    tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+    for name, t in tensors.items():
+        if t.dim() == 2 and t.shape[1] % 32 == 0:
+            tensors[name] = torch.from_numpy(dequantize(quantize(t.numpy(), q4_1), q4_1).reshape(t.shape).copy())
+    out_dir.mkdir()
+    for entry in os.listdir(model_dir):
+        if entry != "model.safetensors":
+            with open(os.path.join(model_dir, entry), "rb") as src, open(out_dir / entry, "wb") as dst:
+                dst.write(src.read())
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return str(out_dir)
+
+
+def test_ranks_hold_coded_shards_and_equal_transformers(tiny_llama, tmp_path):
+    """Coded panels over 2 ranks: each column shard (q/k/v, gate/up) and row shard (o, down: 32
+    and 64 inputs a rank, whole groups) codes on its own, and greedy output equals transformers'."""
+    from workers.layers import cpu_linear
+    from workers.models.parallel import _packed_units
+
+    if not cpu_linear.coded_available():
+        pytest.skip("the coded panel kernel did not build (no C++ compiler)")
+    model_dir = _on_a_q4_1_grid(tiny_llama, tmp_path / "q4_1")
+    prompts = random_prompts((5, 40, 130), seed=6)
+    with tp_engine(model_dir, 2, plain_linear_rows=64) as engine:
+        units = _packed_units(engine.model)
+        assert units and all(isinstance(u.panels, cpu_linear.CodedPanels) for u in units)
+        assert_matches_hf(model_dir, prompts, engine.generate(prompts, GREEDY))

@@ -335,17 +335,27 @@ def build_coded(max_vector_floats: int = 16) -> Any:
     return CppPythonBindingsCodeCache.load_pybinding(CODED_ARGTYPES, _source(_CODED_SOURCE, max_vector_floats))
 
 
-@functools.cache
-def available() -> bool:
-    """Whether the kernels build here (asked once per process; a failure is logged and the
-    small batches keep ``F.linear``)."""
+def _builds(builder: Any, what: str) -> bool:
     try:
-        build()
-        build_coded()
+        builder()
     except Exception as exc:  # noqa: BLE001 - no compiler, an inductor without this API ...
-        logger.warning("the CPU panel kernel for small batches did not build (%s: %s)", type(exc).__name__, exc)
+        logger.warning("the CPU panel kernel %s did not build (%s: %s)", what, type(exc).__name__, exc)
         return False
     return True
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel on fp32 panels builds here (asked once per process; a failure is
+    logged and the small batches keep ``F.linear``)."""
+    return _builds(build, "for small batches")
+
+
+@functools.cache
+def coded_available() -> bool:
+    """Whether the kernel on coded panels builds here too (a failure is logged and every weight
+    keeps fp32 panels: ``panels_for``)."""
+    return available() and _builds(build_coded, "on coded panels")
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -468,8 +478,9 @@ Panels = torch.Tensor | CodedPanels  # what ``linear`` multiplies with: ``pack``
 
 def panels_for(weight: torch.Tensor, coded: bool = True) -> Panels:
     """The kernel's copy of ``weight``: coded where that is exact (``coded``; a quarter of the
-    bytes a step streams, the same products), else ``pack``'s fp32 panels."""
-    return (code(weight) if coded else None) or pack(weight)
+    bytes a step streams, the same products, where the coded kernel builds), else ``pack``'s
+    fp32 panels."""
+    return (code(weight) if coded and coded_available() else None) or pack(weight)
 
 
 def takes(x: torch.Tensor) -> bool:
