@@ -1,7 +1,8 @@
 """Engine benchmark: (a) paged KV cache vs recomputing the sequence each step, (b) engine
 (eager, and compiled with --compile) vs transformers ``generate`` at several batch sizes,
 (c) the decode step eager vs compiled, interleaved step by step, with where its time goes
-(torch.profiler, self CPU time by kind of op), all measured side by side in one run.
+(torch.profiler, self CPU time by kind of op), (d) the prompt pass (prefill) of a batch of
+prompts, interleaved pass by pass, all measured side by side in one run.
 
     python bench/engine.py                      # SmolLM2-135M-Instruct (30 x 576), CPU
     python bench/engine.py --compile            # adds the compiled engine to (b) and (c)
@@ -11,6 +12,8 @@
     python bench/engine.py --fp32-panels        # adds an eager engine whose panel kernel reads fp32
                                                 # panels (coded_weights False: no one-byte codes)
     python bench/engine.py --sdpa               # adds an eager engine whose decodes gather (sdpa)
+    python bench/engine.py --onednn-prompts     # adds an eager engine whose wide batches stay on
+                                                # oneDNN (amx_linears False: no AMX tiles)
     python bench/engine.py --model tiny         # the generated ~100M random llama (12 x 768)
     python bench/engine.py --device cuda --dtype bfloat16
 
@@ -216,6 +219,53 @@ def decode_step_table(
     return results
 
 
+def prompt_pass(engine: LLMEngine, batch: int, length: int, tag: str) -> float:
+    """Seconds for the steps that compute ``batch`` fresh prompts of ``length`` tokens and their
+    first tokens (one step when the batch fits ``max_num_batched_tokens``)."""
+    rng = random.Random(batch * 7919 + length)
+    top = min(30000, engine.model_config.vocab_size)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    for i in range(batch):
+        engine.add_request(f"{tag}-p{batch}-{i}", [rng.randrange(100, top) for _ in range(length)], params)
+    sync(engine.device)
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    sync(engine.device)
+    return time.perf_counter() - start
+
+
+def prompt_pass_table(engines: dict[str, LLMEngine], batches: list[int], length: int, rounds: int) -> dict:
+    """The prompt pass per engine, the engines' passes interleaved (one each, in turn, after one
+    untimed warm-up each), and the ratio of each to the first (the baseline)."""
+    names = list(engines)
+    results: dict = {}
+    print(
+        f"\n(d) prompt pass: a batch of fresh {length}-token prompts to their first tokens, {rounds} passes each, "
+        "interleaved; min and median ms"
+    )
+    print(
+        f"{'batch':>6} "
+        + " ".join(f"{n + ' min':>16} {n + ' med':>16}" for n in names)
+        + "".join(f" {names[0] + '/' + n + ' (min)':>26}" for n in names[1:])
+        + f" {'load':>6}"
+    )
+    for batch in batches:
+        for name, engine in engines.items():
+            prompt_pass(engine, batch, length, f"{name}-warm")
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for round_ in range(rounds):
+            for name, engine in engines.items():
+                times[name].append(prompt_pass(engine, batch, length, f"{name}-{round_}"))
+        row = {n: {"min_ms": min(t) * 1e3, "median_ms": sorted(t)[len(t) // 2] * 1e3} for n, t in times.items()}
+        base = row[names[0]]["min_ms"]
+        line = f"{batch:>6} " + " ".join(f"{row[n]['min_ms']:>16.1f} {row[n]['median_ms']:>16.1f}" for n in names)
+        line += "".join(f" {base / row[n]['min_ms']:>25.2f}x" for n in names[1:])
+        print(line + f" {os.getloadavg()[0]:>6.2f}")
+        results[f"prompt_pass_b{batch}x{length}"] = row
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help=MODEL_HELP)
@@ -253,6 +303,13 @@ def main(argv: list[str] | None = None) -> None:
         "(coded_weights=False) and compare it in (b) and (c), where it is the baseline",
     )
     ap.add_argument(
+        "--onednn-prompts",
+        action="store_true",
+        help="also build an eager engine whose batches wider than the panel kernel's stay on oneDNN "
+        "(amx_linears=False: no AMX tiles, workers/layers/cpu_amx.py) and compare it in (b), (c) "
+        "and (d), where it is the baseline",
+    )
+    ap.add_argument(
         "--sdpa",
         action="store_true",
         help="also build an eager engine with attention_backend sdpa (decodes gather their blocks) "
@@ -270,7 +327,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--step-batches", type=int, nargs="+", default=None, help="(c): default --batches")
     ap.add_argument("--steps", type=int, default=12, help="(c): timed decode steps per engine and batch")
     ap.add_argument("--profile", action="store_true", help="(c): add the profile breakdown")
-    ap.add_argument("--skip", nargs="*", default=[], choices=("a", "b", "c"), help="sections to leave out")
+    ap.add_argument("--prompt-batches", type=int, nargs="+", default=[1, 8], help="(d): prompts per pass")
+    ap.add_argument("--prompt-step-len", type=int, default=256, help="(d): tokens per prompt")
+    ap.add_argument("--prompt-rounds", type=int, default=5, help="(d): timed passes per engine and batch")
+    ap.add_argument("--skip", nargs="*", default=[], choices=("a", "b", "c", "d"), help="sections to leave out")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
 
@@ -284,7 +344,8 @@ def main(argv: list[str] | None = None) -> None:
         dtype=args.dtype,
         num_kv_blocks=None,
         kv_cache_memory_gib=2.0,
-        max_num_seqs=max(args.batches + step_batches),
+        max_num_seqs=max(args.batches + step_batches + args.prompt_batches),
+        max_num_batched_tokens=max(2048, max(args.prompt_batches) * args.prompt_step_len),
         enable_prefix_caching=False,
         load_progress=False,
     )
@@ -296,6 +357,8 @@ def main(argv: list[str] | None = None) -> None:
         engines = {"fp32-panels": LLMEngine(str(model_dir), coded_weights=False, **engine_kwargs), **engines}
     if args.onednn:
         engines = {"onednn": LLMEngine(str(model_dir), plain_linear_rows=0, **engine_kwargs), **engines}
+    if args.onednn_prompts:
+        engines = {"onednn-wide": LLMEngine(str(model_dir), amx_linears=False, **engine_kwargs), **engines}
     if args.unpacked:
         engines = {"unpacked": LLMEngine(str(model_dir), prepack_weights=False, **engine_kwargs), **engines}
     cfg = engine.model_config
@@ -329,6 +392,8 @@ def main(argv: list[str] | None = None) -> None:
         section_b(engines, model_dir, device, args, results)
     if "c" not in args.skip:
         results.update(decode_step_table(engines, step_batches, args.step_context, args.steps, args.profile))
+    if "d" not in args.skip:
+        results.update(prompt_pass_table(engines, args.prompt_batches, args.prompt_step_len, args.prompt_rounds))
     engine.block_manager.check_idle()
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -262,6 +262,12 @@ class PDServeArgs(BaseModel):
         "reproduces it bit for bit (a checkpoint dequantized from a block format, such as a GGUF file's "
         "Q4/Q8 tensors); false: fp32 panels for every weight",
     )
+    amx_linears: bool = Field(
+        default=True,
+        description="with coded_weights, on a CPU with Intel AMX: batches wider than the panel kernel's "
+        "(prompts, wide decode steps) multiply on AMX's bf16 tiles with each input cut into three exact "
+        "bf16 parts (fp32 products and sums); false: oneDNN's fp32 GEMM",
+    )
     attention_backend: Literal["auto", "sdpa", "flex", "paged"] = Field(
         default="auto",
         description="sdpa: decodes gather their blocks for SDPA; paged: decodes read the cache through "
@@ -461,6 +467,7 @@ class PDServeArgs(BaseModel):
             enforce_eager=self.enforce_eager,
             prepack_weights=self.prepack_weights,
             coded_weights=self.coded_weights,
+            amx_linears=self.amx_linears,
             attention_backend=self.attention_backend,
             model_key=self.model_key,
             tensor_parallel_size=getattr(self, role).tensor_parallel_size,

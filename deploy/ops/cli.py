@@ -350,6 +350,12 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         "block format, such as SmolLM2's GGUF, are read as one byte a weight that reproduces them exactly)",
     )
     parser.add_argument(
+        "--no-amx-linears",
+        action="store_true",
+        help="multiply prompts with oneDNN's fp32 GEMM (default, on a CPU with Intel AMX and coded "
+        "weights: AMX's bf16 tiles, each input cut into three exact bf16 parts; fp32 products and sums)",
+    )
+    parser.add_argument(
         "--haproxy",
         action="store_true",
         help="serve HTTP through Ray Serve's HAProxy ingress: HAProxy takes the port and hands each "
@@ -805,6 +811,7 @@ def up_app_args(args: argparse.Namespace, model: str, redis_url: str | None):
         conversation_reuse=not args.no_conversation_reuse,
         output_channel=not args.no_output_channel,
         coded_weights=not args.no_coded_weights,
+        amx_linears=not args.no_amx_linears,
         enforce_eager=not args.compile,
         attention_backend=args.attention_backend,
         max_num_seqs=args.max_num_seqs,

@@ -21,7 +21,9 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
         # whatever the load-time timing chose here: decode steps on the panel kernel, or on oneDNN
         pytest.param({"plain_linear_rows": 64}, id="panel-kernel"),  # on coded panels (one byte a weight)
         pytest.param({"plain_linear_rows": 64, "coded_weights": False}, id="panel-kernel-fp32"),
-        pytest.param({"plain_linear_rows": 0}, id="onednn"),
+        # every batch on the wide path: AMX's tiles where the CPU has AMX (workers/layers/cpu_amx.py)
+        pytest.param({"plain_linear_rows": 0}, id="wide-path"),
+        pytest.param({"plain_linear_rows": 0, "amx_linears": False}, id="onednn"),
     ],
 )
 def test_engine_equals_transformers_on_chat_prompts(smollm2_dir, engine_kwargs):
@@ -49,6 +51,26 @@ def test_the_panel_kernel_holds_every_weight_of_the_gguf_checkpoint_coded(smollm
     assert all(isinstance(u.panels, cpu_linear.CodedPanels) for u in units)
     plain = LLMEngine(smollm2_dir, load_progress=False, num_kv_blocks=16, plain_linear_rows=64, coded_weights=False)
     assert not any(isinstance(u.panels, cpu_linear.CodedPanels) for u in _packed_units(plain.model))
+
+
+def test_amx_tiles_hold_every_coded_weight_and_a_long_prompt_equals_transformers(smollm2_dir):
+    """Where the CPU has AMX, every coded weight gets tiles, and batches wider than the panel
+    kernel's (here every one) multiply on them: a ~300-token prompt's greedy continuation equals
+    transformers'. With ``amx_linears=False`` no weight has tiles."""
+    from workers.layers import cpu_amx
+    from workers.models.parallel import _packed_units
+
+    if not cpu_amx.available():
+        pytest.skip("no AMX on this CPU (or the AMX kernel did not build)")
+    engine = LLMEngine(smollm2_dir, load_progress=False, num_kv_blocks=64, plain_linear_rows=0)
+    units = _packed_units(engine.model)
+    assert len(units) == 30 * 4 + 1 and all(u.tiles is not None for u in units)
+    prompt = [t for q in CHAT_QUESTIONS for t in chat_prompt_ids(smollm2_dir, q)]
+    assert len(prompt) > 256
+    out = engine.generate([prompt], GREEDY)[0]
+    assert out.token_ids == hf_greedy(smollm2_dir, tuple(prompt), NEW_TOKENS)
+    plain = LLMEngine(smollm2_dir, load_progress=False, num_kv_blocks=16, plain_linear_rows=0, amx_linears=False)
+    assert not any(u.tiles is not None for u in _packed_units(plain.model))
 
 
 def test_a_chat_question_with_a_known_answer(smollm2_dir):

@@ -43,6 +43,11 @@ class EngineConfig:
     # the same fp32 products from a quarter of the bytes; workers/layers/cpu_linear.py, code).
     # False: fp32 panels for every weight.
     coded_weights: bool = True
+    # With coded weights on a CPU with Intel AMX: batches wider than plain_linear_rows (prompts,
+    # wide decode steps) multiply on AMX's bf16 tiles, each input cut into three exact bf16 parts
+    # (fp32 products, fp32 sums; workers/layers/cpu_amx.py) instead of oneDNN's fp32 GEMM.
+    # False: oneDNN.
+    amx_linears: bool = True
     # "sdpa": attention gathers the blocks it reads; "flex": FlexAttention over the physical cache;
     # "paged": decodes read the cache through their block tables in one compiled kernel ("flex"
     # and "paged": full-precision cache only); "auto": the measured choice (model_runner.py)

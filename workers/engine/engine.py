@@ -137,6 +137,7 @@ class LLMEngine:
             cfg.prepack_weights,
             cfg.plain_linear_rows,
             cfg.coded_weights,
+            cfg.amx_linears,
         )
         rank_config = rank_model_config(self.model_config, tp)  # this rank's KV heads: what its cache holds
         num_blocks = plan_num_blocks(cfg, rank_config, self.dtype, self.device)

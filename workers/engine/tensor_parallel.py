@@ -685,6 +685,7 @@ def _serve(config: EngineConfig, groups: RankGroups, device: torch.device, store
         config.prepack_weights,
         config.plain_linear_rows,
         config.coded_weights,
+        config.amx_linears,
     )
     local = rank_model_config(model_config, groups.tp)
     num_blocks = groups.agree_num_blocks(plan_num_blocks(config, local, dtype, device))

@@ -26,9 +26,11 @@ from workers.models.parallel import (
     Shard,
     TPGroup,
     choose_plain_rows,
+    describe_amx,
     describe_coded,
     prepack_linears,
     small_op_name,
+    wide_op_name,
 )
 
 logger = logging.getLogger(__name__)
@@ -69,13 +71,15 @@ def load_model(
     prepack: bool = False,
     plain_rows: int | None = None,
     coded: bool = True,
+    amx: bool = True,
 ) -> LlamaForCausalLM:
     """The model (``tp``: this rank's shard of it) with its weights from ``model_dir``.
     ``prepack``: on a CPU, fp32 linears get a oneDNN copy of their weights (``prepack_linears``),
     and inputs of up to ``plain_rows`` rows multiply with the plain weights (the CPU row kernel,
     else ``F.linear``; None: measured on this CPU at the current thread count,
     ``choose_plain_rows``); ``coded``: the row kernel holds weights that code exactly as one byte
-    a weight (``cpu_linear.code``)."""
+    a weight (``cpu_linear.code``); ``amx``: wider batches on coded weights multiply on AMX's
+    tiles where the CPU has them (``cpu_amx``), not oneDNN."""
     model_dir = Path(model_dir)
     device = torch.device(device)
     cfg = ModelConfig.from_dir(model_dir)
@@ -146,15 +150,17 @@ def load_model(
         device,
         torch_dtype,
     )
-    if prepack and (packed := prepack_linears(model, coded=coded)):
+    if prepack and (packed := prepack_linears(model, coded=coded, amx=amx)):
         logger.info("prepacked %d linear weights for oneDNN (CPU fp32)", packed)
         if coded_line := describe_coded(model):
             logger.info("%s", coded_line)
+        if amx_line := describe_amx(model):
+            logger.info("%s", amx_line)
         rows, timings = choose_plain_rows(model, plain_rows)
         model.plain_linear_rows = rows
-        small_op = small_op_name()
+        small_op, wide_op = small_op_name(), wide_op_name(model)
         measured = ", ".join(
-            f"{t.rows} row(s): {small_op} {t.plain_s * 1e3:.1f} ms, oneDNN {t.packed_s * 1e3:.1f} ms"
+            f"{t.rows} row(s): {small_op} {t.plain_s * 1e3:.1f} ms, {wide_op} {t.packed_s * 1e3:.1f} ms"
             + (
                 f" (faster at best, but by less than {PLAIN_ROWS_MARGIN:.0%})"
                 if t.plain_s < t.packed_s and not t.plain_wins
@@ -163,9 +169,10 @@ def load_model(
             for t in timings
         )
         logger.info(
-            "batches of up to %d rows multiply with %s, larger ones with oneDNN (%s)",
+            "batches of up to %d rows multiply with %s, larger ones with %s (%s)",
             rows,
             small_op,
+            wide_op,
             f"measured on {torch.get_num_threads()} threads: {measured}" if timings else "as configured",
         )
     return model.eval()

@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.layers import cpu_linear
+from workers.layers import cpu_amx, cpu_linear
 from workers.models.config import ModelConfig
 from workers.transfer.tp_plan import heads_of_rank
 
@@ -166,6 +166,26 @@ def small_op_name() -> str:
     return "the panel kernel" if cpu_linear.available() else "F.linear"
 
 
+def wide_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    panels: cpu_linear.Panels | None,
+    tiles: torch.Tensor | None,
+    out_features: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """A batch wider than ``plain_rows``: AMX's tiles on a coded weight's ``tiles``
+    (``workers/layers/cpu_amx.py``), else oneDNN's inner product on its ``packed`` copy."""
+    if tiles is not None and isinstance(panels, cpu_linear.CodedPanels):
+        return cpu_amx.linear(x, panels, tiles, out_features, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def wide_op_name(model: nn.Module) -> str:
+    """What batches wider than ``plain_rows`` multiply with, for the start-up lines."""
+    return "AMX tiles" if any(unit.tiles is not None for unit in _packed_units(model)) else "oneDNN"
+
+
 def _runs_packed(x: torch.Tensor) -> bool:
     """Whether ``x`` is multiplied with a oneDNN-packed weight: eager (a compiled graph keeps
     ``F.linear`` on the plain weight, and inductor packs its own) and fp32."""
@@ -183,6 +203,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.packed: torch.Tensor | None = None  # a plain attribute: not in state_dict, not moved by .to()
         self.panels: cpu_linear.Panels | None = None  # the panel kernel's copy (cpu_linear.panels_for), with packed
+        self.tiles: torch.Tensor | None = None  # coded panels' AMX tiles (cpu_amx.tiles), where AMX runs
         self.plain_rows = 0  # inputs of up to this many rows take small_linear, not oneDNN (choose_plain_rows)
 
     def packable(self) -> bool:
@@ -190,17 +211,19 @@ class PackedLinear(nn.Module):
         w = self.weight
         return w.device.type == "cpu" and w.dtype == torch.float32 and _onednn_linear_available()
 
-    def pack(self, batch_hint: int, coded: bool = True) -> bool:
+    def pack(self, batch_hint: int, coded: bool = True, amx: bool = True) -> bool:
         """Reorder the weight for oneDNN (``batch_hint``: the batch size the layout is picked
         for; any batch runs on it), and cut it into the panel kernel's panels (``coded``: one
-        byte a weight where that is exact, ``cpu_linear.panels_for``). Only what ``packable``
-        accepts; False otherwise."""
+        byte a weight where that is exact, ``cpu_linear.panels_for``; ``amx``: coded panels get
+        AMX tiles for wide batches where the CPU runs them, ``amx_tiles``). Only what
+        ``packable`` accepts; False otherwise."""
         w = self.weight
         if not self.packable():
             return False
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
         self.panels = cpu_linear.panels_for(w.detach(), coded) if cpu_linear.available() else None
+        self.tiles = amx_tiles(self.panels) if amx else None
         return True
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -208,7 +231,7 @@ class PackedLinear(nn.Module):
             return F.linear(x, self.weight, bias)
         if _rows(x) <= self.plain_rows:  # a small batch (an empty one too: oneDNN rejects it)
             return small_linear(x, self.weight, self.panels, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return wide_linear(x, self.packed, self.panels, self.tiles, self.weight.shape[0], bias)
 
 
 class FusedPackedLinear:
@@ -223,7 +246,7 @@ class FusedPackedLinear:
     take the panel kernel on the fused weight's panels (``small_linear``; where it does not
     build, one ``F.linear`` on the fused plain weight)."""
 
-    def __init__(self, linears: list[PackedLinear], batch_hint: int, coded: bool = True) -> None:
+    def __init__(self, linears: list[PackedLinear], batch_hint: int, coded: bool = True, amx: bool = True) -> None:
         biases = [b.detach() for m in linears if (b := getattr(m, "bias", None)) is not None]
         if biases and len(biases) != len(linears):
             raise ValueError("fused linears must all have a bias or all have none")
@@ -231,6 +254,7 @@ class FusedPackedLinear:
             self.weight = torch.cat([m.weight.detach() for m in linears])
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, batch_hint)
             self.panels = cpu_linear.panels_for(self.weight, coded) if cpu_linear.available() else None
+            self.tiles = amx_tiles(self.panels) if amx else None
             self.bias = torch.cat(biases) if biases else None
             start = 0
             for m in linears:  # each layer's weight: its rows of the fused one
@@ -248,16 +272,17 @@ class FusedPackedLinear:
         """The layers' outputs side by side, ``[..., the layers' output widths summed]``."""
         if _rows(x) <= self.plain_rows:
             return small_linear(x, self.weight, self.panels, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return wide_linear(x, self.packed, self.panels, self.tiles, self.weight.shape[0], self.bias)
 
 
-def prepack_linears(model: nn.Module, batch_hint: int = 8, coded: bool = True) -> int:
+def prepack_linears(model: nn.Module, batch_hint: int = 8, coded: bool = True, amx: bool = True) -> int:
     """Pack every linear of ``model`` for oneDNN (see the module's docstring), and of its
     vocabulary tables only ``model.head``, the one that scores (an untied embedding only looks
     up rows); the number of layers packed (0: not a CPU fp32 model, or no oneDNN). A module that
     names ``fused_inputs`` (linears reading the same input) gets them packed as one
     ``FusedPackedLinear`` in ``fused`` instead of copies of their own (each weight is packed once).
-    ``coded``: the panel kernel's copies are coded where that is exact (``cpu_linear.panels_for``)."""
+    ``coded``: the panel kernel's copies are coded where that is exact (``cpu_linear.panels_for``);
+    ``amx``: coded ones get AMX tiles for wide batches where the CPU runs them (``amx_tiles``)."""
     head = getattr(model, "head", None)
     groups = []  # (module, its fused linears): packed once, as one, never each on its own
     for module in model.modules():
@@ -266,13 +291,33 @@ def prepack_linears(model: nn.Module, batch_hint: int = 8, coded: bool = True) -
             groups.append((module, linears))
     fused = {id(m) for _, linears in groups for m in linears}
     packed = sum(
-        id(m) in fused or m.pack(batch_hint, coded)  # a fused layer counts: its group's copies serve it
+        id(m) in fused or m.pack(batch_hint, coded, amx)  # a fused layer counts: its group's copies serve it
         for m in model.modules()
         if isinstance(m, PackedLinear) and (not isinstance(m, VocabParallelEmbedding) or m is head)
     )
     for module, linears in groups:
-        setattr(module, "fused", FusedPackedLinear(linears, batch_hint, coded))  # noqa: B010 - any nn.Module
+        setattr(module, "fused", FusedPackedLinear(linears, batch_hint, coded, amx))  # noqa: B010 - any nn.Module
     return packed
+
+
+def amx_tiles(panels: cpu_linear.Panels | None) -> torch.Tensor | None:
+    """AMX tiles for coded ``panels`` where this CPU runs the AMX kernel (``cpu_amx.available``),
+    else None (fp32 panels: oneDNN keeps the wide batches)."""
+    if isinstance(panels, cpu_linear.CodedPanels) and cpu_amx.available():
+        return cpu_amx.tiles(panels)
+    return None
+
+
+def describe_amx(model: nn.Module) -> str | None:
+    """One start-up line when wide batches run on AMX tiles: how many weights, and their bytes."""
+    tiles = [unit.tiles for unit in _packed_units(model) if unit.tiles is not None]
+    if not tiles:
+        return None
+    return (
+        f"batches wider than the panel kernel's multiply {len(tiles)} coded weights on AMX's bf16 tiles "
+        f"(each input cut into three exact bf16 parts: fp32 products and sums; "
+        f"{sum(t.nbytes for t in tiles) / 1e6:.0f} MB of tiles)"
+    )
 
 
 def describe_coded(model: nn.Module) -> str | None:
