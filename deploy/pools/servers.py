@@ -28,7 +28,7 @@ from kvstore import IndexConfig, IndexPublisher, WorkerSpec
 from workers.decode import ColocatedWorker, DecodeWorker
 from workers.engine import LLMEngine
 from workers.engine_loop import EngineLoop
-from workers.models.parallel import small_op_name
+from workers.models.parallel import small_op_name, wide_op_name
 from workers.output_channel import OutputSender
 from workers.prefill import PrefillWorker
 from workers.protocol import GenerateRequest, PrefillResult, TokenChunk, TransferAddress
@@ -129,7 +129,8 @@ class _WorkerServer:
             self.worker_id,
             engine.num_kv_blocks,
             self.device,
-            f", batches of up to {rows} row(s) multiply with {small_op_name()}, larger ones with oneDNN"
+            f", batches of up to {rows} row(s) multiply with {small_op_name()}, larger ones with "
+            f"{wide_op_name(engine.model)}"
             if (rows := engine.model.plain_linear_rows)
             else "",
         )
