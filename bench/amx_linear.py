@@ -66,8 +66,9 @@ def main(argv: list[str] | None = None) -> None:
         weights.append((w, coded, cpu_amx.tiles(coded) if amx else None, packed))
     cpu = platform.processor() or platform.machine()
     print(
-        f"# bench/amx_linear.py {' '.join(sys.argv[1:]) or '(defaults)'}; {cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads, AMX kernel "
-        f"{'on' if amx else 'unavailable'}, load {os.getloadavg()[0]:.2f}"
+        f"# bench/amx_linear.py {' '.join(sys.argv[1:]) or '(defaults)'}; {cpu}, {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}, {args.threads} threads, AMX kernel {'on' if amx else 'unavailable'}, "
+        f"load {os.getloadavg()[0]:.2f}"
     )
     print("| rows | oneDNN (ms) | AMX (ms) | oneDNN / AMX | panel kernel (ms) | panel / AMX | err oneDNN | err AMX |")
     print("|---|---|---|---|---|---|---|---|")
