@@ -175,6 +175,27 @@ def profile_steps(engine: LLMEngine, steps: int) -> dict[str, float]:
     return kinds
 
 
+def print_interleaved_header(names: list[str], width: int) -> None:
+    """(c) and (d)'s header: each engine's min and median, then each one's ratio to the first's."""
+    print(
+        f"{'batch':>6} "
+        + " ".join(f"{n + ' min':>{width}} {n + ' med':>{width}}" for n in names)
+        + "".join(f" {names[0] + '/' + n + ' (min)':>{width + 8}}" for n in names[1:])
+        + f" {'load':>6}"
+    )
+
+
+def print_interleaved_row(batch: int, times: dict[str, list[float]], width: int) -> dict:
+    """Print one batch's row of (c) or (d) from each engine's seconds; returns its figures (ms)."""
+    names = list(times)
+    row = {n: {"min_ms": min(t) * 1e3, "median_ms": sorted(t)[len(t) // 2] * 1e3} for n, t in times.items()}
+    base = row[names[0]]["min_ms"]
+    line = f"{batch:>6} " + " ".join(f"{row[n]['min_ms']:>{width}.1f} {row[n]['median_ms']:>{width}.1f}" for n in names)
+    line += "".join(f" {base / row[n]['min_ms']:>{width + 7}.2f}x" for n in names[1:])
+    print(line + f" {os.getloadavg()[0]:>6.2f}")
+    return row
+
+
 def decode_step_table(
     engines: dict[str, LLMEngine], batches: list[int], context: int, steps: int, profile: bool
 ) -> dict:
@@ -183,12 +204,7 @@ def decode_step_table(
     names = list(engines)
     results: dict = {}
     print(f"\n(c) decode step, context {context}, {steps} steps each, interleaved; min and median ms")
-    print(
-        f"{'batch':>6} "
-        + " ".join(f"{n + ' min':>14} {n + ' med':>14}" for n in names)
-        + "".join(f" {names[0] + '/' + n + ' (min)':>22}" for n in names[1:])
-        + f" {'load':>6}"
-    )
+    print_interleaved_header(names, 14)
     for batch in batches:
         for name, engine in engines.items():
             start_decodes(engine, batch, context, name)
@@ -198,11 +214,7 @@ def decode_step_table(
                 t = time.perf_counter()
                 engine.step()
                 times[name].append(time.perf_counter() - t)
-        row = {n: {"min_ms": min(t) * 1e3, "median_ms": sorted(t)[len(t) // 2] * 1e3} for n, t in times.items()}
-        base = row[names[0]]["min_ms"]
-        line = f"{batch:>6} " + " ".join(f"{row[n]['min_ms']:>14.1f} {row[n]['median_ms']:>14.1f}" for n in names)
-        line += "".join(f" {base / row[n]['min_ms']:>21.2f}x" for n in names[1:])
-        print(line + f" {os.getloadavg()[0]:>6.2f}")
+        row = print_interleaved_row(batch, times, 14)
         if profile:
             for name, engine in engines.items():
                 row[name]["profile_ms"] = profile_steps(engine, max(2, steps // 4))
@@ -244,12 +256,7 @@ def prompt_pass_table(engines: dict[str, LLMEngine], batches: list[int], length:
         f"\n(d) prompt pass: a batch of fresh {length}-token prompts to their first tokens, {rounds} passes each, "
         "interleaved; min and median ms"
     )
-    print(
-        f"{'batch':>6} "
-        + " ".join(f"{n + ' min':>16} {n + ' med':>16}" for n in names)
-        + "".join(f" {names[0] + '/' + n + ' (min)':>26}" for n in names[1:])
-        + f" {'load':>6}"
-    )
+    print_interleaved_header(names, 16)
     for batch in batches:
         for name, engine in engines.items():
             prompt_pass(engine, batch, length, f"{name}-warm")
@@ -257,12 +264,7 @@ def prompt_pass_table(engines: dict[str, LLMEngine], batches: list[int], length:
         for round_ in range(rounds):
             for name, engine in engines.items():
                 times[name].append(prompt_pass(engine, batch, length, f"{name}-{round_}"))
-        row = {n: {"min_ms": min(t) * 1e3, "median_ms": sorted(t)[len(t) // 2] * 1e3} for n, t in times.items()}
-        base = row[names[0]]["min_ms"]
-        line = f"{batch:>6} " + " ".join(f"{row[n]['min_ms']:>16.1f} {row[n]['median_ms']:>16.1f}" for n in names)
-        line += "".join(f" {base / row[n]['min_ms']:>25.2f}x" for n in names[1:])
-        print(line + f" {os.getloadavg()[0]:>6.2f}")
-        results[f"prompt_pass_b{batch}x{length}"] = row
+        results[f"prompt_pass_b{batch}x{length}"] = print_interleaved_row(batch, times, 16)
     return results
 
 

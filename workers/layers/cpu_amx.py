@@ -227,13 +227,7 @@ ARGTYPES = [
     "const float*",  # x [M, K]
     "const uint16_t*",  # tiles (``tiles``)
     "const float*",  # scales (``CodedPanels.scales``)
-    "const float*",  # bias [N] (read only with has_bias)
-    "float*",  # out [M, N]
-    "int64_t",  # M
-    "int64_t",  # N
-    "int64_t",  # K
-    "int64_t",  # has_bias
-    "int64_t",  # threads
+    *cpu_linear.COMMON_ARGTYPES,
 ]
 
 
@@ -323,20 +317,4 @@ def linear(
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for the weight ``coded`` holds (``tiles_``: its ``tiles``),
     ``x`` fp32 ``[..., K]`` on CPU: ``[..., out_features]``."""
-    k = x.shape[-1]
-    rows = x.numel() // k
-    x2 = x.reshape(rows, k).contiguous()
-    out = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
-    build()(
-        x2,
-        tiles_,
-        coded.scales,
-        bias if bias is not None else x2,
-        out,
-        rows,
-        out_features,
-        k,
-        int(bias is not None),
-        torch.get_num_threads(),
-    )
-    return out
+    return cpu_linear.run_kernel(build(), x, (tiles_, coded.scales), out_features, bias)

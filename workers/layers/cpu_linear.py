@@ -289,7 +289,7 @@ extern "C" void kernel(const float* x, const uint8_t* codes_, const float* scale
 """
 )
 
-_COMMON_ARGTYPES = [  # both kernels' arguments after x and the weights
+COMMON_ARGTYPES = [  # every kernel's arguments after x and the weights (run_kernel; cpu_amx's too)
     "const float*",  # bias [N] (read only with has_bias)
     "float*",  # out [M, N]
     "int64_t",  # M
@@ -301,13 +301,13 @@ _COMMON_ARGTYPES = [  # both kernels' arguments after x and the weights
 ARGTYPES = [
     "const float*",  # x [M, K]
     "const float*",  # panels [ceil(N / PANEL), K, PANEL]
-    *_COMMON_ARGTYPES,
+    *COMMON_ARGTYPES,
 ]
 CODED_ARGTYPES = [
     "const float*",  # x [M, K]
     "const uint8_t*",  # codes [ceil(N / PANEL), K, PANEL]
     "const float*",  # scales [ceil(N / PANEL), K / GROUP, 2, PANEL]
-    *_COMMON_ARGTYPES,
+    *COMMON_ARGTYPES,
 ]
 
 
@@ -506,15 +506,20 @@ def linear(
     """``F.linear(x, weight, bias)`` from ``pack(weight)`` or ``code(weight)``, for ``x``
     ``[..., K]`` that ``takes`` accepts: ``[..., out_features]``. ``kernel``: a ``build``
     (``build_coded`` for coded panels; default: this CPU's)."""
+    if isinstance(panels, CodedPanels):
+        return run_kernel(kernel or build_coded(), x, (panels.codes, panels.scales), out_features, bias)
+    return run_kernel(kernel or build(), x, (panels,), out_features, bias)
+
+
+def run_kernel(
+    kernel: Any, x: torch.Tensor, weights: tuple[torch.Tensor, ...], out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Call a kernel that takes ``x``, its ``weights``, then ``COMMON_ARGTYPES`` (this module's
+    and ``cpu_amx``'s), on ``x`` ``[..., K]`` fp32: ``[..., out_features]``."""
     k = x.shape[-1]
     rows = x.numel() // k
     x2 = x.reshape(rows, k).contiguous()  # a no-op where it already is
     out = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
-    weights: tuple[torch.Tensor, ...]
-    if isinstance(panels, CodedPanels):
-        kernel, weights = kernel or build_coded(), (panels.codes, panels.scales)
-    else:
-        kernel, weights = kernel or build(), (panels,)
     kernel(
         x2,
         *weights,
