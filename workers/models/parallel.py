@@ -37,12 +37,17 @@ and the LM head's rows of any step. Where the kernel does not build, ``F.linear`
 weight is the small-batch side of the timing, as before it existed (on an Intel VM streaming ~13
 GB/s a core, MKL's GEMV beat oneDNN at 1-2 rows).
 
+**Wide batches on AMX tiles** (``amx_tiles``, ``wide_linear``): on a CPU with Intel AMX, a coded
+weight also gets bf16 tiles of its codes (``workers/layers/cpu_amx.py``), and batches wider than
+``plain_rows`` multiply on them instead of oneDNN (fp32 products and sums; 1.3-1.7x oneDNN on
+SmolLM2's linears at 8-2048 rows). The timing above then weighs the panel kernel against them.
+
 **Memory**: the plain weight stays (the compiled path traces ``F.linear`` on it, inductor packs
 its own; the embedding looks rows up in it; the other paths fall back to it), so on CPU fp32 the
 linears' weights take three times their memory: plain, oneDNN's and the panels, or 2.3 times where
 the panels are coded (``cpu_linear.code``: a byte a weight and two fp32 numbers per 32; a
-checkpoint dequantized from a block format, such as SmolLM2's GGUF) (``prepack_weights=False``
-keeps only the plain one, at the speed of ``F.linear``).
+checkpoint dequantized from a block format, such as SmolLM2's GGUF), 2.8 times with AMX tiles too
+(two bytes a weight) (``prepack_weights=False`` keeps only the plain one, at the speed of ``F.linear``).
 """
 
 from __future__ import annotations
@@ -204,7 +209,7 @@ class PackedLinear(nn.Module):
         self.packed: torch.Tensor | None = None  # a plain attribute: not in state_dict, not moved by .to()
         self.panels: cpu_linear.Panels | None = None  # the panel kernel's copy (cpu_linear.panels_for), with packed
         self.tiles: torch.Tensor | None = None  # coded panels' AMX tiles (cpu_amx.tiles), where AMX runs
-        self.plain_rows = 0  # inputs of up to this many rows take small_linear, not oneDNN (choose_plain_rows)
+        self.plain_rows = 0  # inputs of up to this many rows take small_linear, not wide_linear (choose_plain_rows)
 
     def packable(self) -> bool:
         """Whether ``pack`` packs this weight: fp32 on a CPU with oneDNN."""
