@@ -141,6 +141,7 @@ def test_plain_rows_are_measured_when_not_given(tiny_model_dirs):
     # the count is the largest before the first that the small-batch path does not win by the
     # margin, best pass against best pass
     assert all(t.rounds == 5 and 0 <= t.plain_rounds_won <= 5 for t in timings)
+    assert all(t.margin == PLAIN_ROWS_MARGIN for t in timings)  # random weights: no AMX tiles, oneDNN
     wins = [t.plain_s <= t.packed_s * (1 - PLAIN_ROWS_MARGIN) for t in timings]
     assert wins == [t.plain_wins for t in timings]
     assert wins[:-1] == [True] * (len(wins) - 1)
@@ -160,6 +161,22 @@ def test_a_row_count_is_decided_by_each_ways_best_pass():
     assert PlainRowsTiming(1, 0.040, 0.050, 5, 0).plain_wins
     assert not PlainRowsTiming(1, 0.049, 0.050, 5, 5).plain_wins  # within the margin
     assert not PlainRowsTiming(64, 0.052, 0.050, 5, 1).plain_wins
+
+
+def test_against_amx_tiles_the_faster_at_best_keeps_a_row_count():
+    """Against oneDNN the panel kernel must be 5 % faster; against AMX tiles (both sides
+    pdserve's kernels) the faster at best serves: run 36's replica timed 22.1 ms against 22.8 at
+    8 rows and sent batch-8 decode steps to AMX, the slower of the two at c8."""
+    from types import SimpleNamespace
+
+    from workers.models.parallel import margin_against
+
+    assert not PlainRowsTiming(8, 0.0221, 0.0228, 5, 3).plain_wins
+    assert PlainRowsTiming(8, 0.0221, 0.0228, 5, 3, margin=0.0).plain_wins
+    assert not PlainRowsTiming(16, 0.0268, 0.0226, 5, 0, margin=0.0).plain_wins
+    coded_on_amx, fp32 = SimpleNamespace(tiles=object()), SimpleNamespace(tiles=None)
+    assert margin_against([fp32, coded_on_amx]) == 0.0
+    assert margin_against([fp32]) == PLAIN_ROWS_MARGIN
 
 
 def test_linears_are_timed_alone_on_the_host(tiny_model_dirs, monkeypatch):

@@ -22,7 +22,6 @@ from tqdm.auto import tqdm
 from workers.models.config import ModelConfig
 from workers.models.llama import LlamaForCausalLM
 from workers.models.parallel import (
-    PLAIN_ROWS_MARGIN,
     Shard,
     TPGroup,
     choose_plain_rows,
@@ -162,7 +161,7 @@ def load_model(
         measured = ", ".join(
             f"{t.rows} row(s): {small_op} {t.plain_s * 1e3:.1f} ms, {wide_op} {t.packed_s * 1e3:.1f} ms"
             + (
-                f" (faster at best, but by less than {PLAIN_ROWS_MARGIN:.0%})"
+                f" (faster at best, but by less than {t.margin:.0%})"
                 if t.plain_s < t.packed_s and not t.plain_wins
                 else f" (won {t.plain_rounds_won} of {t.rounds} rounds)"
             )
