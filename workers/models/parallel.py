@@ -188,7 +188,12 @@ def wide_linear(
 
 def wide_op_name(model: nn.Module) -> str:
     """What batches wider than ``plain_rows`` multiply with, for the start-up lines."""
-    return "AMX tiles" if any(unit.tiles is not None for unit in _packed_units(model)) else "oneDNN"
+    return "AMX tiles" if wide_on_amx(_packed_units(model)) else "oneDNN"
+
+
+def wide_on_amx(units: list[PackedLinear | FusedPackedLinear]) -> bool:
+    """Whether batches wider than ``plain_rows`` multiply on AMX tiles: some unit holds them."""
+    return any(unit.tiles is not None for unit in units)
 
 
 def _runs_packed(x: torch.Tensor) -> bool:
@@ -374,7 +379,7 @@ def margin_against(units: list[PackedLinear | FusedPackedLinear]) -> float:
     sides are then pdserve's own kernels and the faster at best serves. At 8 rows on the AMX
     VM the panel kernel timed 22.1 ms against AMX's 22.8 (within 5 %: AMX took batch-8 decode
     steps), and the engine alone ran c8 2-3 % faster with the panel kernel there (BENCHMARKS.md)."""
-    return 0.0 if any(unit.tiles is not None for unit in units) else PLAIN_ROWS_MARGIN
+    return 0.0 if wide_on_amx(units) else PLAIN_ROWS_MARGIN
 
 
 def _packed_units(model: nn.Module) -> list[PackedLinear | FusedPackedLinear]:
