@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.layers import cpu_fused
 from workers.layers.paged_attention import PagedAttention
 from workers.models.config import ModelConfig, RopeConfig
 from workers.models.parallel import (
@@ -48,6 +49,14 @@ class RMSNorm(nn.Module):
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)  # transformers' rounding: to the input's dtype, then the weight
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + residual, norm(x + residual))``: the decoder's residual add and the norm after it,
+        on CPU fp32 in one pass of ``cpu_fused``'s kernel (bit for bit ``F.rms_norm`` after the add)."""
+        if cpu_fused.norm_takes(x, self.weight, residual):
+            return cpu_fused.add_rms_norm(x, residual, self.weight, self.eps)
+        h = x + residual
+        return h, self(h)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -96,8 +105,11 @@ def apply_rotary(rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: to
 
 
 def rotate(rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding of ``x`` ``[T, heads, D]`` (transformers' arithmetic)."""
+    """Rotary position embedding of ``x`` ``[T, heads, D]`` (transformers' arithmetic; on CPU
+    fp32 one pass of ``cpu_fused``'s kernel, bit for bit the same)."""
     cos, sin = rope
+    if cpu_fused.rotary_takes(x, cos, sin):
+        return cpu_fused.rotary(x, cos, sin)
     return x * cos + _rotate_half(x) * sin
 
 
@@ -173,10 +185,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, rope, attn):
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # No forward of its own: LlamaForCausalLM.forward runs x + attn(norm(x)), then
+        # x + mlp(norm(x)), joining each residual add to the norm that follows it.
 
 
 class LlamaModel(nn.Module):
@@ -212,9 +222,16 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm, ``[T, hidden]``."""
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb.tables(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, rope, attn)
-        return self.model.norm(x)
+        layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
+        # each layer: x + attn(norm(x)), then x + mlp(norm(x)), with each residual add joined to
+        # the norm after it (the next layer's input norm; the final norm after the last): one
+        # kernel call each on CPU fp32 (RMSNorm.add_forward)
+        norms_after = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        normed = layers[0].input_layernorm(x)
+        for layer, after in zip(layers, norms_after, strict=True):
+            x, normed = layer.post_attention_layernorm.add_forward(x, layer.self_attn(normed, rope, attn))
+            x, normed = after.add_forward(x, layer.mlp(normed))
+        return normed
 
     @property
     def head(self) -> VocabParallelEmbedding:

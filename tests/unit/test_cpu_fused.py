@@ -1,0 +1,130 @@
+"""The decoder's fused CPU kernels (``workers/layers/cpu_fused.py``) equal aten's ops bit for
+bit: the residual add with the RMSNorm after it, and rotary embedding; the self-checks that
+guard them can fail; and an engine's logprobs are the same bits with the kernels on or off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.layers import cpu_fused
+
+pytestmark = pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+    reason="the fused norm follows aten's AVX2/AVX-512 order of sums",
+)
+
+
+@pytest.fixture(scope="module")
+def width() -> int:
+    found = cpu_fused.norm_width()
+    assert found in cpu_fused.NORM_WIDTHS, "the fused norm did not match F.rms_norm at any vector width"
+    return found
+
+
+@pytest.mark.parametrize("n", [576, 64, 100, 1536, 2048, 4096, 4096 + 24])
+@pytest.mark.parametrize("rows", [1, 8, cpu_fused.PARALLEL_ROWS - 1, cpu_fused.PARALLEL_ROWS + 3])
+def test_add_rms_norm_is_the_add_then_f_rms_norm_bit_for_bit(width, n, rows):
+    gen = torch.Generator().manual_seed(n * 1000 + rows)
+    x = torch.randn(rows, n, generator=gen) * 4.0
+    residual = torch.randn(rows, n, generator=gen) * 0.5
+    weight = torch.randn(n, generator=gen)
+    h, out = cpu_fused.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(h, x + residual)
+    assert torch.equal(out, F.rms_norm(x + residual, (n,), weight, 1e-6))
+    alone_h, alone = cpu_fused.add_rms_norm(x, None, weight, 1e-5)
+    assert alone_h is x
+    assert torch.equal(alone, F.rms_norm(x, (n,), weight, 1e-5))
+
+
+def test_rows_narrower_than_the_checked_widths_keep_f_rms_norm(width):
+    weight = torch.ones(cpu_fused.NORM_MIN)
+    assert cpu_fused.norm_takes(torch.randn(3, cpu_fused.NORM_MIN), weight)
+    assert not cpu_fused.norm_takes(torch.randn(3, 16), torch.ones(16))
+    assert not cpu_fused.norm_takes(torch.randn(3, 2 * cpu_fused.NORM_MIN)[:, ::2], weight)  # strided rows
+    assert not cpu_fused.norm_takes(torch.randn(3, cpu_fused.NORM_MIN, dtype=torch.bfloat16), weight)
+
+
+def test_the_norm_equals_transformers_rms_norm_on_large_and_tiny_values(width):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    ref = LlamaRMSNorm(576, eps=1e-5)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(576))
+    for scale in (1e-20, 1e-3, 1.0, 1e3, 1e15):
+        x = torch.randn(5, 576) * scale
+        residual = torch.randn(5, 576) * scale
+        _, out = cpu_fused.add_rms_norm(x, residual, ref.weight.detach(), 1e-5)
+        assert torch.equal(out, ref(x + residual))
+
+
+def test_the_norm_check_fails_at_the_wrong_vector_width(width):
+    """The self-check is what makes the kernel safe to use: at the width aten does not sum in,
+    its order differs and the check says where (so a torch that changed its order is caught)."""
+    other = next(w for w in cpu_fused.NORM_WIDTHS if w != width)
+    why = cpu_fused._norm_check(other)
+    assert why is not None and "F.rms_norm" in why
+    assert cpu_fused._norm_check(width) is None
+
+
+@pytest.mark.parametrize("d", [64, 128, 40])
+@pytest.mark.parametrize("rows", [1, 9, cpu_fused.PARALLEL_ROWS + 5])
+def test_rotary_is_aten_s_rotation_bit_for_bit_on_strided_heads(d, rows):
+    gen = torch.Generator().manual_seed(d + rows)
+    fused = torch.randn(rows, 9 + 2 * 3, d, generator=gen) * 3.0  # q, k, v heads side by side
+    q_and_k = fused[:, :12]
+    positions = torch.randint(0, 8192, (rows,), generator=gen).float()
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    emb = torch.cat([positions[:, None] * inv_freq] * 2, dim=-1)
+    cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+    out = cpu_fused.rotary(q_and_k, cos, sin)
+    assert out.is_contiguous()
+    assert torch.equal(out, cpu_fused._reference_rotary(q_and_k, cos, sin))
+
+
+def test_rotary_takes_only_what_it_can_read():
+    x, cos = torch.randn(4, 3, 64), torch.randn(4, 1, 64)
+    assert cpu_fused.rotary_takes(x, cos, cos)
+    assert not cpu_fused.rotary_takes(x.transpose(0, 1), cos, cos)  # heads not one block a row
+    assert not cpu_fused.rotary_takes(x.double(), cos.double(), cos.double())
+    assert not cpu_fused.rotary_takes(x, torch.randn(4, 1, 128)[:, :, ::2], cos)  # cos not contiguous
+    cpu_fused.enabled = False
+    try:
+        assert not cpu_fused.rotary_takes(x, cos, cos)
+    finally:
+        cpu_fused.enabled = True
+
+
+def test_an_engine_s_logprobs_are_the_same_bits_with_the_kernels_on_or_off(tiny_model_dirs, width, monkeypatch):
+    """The model's path through the fused kernels (each residual add joined to the norm after it,
+    rotary on the fused q/k/v heads) gives the eager path's logprobs exactly, prompt and decode."""
+    from workers.engine import LLMEngine, SamplingParams
+
+    calls = {"add_rms_norm": 0, "rotary": 0}
+    for name in calls:
+        kernel = getattr(cpu_fused, name)
+
+        def counted(*args, _kernel=kernel, _name=name, **kwargs):
+            calls[_name] += 1
+            return _kernel(*args, **kwargs)
+
+        monkeypatch.setattr(cpu_fused, name, counted)
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    prompts = [[(7 * i + j) % 200 + 5 for j in range(n)] for i, n in enumerate((3, 40, 129))]
+    for arch in ("llama", "qwen3"):
+        engine = LLMEngine(tiny_model_dirs[arch], load_progress=False, num_kv_blocks=64)
+        runs = []
+        for on in (True, False):
+            cpu_fused.enabled = on
+            try:
+                outs = engine.generate(prompts, params)
+            finally:
+                cpu_fused.enabled = True
+            runs.append([(o.token_ids, o.logprobs, o.prompt_logprobs) for o in outs])
+            if on:  # the kernels ran: two norms and one or two rotations a layer and step
+                assert calls["add_rms_norm"] > 0 and calls["rotary"] > 0, calls
+                calls = dict.fromkeys(calls, 0)
+        assert calls == {"add_rms_norm": 0, "rotary": 0}, "switched off, a kernel still ran"
+        assert runs[0] == runs[1], arch

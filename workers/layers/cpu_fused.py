@@ -1,0 +1,362 @@
+"""Elementwise work of the decoder on CPU (fp32), one pass per step instead of one per aten op,
+bit for bit what those ops compute: the residual add with the RMSNorm after it (``add_rms_norm``)
+and rotary position embedding (``rotary``).
+
+Eager, ``F.rms_norm`` is a composite of seven aten ops on CPU (``pow``, ``sum`` and ``div_`` for
+the mean, ``add_``, ``rsqrt``, two ``mul``), the decoder adds the residual before each norm (one
+more op), and rotary embedding is five (``neg``, ``cat``, two ``mul``, ``add``). A decode step at
+batch 8 runs 61 norms, 60 adds and 30 rotations on tensors of a few KB (SmolLM2): each op is a
+dispatch, an allocation and a pass over memory (~43 µs a norm). In the engine's c8 workload
+(BENCHMARKS.md, seventh session) the norms with their adds were a quarter of the time the profiler
+saw in aten ops, and rotary embedding a fifth.
+
+**The norm.** ``add_rms_norm`` writes ``h = x + residual`` and ``w * (h * r)`` with
+``r = 1 / sqrt(mean(h * h) + eps)`` for each row, in one call. To stay exact it does each
+operation as aten does:
+
+- ``h + residual``, ``h * h``, ``h * r`` and ``w * (h * r)`` are elementwise, one rounding each
+  (built with ``-ffp-contract=off``: no fused multiply-add; the products commute bit for bit);
+- the mean is aten's ``sum`` then ``div_`` by the row length, and the sum follows aten's order
+  for a contiguous inner reduction (``vectorized_inner_sum`` in ``SumKernel.cpp``): the row cut
+  into vectors of ``W`` floats, summed lane by lane in four interleaved rows through
+  ``multi_row_sum``'s cascade of levels, the four rows added in order, the scalar tail past the
+  last whole vector summed apart, then the lanes added into it one by one. ``W`` is found, not
+  assumed: torch 2.13's sum adds 8-float vectors on this AVX-512 CPU as on AVX2 (with 16, only
+  11-16 of 30 random rows matched);
+- ``rsqrt`` is ``1 / sqrt`` (both of aten's paths, vector and scalar).
+
+**Rotary embedding** (``rotary``): ``x * cos + rotate_half(x) * sin`` per element, the negation
+and both products rounded as aten rounds them, read from a strided view (the fused q/k/v
+output's q and k heads) and written contiguous.
+
+**Checked, not trusted.** ``norm_width`` tries each vector width against ``F.rms_norm`` and
+``rotary_usable`` the rotation against the eager ops, bit for bit, once per process (row lengths
+with and without a tail, row counts on both sides of the threads' split) before the model uses
+them; a difference, or a build that fails, leaves the model on aten's ops, and the log says why.
+Rows are independent, so the threads split the rows of a wide batch with the same bits.
+
+Built through inductor's C++ toolchain, as ``cpu_linear`` is.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+PARALLEL_ROWS = 64  # batches of at least this many rows split their rows over the threads
+NORM_WIDTHS = (8, 16)  # the vector widths (floats) tried for aten's order of sums
+NORM_MIN = 64  # narrower rows keep F.rms_norm (aten sums rows shorter than a vector another way)
+enabled = True  # False: the model runs aten's ops (bench/elementwise.py's baseline, in one process)
+
+_PRELUDE = r"""
+#include <torch/csrc/inductor/cpp_prefix.h>
+#include <omp.h>
+#include <math.h>
+
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf16 __attribute__((vector_size(64)));
+
+template <typename vec>
+static inline vec load(const float* p) { vec v; __builtin_memcpy(&v, p, sizeof(vec)); return v; }
+template <typename vec>
+static inline void store(float* p, vec v) { __builtin_memcpy(p, &v, sizeof(vec)); }
+"""
+
+_NORM_SOURCE = (
+    _PRELUDE
+    + r"""
+static inline int64_t ceil_log2(int64_t x) {  // aten's utils::CeilLog2
+  if (x <= 2) return 1;
+  return 64 - __builtin_clzll((uint64_t)(x - 1));
+}
+
+// aten's sum of a contiguous row of V-float vectors (vectorized_inner_sum -> row_sum ->
+// multi_row_sum with 4 interleaved rows and 4 levels), over the squares of h; each lane is its
+// own chain of additions, so GCC's vector types (held in registers) keep aten's order
+template <typename vec, int V>
+static float sum_squares(const float* __restrict__ h, int64_t n) {
+  auto sq = [&](int64_t v) { const vec a = load<vec>(h + v * V); return a * a; };
+  const int64_t vec_size = n / V;
+  const int64_t size_ilp = vec_size / 4;
+  vec acc[4][4] = {};
+  const int64_t level_power = ceil_log2(size_ilp) / 4 > 4 ? ceil_log2(size_ilp) / 4 : 4;
+  const int64_t level_step = (int64_t)1 << level_power;
+  const int64_t level_mask = level_step - 1;
+  int64_t i = 0;
+  for (; i + level_step <= size_ilp;) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int k = 0; k < 4; ++k) acc[0][k] += sq(i * 4 + k);
+    for (int64_t j = 1; j < 4; ++j) {
+      for (int k = 0; k < 4; ++k) {
+        acc[j][k] += acc[j - 1][k];
+        acc[j - 1][k] = vec{};
+      }
+      const int64_t mask = level_mask << (j * level_power);
+      if ((i & mask) != 0) break;
+    }
+  }
+  for (; i < size_ilp; ++i)
+    for (int k = 0; k < 4; ++k) acc[0][k] += sq(i * 4 + k);
+  for (int j = 1; j < 4; ++j)
+    for (int k = 0; k < 4; ++k) acc[0][k] += acc[j][k];
+  // row_sum: the vectors past the last group of four go into the first row, then the rows add up
+  for (int64_t v = size_ilp * 4; v < vec_size; ++v) acc[0][0] += sq(v);
+  for (int k = 1; k < 4; ++k) acc[0][0] += acc[0][k];
+  // vectorized_inner_sum: the scalar tail first, then the lanes in order
+  float total = 0.0f;
+  for (int64_t e = vec_size * V; e < n; ++e) total += h[e] * h[e];
+  for (int l = 0; l < V; ++l) total += acc[0][0][l];
+  return total;
+}
+
+// elementwise work in 16-float vectors (each lane one rounding, as aten's), then a scalar tail
+template <typename vec, int V>
+static void norm_row(const float* __restrict__ x, const float* __restrict__ res, float* __restrict__ hout,
+                     const float* __restrict__ w, float* __restrict__ out, int64_t n, float eps) {
+  const int64_t whole = n / 16 * 16;
+  const float* h = x;
+  if (res != nullptr) {
+    for (int64_t e = 0; e < whole; e += 16) store<vf16>(hout + e, load<vf16>(x + e) + load<vf16>(res + e));
+    for (int64_t e = whole; e < n; ++e) hout[e] = x[e] + res[e];
+    h = hout;
+  }
+  float var = sum_squares<vec, V>(h, n) / (float)n;
+  var = var + eps;
+  const float r = 1.0f / sqrtf(var);
+  for (int64_t e = 0; e < whole; e += 16) store<vf16>(out + e, load<vf16>(w + e) * (load<vf16>(h + e) * r));
+  for (int64_t e = whole; e < n; ++e) out[e] = w[e] * (h[e] * r);
+}
+
+// x, residual, h: [rows, n] contiguous (residual and h unused without has_residual); out [rows, n]
+extern "C" void kernel(const float* x, const float* residual, float* h, const float* weight, float* out,
+                       int64_t rows, int64_t n, int64_t has_residual, float eps, int64_t width,
+                       int64_t threads) {
+  const int64_t nt = rows >= PARALLEL_ROWS ? threads : 1;
+  #pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* res = has_residual ? residual + m * n : nullptr;
+    float* hm = has_residual ? h + m * n : nullptr;
+    if (width == 16) norm_row<vf16, 16>(x + m * n, res, hm, weight, out + m * n, n, eps);
+    else norm_row<vf8, 8>(x + m * n, res, hm, weight, out + m * n, n, eps);
+  }
+}
+"""
+)
+
+NORM_ARGTYPES = [
+    "const float*",  # x [rows, n]
+    "const float*",  # residual [rows, n] (read only with has_residual)
+    "float*",  # h = x + residual [rows, n] (written only with has_residual)
+    "const float*",  # weight [n]
+    "float*",  # out [rows, n]
+    "int64_t",  # rows
+    "int64_t",  # n
+    "int64_t",  # has_residual
+    "float",  # eps (aten adds it to the fp32 mean as an fp32 number)
+    "int64_t",  # width: the vector width (floats) of aten's sums
+    "int64_t",  # threads
+]
+
+
+_ROTARY_SOURCE = (
+    _PRELUDE
+    + r"""
+// x: [rows, heads, d] with rows ld floats apart (heads contiguous); cos, sin: [rows, d]; out:
+// [rows, heads, d] contiguous. out = x * cos + rotate_half(x) * sin, rotate_half(x) being
+// (-x[half:], x[:half]): each product and the sum rounded once, as aten's neg, mul and add
+extern "C" void kernel(const float* x, const float* cos, const float* sin, float* out, int64_t rows,
+                       int64_t ld, int64_t heads, int64_t d, int64_t threads) {
+  const int64_t half = d / 2;
+  const int64_t whole = half % 16 == 0 ? half : 0;
+  const int64_t nt = rows >= PARALLEL_ROWS ? threads : 1;
+  #pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* c = cos + m * d;
+    const float* s = sin + m * d;
+    for (int64_t hd = 0; hd < heads; ++hd) {
+      const float* a = x + m * ld + hd * d;  // first half a[e], second half a[half + e]
+      float* o = out + (m * heads + hd) * d;
+      for (int64_t e = 0; e < whole; e += 16) {
+        const vf16 lo = load<vf16>(a + e), hi = load<vf16>(a + half + e);
+        store<vf16>(o + e, lo * load<vf16>(c + e) + (-hi) * load<vf16>(s + e));
+        store<vf16>(o + half + e, hi * load<vf16>(c + half + e) + lo * load<vf16>(s + half + e));
+      }
+      for (int64_t e = whole; e < half; ++e) {
+        const float lo = a[e], hi = a[half + e];
+        o[e] = lo * c[e] + (-hi) * s[e];
+        o[half + e] = hi * c[half + e] + lo * s[half + e];
+      }
+    }
+  }
+}
+"""
+)
+
+ROTARY_ARGTYPES = [
+    "const float*",  # x [rows, heads, d], rows ld floats apart
+    "const float*",  # cos [rows, d]
+    "const float*",  # sin [rows, d]
+    "float*",  # out [rows, heads, d]
+    "int64_t",  # rows
+    "int64_t",  # ld
+    "int64_t",  # heads
+    "int64_t",  # d
+    "int64_t",  # threads
+]
+
+
+def _build(argtypes: list[str], source: str) -> Any:
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    source = source.replace("PARALLEL_ROWS", str(PARALLEL_ROWS))
+    return CppPythonBindingsCodeCache.load_pybinding(argtypes, source)
+
+
+@functools.cache
+def build_norm() -> Any:
+    return _build(NORM_ARGTYPES, _NORM_SOURCE)
+
+
+@functools.cache
+def build_rotary() -> Any:
+    return _build(ROTARY_ARGTYPES, _ROTARY_SOURCE)
+
+
+def _cpu_fp32(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in tensors)
+
+
+# ---------------------------------------------------------------------------------- the norm
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, F.rms_norm(h, weight, eps))`` with ``h = x + residual`` (``x`` itself without a
+    residual), for contiguous fp32 ``x`` (and ``residual``) ``[..., n]`` and ``weight`` ``[n]``
+    (``norm_takes``). ``width``: the vector width of the sums (default: ``norm_width()``)."""
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    h = torch.empty_like(x) if residual is not None else x
+    build_norm()(
+        x,
+        residual if residual is not None else x,  # any fp32 tensor: not read without a residual
+        h,
+        weight,
+        out,
+        x.numel() // n,
+        n,
+        int(residual is not None),
+        float(eps),
+        width or norm_width(),
+        torch.get_num_threads(),
+    )
+    return h, out
+
+
+def _norm_check(width: int) -> str | None:
+    """Why the kernel at ``width`` differs from aten's add and ``F.rms_norm`` here (None: it does not)."""
+    gen = torch.Generator().manual_seed(0)
+    for n in (576, 64, 100, 2048, 4096 + 24):
+        for rows in (1, 3, PARALLEL_ROWS + 1):
+            x = torch.randn(rows, n, generator=gen) * 3.0
+            res = torch.randn(rows, n, generator=gen)
+            w = torch.rand(n, generator=gen) + 0.5
+            h, ours = add_rms_norm(x, res, w, 1e-5, width)
+            ref = F.rms_norm(x + res, (n,), w, 1e-5)
+            if not torch.equal(h, x + res) or not torch.equal(ours, ref):
+                return f"rows {rows}, width {n}: up to {(ours - ref).abs().max().item():.3g} from F.rms_norm"
+    return None
+
+
+@functools.cache
+def norm_width() -> int | None:
+    """The vector width (floats) at which the kernel's sums equal aten's on this CPU, tried
+    against ``F.rms_norm`` bit for bit once per process; None where the kernel does not build or
+    no width matches (logged: the model keeps aten's ops)."""
+    try:
+        build_norm()
+        whys = {width: _norm_check(width) for width in NORM_WIDTHS}
+    except Exception as exc:  # noqa: BLE001 - no compiler, an inductor without this API ...
+        logger.warning("the fused RMSNorm kernel did not build (%s: %s); F.rms_norm stays", type(exc).__name__, exc)
+        return None
+    for width, why in whys.items():
+        if why is None:
+            return width
+    logger.warning(
+        "the fused RMSNorm kernel is not used (torch's CPU capability %s): %s",
+        torch.backends.cpu.get_cpu_capability(),
+        "; ".join(f"{width}-float vectors: {why}" for width, why in whys.items()),
+    )
+    return None
+
+
+def norm_takes(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether ``add_rms_norm`` runs for these tensors (CPU fp32, contiguous, eager, checked here)."""
+    return (
+        enabled
+        and _cpu_fp32(x, weight, residual)
+        and x.shape[-1] >= NORM_MIN
+        and x.is_contiguous()
+        and (residual is None or residual.is_contiguous())
+        and not torch.compiler.is_compiling()
+        and norm_width() is not None
+    )
+
+
+# ---------------------------------------------------------------------------------- rotary
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` for fp32 ``x`` ``[T, heads, D]`` (its heads contiguous,
+    its rows any stride apart) and ``cos``/``sin`` ``[T, 1, D]`` contiguous: ``[T, heads, D]``."""
+    rows, heads, d = x.shape
+    out = torch.empty(rows, heads, d, dtype=torch.float32)
+    build_rotary()(x, cos, sin, out, rows, x.stride(0), heads, d, torch.get_num_threads())
+    return out
+
+
+def _reference_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@functools.cache
+def rotary_usable() -> bool:
+    """Whether the rotary kernel builds here and equals the eager ops bit for bit (asked once
+    per process; a failure is logged and the model keeps aten's ops)."""
+    try:
+        build_rotary()
+        gen = torch.Generator().manual_seed(0)
+        for d in (64, 128, 40):
+            for rows in (1, 3, PARALLEL_ROWS + 1):
+                wide = torch.randn(rows, 5, d, generator=gen) * 4.0
+                x = wide[:, 1:4]  # a strided view, as the fused q/k/v output's heads
+                angles = torch.rand(rows, 1, d, generator=gen) * 100.0
+                cos, sin = angles.cos(), angles.sin()
+                if not torch.equal(rotary(x, cos, sin), _reference_rotary(x, cos, sin)):
+                    logger.warning(
+                        "the fused rotary kernel is not used: head dim %d, %d rows differ from aten's", d, rows
+                    )
+                    return False
+    except Exception as exc:  # noqa: BLE001 - no compiler, an inductor without this API ...
+        logger.warning("the fused rotary kernel did not build (%s: %s); aten's ops stay", type(exc).__name__, exc)
+        return False
+    return True
+
+
+def rotary_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether ``rotary`` runs for these tensors (CPU fp32, heads contiguous, eager, checked here)."""
+    return (
+        enabled
+        and _cpu_fp32(x, cos, sin)
+        and x.dim() == 3
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and not torch.compiler.is_compiling()
+        and rotary_usable()
+    )
