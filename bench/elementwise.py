@@ -1,8 +1,9 @@
-"""The decoder's fused elementwise kernels on CPU (``workers/layers/cpu_fused.py``) against
-aten's ops, which they equal bit for bit.
+"""The engine's fused CPU kernels (``workers/layers/cpu_fused.py``) against aten's ops, which
+they equal bit for bit.
 
-(a) Each op alone at a few row counts: the residual add with the RMSNorm after it, and rotary
-embedding of the fused q/k/v output's q and k heads (a strided view), at the model's widths.
+(a) Each op alone at a few row counts, at the model's widths: the residual add with the RMSNorm
+after it; rotary embedding of the fused q/k/v output's q and k heads (a strided view); the KV
+cache write of k and v (strided views too); the greedy sampler's argmax over the vocabulary.
 
 (b) The engine on a c8 workload, alone (no server): requests of random prompts, at most
 ``--concurrency`` in flight, a new one admitted as one finishes, as a served c8 run feeds it.
@@ -48,17 +49,29 @@ def reference_add_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return torch.nn.functional.rms_norm(h, (h.shape[-1],), weight, eps)
 
 
+def reference_kv_write(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    cache[0].index_copy_(0, slots, k)
+    cache[1].index_copy_(0, slots, v)
+
+
 def ops_table(cfg: ModelConfig, rows_list: list[int]) -> list[dict]:
     hidden, d = cfg.hidden_size, cfg.head_dim
     q_and_k, all_heads = cfg.num_heads + cfg.num_kv_heads, cfg.num_heads + 2 * cfg.num_kv_heads
     weight = torch.rand(hidden) + 0.5
-    print(f"(a) one op, us a call (hidden {hidden}, {q_and_k} q and k heads of {d} out of {all_heads})")
+    print(
+        f"(a) one op, us a call (hidden {hidden}; {q_and_k} q and k heads of {d} out of {all_heads}; "
+        f"KV rows to random slots of 4096; argmax over {cfg.vocab_size})"
+    )
     print(f"{'op':>16} {'rows':>6} {'aten':>10} {'fused':>10} {'ratio':>7}")
     results = []
     for rows in rows_list:
         x, residual = torch.randn(rows, hidden), torch.randn(rows, hidden)
         heads = torch.randn(rows, all_heads, d)[:, :q_and_k]
         angles = torch.rand(rows, 1, d) * 100
+        k, v = heads[:, cfg.num_heads :], heads[:, cfg.num_heads - cfg.num_kv_heads : cfg.num_heads]
+        cache = torch.zeros(2, 4096, cfg.num_kv_heads, d)
+        slots = torch.randperm(4096)[:rows]
+        logits = torch.randn(rows, cfg.vocab_size)
         cos, sin = angles.cos(), angles.sin()
         cases = {
             "add + RMSNorm": (
@@ -69,7 +82,16 @@ def ops_table(cfg: ModelConfig, rows_list: list[int]) -> list[dict]:
                 functools.partial(cpu_fused._reference_rotary, heads, cos, sin),
                 functools.partial(cpu_fused.rotary, heads, cos, sin),
             ),
+            "KV write": (
+                functools.partial(reference_kv_write, cache, slots, k, v),
+                functools.partial(cpu_fused.kv_write, cache, slots, k, v),
+            ),
         }
+        if rows <= 64:  # the sampler's rows: one a sequence
+            cases["greedy argmax"] = (
+                functools.partial(torch.argmax, logits, -1),
+                functools.partial(cpu_fused.argmax, logits),
+            )
         for op, (aten, fused) in cases.items():
             a, f = per_call_us(aten), per_call_us(fused)
             print(f"{op:>16} {rows:>6} {a:>10.1f} {f:>10.1f} {a / f:>6.2f}x")
@@ -109,7 +131,12 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
-    if cpu_fused.norm_width() is None or not cpu_fused.rotary_usable():
+    if not (
+        cpu_fused.norm_width()
+        and cpu_fused.rotary_usable()
+        and cpu_fused.argmax_usable()
+        and cpu_fused.kv_write_usable()
+    ):
         sys.exit("the fused kernels are not usable on this machine (see the log): nothing to compare")
     engine = LLMEngine(str(model_dir), load_progress=False)
     print(

@@ -128,3 +128,63 @@ def test_an_engine_s_logprobs_are_the_same_bits_with_the_kernels_on_or_off(tiny_
                 calls = dict.fromkeys(calls, 0)
         assert calls == {"add_rms_norm": 0, "rotary": 0}, "switched off, a kernel still ran"
         assert runs[0] == runs[1], arch
+
+
+@pytest.mark.parametrize("v", [49152, 151936, 100, 15, 16, 17, 1])
+def test_argmax_is_aten_s_index_with_ties_nan_infinities_and_signed_zeros(v):
+    gen = torch.Generator().manual_seed(v)
+    rows = torch.randn(9, v, generator=gen)
+    rows[1] = (rows[1] * 2).round()  # many ties: the first index wins
+    rows[2, v // 3] = float("nan")
+    rows[2, v // 2] = float("nan")
+    rows[3] = float("-inf")
+    rows[4, v - 1] = float("inf")
+    rows[4, 0] = float("inf")
+    rows[5] = -0.0
+    rows[5, v // 2 :] = 0.0
+    rows[6, v - 1] = float("nan")
+    rows[7] = -3.0
+    rows[8, v - 1] = 100.0
+    assert torch.equal(cpu_fused.argmax(rows), rows.argmax(dim=-1))
+    strided = torch.cat([rows, rows], dim=1)[:, :v]  # rows apart by 2v
+    assert torch.equal(cpu_fused.argmax(strided), rows.argmax(dim=-1))
+
+
+def test_greedy_sampling_takes_the_kernel_only_when_every_row_is_greedy(monkeypatch):
+    from workers.engine.sampler import sample
+    from workers.engine.sampling_params import SamplingParams
+    from workers.engine.sequence import Sequence
+
+    calls = []
+    kernel = cpu_fused.argmax
+    monkeypatch.setattr(cpu_fused, "argmax", lambda logits: calls.append(logits.shape) or kernel(logits))
+    logits = torch.randn(3, 1000)
+
+    def seq(name: str, **params) -> Sequence:
+        return Sequence(
+            request_id=name, prompt_token_ids=[1, 2], params=SamplingParams(max_tokens=4, **params), arrival_time=0.0
+        )
+
+    greedy = [seq(f"g{i}", temperature=0.0) for i in range(3)]
+    tokens, _ = sample(logits, greedy)
+    assert tokens == logits.argmax(dim=-1).tolist() and calls == [(3, 1000)]
+    mixed = greedy[:2] + [seq("t", temperature=1.0)]
+    tokens, _ = sample(logits, mixed)
+    assert tokens[:2] == logits[:2].argmax(dim=-1).tolist() and len(calls) == 1
+
+
+def test_kv_write_puts_k_and_v_rows_where_index_copy_does_and_refuses_a_slot_out_of_range():
+    cache = torch.randn(2, 40, 3, 16)
+    fused = torch.randn(5, 9 + 2 * 3, 16)  # q, k, v heads side by side: k and v are strided views
+    k, v = fused[:, 9:12], fused[:, 12:15]
+    slots = torch.tensor([7, 0, 39, 12, 13])
+    assert cpu_fused.kv_write_takes(cache, slots, k, v)
+    expected = cache.clone()
+    expected[0].index_copy_(0, slots, k)
+    expected[1].index_copy_(0, slots, v)
+    cpu_fused.kv_write(cache, slots, k, v)
+    assert torch.equal(cache, expected)
+    with pytest.raises(IndexError, match="out of range"):
+        cpu_fused.kv_write(cache, torch.tensor([3, 40, 2, 1, -1]), k, v)
+    assert not cpu_fused.kv_write_takes(cache.transpose(2, 3), slots, k, v)
+    assert not cpu_fused.kv_write_takes(cache, slots.int(), k, v)

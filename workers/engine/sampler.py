@@ -11,13 +11,16 @@ import torch
 
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import Sequence, TokenLogprob
+from workers.layers import cpu_fused
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token per row of ``logits`` ([N, V], fp32) for the matching sequence."""
     tokens = torch.empty(len(seqs), dtype=torch.long)
     greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]
-    if greedy_rows:
+    if len(greedy_rows) == len(seqs) and cpu_fused.argmax_takes(logits):
+        tokens = cpu_fused.argmax(logits)  # every row greedy, on CPU: aten's argmax, ~10x faster
+    elif greedy_rows:
         rows = torch.tensor(greedy_rows)
         tokens[rows] = logits[rows.to(logits.device)].argmax(dim=-1).cpu()
     for i, seq in enumerate(seqs):

@@ -211,6 +211,94 @@ ROTARY_ARGTYPES = [
 ]
 
 
+_ARGMAX_SOURCE = (
+    _PRELUDE
+    + r"""
+// out[m] = the first index of row m's largest value, or of its first NaN (aten's argmax:
+// NaN is the largest; -0 equals +0; a row of -inf gives 0)
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+static int64_t argmax_row(const float* __restrict__ x, int64_t v) {
+  const int64_t whole = v / 16 * 16;
+  vf16 best;
+  vi16 at, lane, nan = {};
+  for (int l = 0; l < 16; ++l) best[l] = -INFINITY, at[l] = 0, lane[l] = l;
+  for (int64_t e = 0; e < whole; e += 16) {  // per lane: its largest value, first where it is
+    const vf16 a = load<vf16>(x + e);
+    const vi16 more = a > best;
+    best = more ? a : best;
+    at = more ? lane + (int32_t)e : at;
+    nan |= a != a;
+  }
+  float top = -INFINITY;
+  for (int l = 0; l < 16; ++l) top = best[l] > top ? best[l] : top;
+  int64_t index = 0;
+  bool found = false;
+  for (int l = 0; l < 16; ++l)
+    if (whole > 0 && best[l] == top && (!found || at[l] < index)) index = at[l], found = true;
+  bool any_nan = false;
+  for (int l = 0; l < 16; ++l) any_nan |= nan[l] != 0;
+  for (int64_t e = whole; e < v; ++e) {
+    any_nan |= x[e] != x[e];
+    if (x[e] > top || (!found && x[e] == top)) top = x[e], index = e, found = true;
+  }
+  if (any_nan) {
+    for (int64_t e = 0; e < v; ++e)
+      if (x[e] != x[e]) return e;
+  }
+  return index;
+}
+
+extern "C" void kernel(const float* logits, int64_t* out, int64_t rows, int64_t v, int64_t ld, int64_t threads) {
+  const int64_t nt = rows > 1 ? (threads < rows ? threads : rows) : 1;
+  #pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t m = 0; m < rows; ++m) out[m] = argmax_row(logits + m * ld, v);
+}
+"""
+)
+
+ARGMAX_ARGTYPES = [
+    "const float*",  # logits [rows, v], rows ld floats apart
+    "int64_t*",  # out [rows]
+    "int64_t",  # rows
+    "int64_t",  # v
+    "int64_t",  # ld
+    "int64_t",  # threads
+]
+
+
+_KV_WRITE_SOURCE = (
+    _PRELUDE
+    + r"""
+// cache: [2, slots, row] (K plane, then V); k, v: [rows, row] with rows ldk / ldv floats apart.
+// Row t goes to slot slots[t] of each plane; a slot out of range is skipped and counted in bad[0].
+extern "C" void kernel(float* cache, const int64_t* slots, const float* k, const float* v, int64_t* bad,
+                       int64_t rows, int64_t row, int64_t num_slots, int64_t ldk, int64_t ldv) {
+  float* vplane = cache + num_slots * row;
+  for (int64_t t = 0; t < rows; ++t) {
+    const int64_t s = slots[t];
+    if (s < 0 || s >= num_slots) { ++bad[0]; continue; }
+    __builtin_memcpy(cache + s * row, k + t * ldk, row * sizeof(float));
+    __builtin_memcpy(vplane + s * row, v + t * ldv, row * sizeof(float));
+  }
+}
+"""
+)
+
+KV_WRITE_ARGTYPES = [
+    "float*",  # cache [2, num_slots, row]
+    "const int64_t*",  # slots [rows]
+    "const float*",  # k [rows, row], rows ldk floats apart
+    "const float*",  # v [rows, row], rows ldv floats apart
+    "int64_t*",  # bad [1]: slots out of range (skipped)
+    "int64_t",  # rows
+    "int64_t",  # row: floats a slot holds in one plane (heads x dim)
+    "int64_t",  # num_slots
+    "int64_t",  # ldk
+    "int64_t",  # ldv
+]
+
+
 def _build(argtypes: list[str], source: str) -> Any:
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
@@ -226,6 +314,16 @@ def build_norm() -> Any:
 @functools.cache
 def build_rotary() -> Any:
     return _build(ROTARY_ARGTYPES, _ROTARY_SOURCE)
+
+
+@functools.cache
+def build_argmax() -> Any:
+    return _build(ARGMAX_ARGTYPES, _ARGMAX_SOURCE)
+
+
+@functools.cache
+def build_kv_write() -> Any:
+    return _build(KV_WRITE_ARGTYPES, _KV_WRITE_SOURCE)
 
 
 def _cpu_fp32(*tensors: torch.Tensor | None) -> bool:
@@ -359,4 +457,92 @@ def rotary_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         and sin.is_contiguous()
         and not torch.compiler.is_compiling()
         and rotary_usable()
+    )
+
+
+# ---------------------------------------------------------------------------------- argmax
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` for fp32 ``logits`` ``[N, V]`` (rows any stride apart): ``[N]``
+    int64. aten's argmax reads ~0.4 G values a second here (1 ms for 8 rows of SmolLM2's 49152)."""
+    rows, v = logits.shape
+    out = torch.empty(rows, dtype=torch.long)
+    build_argmax()(logits, out, rows, v, logits.stride(0), torch.get_num_threads())
+    return out
+
+
+@functools.cache
+def argmax_usable() -> bool:
+    """Whether the argmax kernel builds here and picks aten's index on rows with ties, NaN,
+    infinities and signed zeros (asked once per process; a failure is logged, aten's stays)."""
+    try:
+        build_argmax()
+        gen = torch.Generator().manual_seed(0)
+        for v in (49152, 100, 7, 16):
+            rows = torch.randn(6, v, generator=gen)
+            rows[1] = rows[1].round()  # ties: the first index wins
+            rows[2, v // 3] = float("nan")
+            rows[2, v // 2] = float("nan")
+            rows[3] = float("-inf")
+            rows[4, v - 1] = float("inf")
+            rows[5] = 0.0
+            rows[5, v // 2 :] = -0.0
+            for view in (rows, torch.cat([rows, rows], dim=1)[:, :v]):
+                if not torch.equal(argmax(view), view.argmax(dim=-1)):
+                    logger.warning("the argmax kernel is not used: %d values a row differ from aten's", v)
+                    return False
+    except Exception as exc:  # noqa: BLE001 - no compiler, an inductor without this API ...
+        logger.warning("the argmax kernel did not build (%s: %s); aten's stays", type(exc).__name__, exc)
+        return False
+    return True
+
+
+def argmax_takes(logits: torch.Tensor) -> bool:
+    """Whether ``argmax`` runs for these logits (CPU fp32 ``[N, V]``, each row contiguous, eager)."""
+    return (
+        enabled
+        and _cpu_fp32(logits)
+        and logits.dim() == 2
+        and logits.stride(1) == 1
+        and not torch.compiler.is_compiling()
+        and argmax_usable()
+    )
+
+
+# ---------------------------------------------------------------------------------- KV write
+def kv_write(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``cache[0, slots] = k`` and ``cache[1, slots] = v`` in one call, for an fp32 layer cache
+    viewed ``[2, num_slots, heads, dim]`` (contiguous), int64 ``slots`` ``[T]`` and ``k``/``v``
+    ``[T, heads, dim]`` (heads contiguous, rows any stride apart: the fused q/k/v output's). A
+    slot out of range raises ``IndexError``, as ``index_copy_`` does (the others are written)."""
+    rows, heads, dim = k.shape
+    bad = torch.zeros(1, dtype=torch.long)
+    build_kv_write()(cache, slots, k, v, bad, rows, heads * dim, cache.shape[1], k.stride(0), v.stride(0))
+    if bad.item():
+        raise IndexError(f"{bad.item()} KV slot(s) out of range [0, {cache.shape[1]}): {slots.tolist()}")
+
+
+@functools.cache
+def kv_write_usable() -> bool:
+    """Whether the KV write kernel builds here (asked once per process; a failure is logged and
+    the cache keeps ``index_copy_``)."""
+    try:
+        build_kv_write()
+    except Exception as exc:  # noqa: BLE001 - no compiler, an inductor without this API ...
+        logger.warning("the KV write kernel did not build (%s: %s); index_copy_ stays", type(exc).__name__, exc)
+        return False
+    return True
+
+
+def kv_write_takes(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``kv_write`` runs for these tensors (CPU fp32, layouts it reads, eager)."""
+    return (
+        enabled
+        and _cpu_fp32(cache, k, v)
+        and cache.is_contiguous()
+        and slots.dtype == torch.long
+        and slots.device.type == "cpu"
+        and slots.is_contiguous()
+        and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
+        and not torch.compiler.is_compiling()
+        and kv_write_usable()
     )

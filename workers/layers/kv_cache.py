@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from workers.layers import cpu_fused
 from workers.models.config import ModelConfig
 from workers.protocol import SCALE_ROWS, KVCacheDType, KVLayout
 
@@ -366,6 +367,9 @@ class PagedKVCache:
         """Store the step's new K and V (``[T, heads, dim]``) at ``plan.slots``."""
         if not self.quantized:
             flat = self.layers[layer].view(2, -1, self.num_kv_heads, self.head_dim)
+            if cpu_fused.kv_write_takes(flat, plan.slots, k, v):  # CPU fp32: K and V in one call
+                cpu_fused.kv_write(flat, plan.slots, k, v)
+                return
             flat[0].index_copy_(0, plan.slots, k.to(self.dtype))
             flat[1].index_copy_(0, plan.slots, v.to(self.dtype))
             return
