@@ -188,3 +188,12 @@ def test_kv_write_puts_k_and_v_rows_where_index_copy_does_and_refuses_a_slot_out
         cpu_fused.kv_write(cache, torch.tensor([3, 40, 2, 1, -1]), k, v)
     assert not cpu_fused.kv_write_takes(cache.transpose(2, 3), slots, k, v)
     assert not cpu_fused.kv_write_takes(cache, slots.int(), k, v)
+
+
+def test_the_load_line_names_the_kernels_that_run(width, monkeypatch):
+    line = cpu_fused.describe()
+    for name in ("residual add + RMSNorm", "rotary embedding", "KV cache write", "greedy argmax"):
+        assert name in line
+    assert "aten's ops for" not in line
+    monkeypatch.setattr(cpu_fused, "rotary_usable", lambda: False)
+    assert cpu_fused.describe().endswith("; aten's ops for rotary embedding")

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from workers.layers import cpu_fused
 from workers.models.config import ModelConfig
 from workers.models.llama import LlamaForCausalLM
 from workers.models.parallel import (
@@ -174,4 +175,6 @@ def load_model(
             wide_op,
             f"measured on {torch.get_num_threads()} threads: {measured}" if timings else "as configured",
         )
+    if device.type == "cpu" and torch_dtype == torch.float32 and (fused_line := cpu_fused.describe()):
+        logger.info("%s", fused_line)  # the self-checks run here, at load, not in the first request
     return model.eval()
