@@ -308,31 +308,22 @@ KV_WRITE_ARGTYPES = [
 ]
 
 
-def _build(argtypes: list[str], source: str) -> Any:
+_KERNELS = {  # name: (argument types, source)
+    "norm": (NORM_ARGTYPES, _NORM_SOURCE),
+    "rotary": (ROTARY_ARGTYPES, _ROTARY_SOURCE),
+    "argmax": (ARGMAX_ARGTYPES, _ARGMAX_SOURCE),
+    "kv_write": (KV_WRITE_ARGTYPES, _KV_WRITE_SOURCE),
+}
+
+
+@functools.cache
+def build(kernel: str) -> Any:
+    """``kernel`` (a ``_KERNELS`` name) compiled for this CPU, once per process (inductor's on-disk
+    cache keeps it between processes)."""
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-    source = source.replace("PARALLEL_ROWS", str(PARALLEL_ROWS))
-    return CppPythonBindingsCodeCache.load_pybinding(argtypes, source)
-
-
-@functools.cache
-def build_norm() -> Any:
-    return _build(NORM_ARGTYPES, _NORM_SOURCE)
-
-
-@functools.cache
-def build_rotary() -> Any:
-    return _build(ROTARY_ARGTYPES, _ROTARY_SOURCE)
-
-
-@functools.cache
-def build_argmax() -> Any:
-    return _build(ARGMAX_ARGTYPES, _ARGMAX_SOURCE)
-
-
-@functools.cache
-def build_kv_write() -> Any:
-    return _build(KV_WRITE_ARGTYPES, _KV_WRITE_SOURCE)
+    argtypes, source = _KERNELS[kernel]
+    return CppPythonBindingsCodeCache.load_pybinding(argtypes, source.replace("PARALLEL_ROWS", str(PARALLEL_ROWS)))
 
 
 def _cpu_fp32(*tensors: torch.Tensor | None) -> bool:
@@ -349,7 +340,7 @@ def add_rms_norm(
     n = x.shape[-1]
     out = torch.empty_like(x)
     h = torch.empty_like(x) if residual is not None else x
-    build_norm()(
+    build("norm")(
         x,
         residual if residual is not None else x,  # any fp32 tensor: not read without a residual
         h,
@@ -386,7 +377,7 @@ def norm_width() -> int | None:
     against ``F.rms_norm`` bit for bit once per process; None where the kernel does not build or
     no width matches (logged: the model keeps aten's ops)."""
     try:
-        build_norm()
+        build("norm")
         whys = {width: _norm_check(width) for width in NORM_WIDTHS}
     except Exception as exc:  # noqa: BLE001 - no compiler, an inductor without this API ...
         logger.warning("the fused RMSNorm kernel did not build (%s: %s); F.rms_norm stays", type(exc).__name__, exc)
@@ -421,7 +412,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     its rows any stride apart) and ``cos``/``sin`` ``[T, 1, D]`` contiguous: ``[T, heads, D]``."""
     rows, heads, d = x.shape
     out = torch.empty(rows, heads, d, dtype=torch.float32)
-    build_rotary()(x, cos, sin, out, rows, x.stride(0), heads, d, torch.get_num_threads())
+    build("rotary")(x, cos, sin, out, rows, x.stride(0), heads, d, torch.get_num_threads())
     return out
 
 
@@ -435,7 +426,7 @@ def rotary_usable() -> bool:
     """Whether the rotary kernel builds here and equals the eager ops bit for bit (asked once
     per process; a failure is logged and the model keeps aten's ops)."""
     try:
-        build_rotary()
+        build("rotary")
         gen = torch.Generator().manual_seed(0)
         for d in (64, 128, 40):
             for rows in (1, 3, PARALLEL_ROWS + 1):
@@ -475,7 +466,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     int64. aten's argmax reads ~0.4 G values a second here (1 ms for 8 rows of SmolLM2's 49152)."""
     rows, v = logits.shape
     out = torch.empty(rows, dtype=torch.long)
-    build_argmax()(logits, out, rows, v, logits.stride(0), torch.get_num_threads())
+    build("argmax")(logits, out, rows, v, logits.stride(0), torch.get_num_threads())
     return out
 
 
@@ -484,7 +475,7 @@ def argmax_usable() -> bool:
     """Whether the argmax kernel builds here and picks aten's index on rows with ties, NaN,
     infinities and signed zeros (asked once per process; a failure is logged, aten's stays)."""
     try:
-        build_argmax()
+        build("argmax")
         gen = torch.Generator().manual_seed(0)
         for v in (49152, 100, 7, 16):
             rows = torch.randn(6, v, generator=gen)
@@ -525,7 +516,7 @@ def kv_write(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch
     slot out of range raises ``IndexError``, as ``index_copy_`` does (the others are written)."""
     rows, heads, dim = k.shape
     bad = torch.zeros(1, dtype=torch.long)
-    build_kv_write()(cache, slots, k, v, bad, rows, heads * dim, cache.shape[1], k.stride(0), v.stride(0))
+    build("kv_write")(cache, slots, k, v, bad, rows, heads * dim, cache.shape[1], k.stride(0), v.stride(0))
     if bad.item():
         raise IndexError(f"{bad.item()} KV slot(s) out of range [0, {cache.shape[1]}): {slots.tolist()}")
 
@@ -535,7 +526,7 @@ def kv_write_usable() -> bool:
     """Whether the KV write kernel builds here (asked once per process; a failure is logged and
     the cache keeps ``index_copy_``)."""
     try:
-        build_kv_write()
+        build("kv_write")
     except Exception as exc:  # noqa: BLE001 - no compiler, an inductor without this API ...
         logger.warning("the KV write kernel did not build (%s: %s); index_copy_ stays", type(exc).__name__, exc)
         return False
