@@ -79,7 +79,7 @@ def ops_table(cfg: ModelConfig, rows_list: list[int]) -> list[dict]:
                 functools.partial(cpu_fused.add_rms_norm, x, residual, weight, cfg.rms_norm_eps),
             ),
             "rotary": (
-                functools.partial(cpu_fused._reference_rotary, heads, cos, sin),
+                functools.partial(cpu_fused.eager_rotary, heads, cos, sin),
                 functools.partial(cpu_fused.rotary, heads, cos, sin),
             ),
             "KV write": (

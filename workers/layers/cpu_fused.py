@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -326,6 +327,21 @@ def build(kernel: str) -> Any:
     return CppPythonBindingsCodeCache.load_pybinding(argtypes, source.replace("PARALLEL_ROWS", str(PARALLEL_ROWS)))
 
 
+def _checked(kernel: str, what: str, stays: str, check: Callable[[], str | None] = lambda: None) -> bool:
+    """Whether ``kernel`` builds here and ``check`` finds no difference from aten (None), asked
+    once per process by each kernel's ``*_usable``; a failure is logged and ``stays`` runs."""
+    try:
+        build(kernel)
+        why = check()
+    except Exception as exc:  # noqa: BLE001 - no compiler, an inductor without this API ...
+        logger.warning("the %s kernel did not build (%s: %s); %s stays", what, type(exc).__name__, exc, stays)
+        return False
+    if why is not None:
+        logger.warning("the %s kernel is not used: %s", what, why)
+        return False
+    return True
+
+
 def _cpu_fp32(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in tensors)
 
@@ -416,33 +432,30 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out
 
 
-def _reference_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def eager_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Transformers' rotary arithmetic in aten ops, ``x * cos + rotate_half(x) * sin``: what the
+    model runs where ``rotary`` does not, and what ``rotary`` is checked against."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def _rotary_check() -> str | None:
+    gen = torch.Generator().manual_seed(0)
+    for d in (64, 128, 40):
+        for rows in (1, 3, PARALLEL_ROWS + 1):
+            wide = torch.randn(rows, 5, d, generator=gen) * 4.0
+            x = wide[:, 1:4]  # a strided view, as the fused q/k/v output's heads
+            angles = torch.rand(rows, 1, d, generator=gen) * 100.0
+            cos, sin = angles.cos(), angles.sin()
+            if not torch.equal(rotary(x, cos, sin), eager_rotary(x, cos, sin)):
+                return f"head dim {d}, {rows} rows differ from aten's"
+    return None
+
+
 @functools.cache
 def rotary_usable() -> bool:
-    """Whether the rotary kernel builds here and equals the eager ops bit for bit (asked once
-    per process; a failure is logged and the model keeps aten's ops)."""
-    try:
-        build("rotary")
-        gen = torch.Generator().manual_seed(0)
-        for d in (64, 128, 40):
-            for rows in (1, 3, PARALLEL_ROWS + 1):
-                wide = torch.randn(rows, 5, d, generator=gen) * 4.0
-                x = wide[:, 1:4]  # a strided view, as the fused q/k/v output's heads
-                angles = torch.rand(rows, 1, d, generator=gen) * 100.0
-                cos, sin = angles.cos(), angles.sin()
-                if not torch.equal(rotary(x, cos, sin), _reference_rotary(x, cos, sin)):
-                    logger.warning(
-                        "the fused rotary kernel is not used: head dim %d, %d rows differ from aten's", d, rows
-                    )
-                    return False
-    except Exception as exc:  # noqa: BLE001 - no compiler, an inductor without this API ...
-        logger.warning("the fused rotary kernel did not build (%s: %s); aten's ops stay", type(exc).__name__, exc)
-        return False
-    return True
+    """Whether the rotary kernel builds here and equals ``eager_rotary`` bit for bit."""
+    return _checked("rotary", "fused rotary", "aten's rotation", _rotary_check)
 
 
 def rotary_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -470,30 +483,28 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _argmax_check() -> str | None:
+    gen = torch.Generator().manual_seed(0)
+    for v in (49152, 100, 7, 16):
+        rows = torch.randn(6, v, generator=gen)
+        rows[1] = rows[1].round()  # ties: the first index wins
+        rows[2, v // 3] = float("nan")
+        rows[2, v // 2] = float("nan")
+        rows[3] = float("-inf")
+        rows[4, v - 1] = float("inf")
+        rows[5] = 0.0
+        rows[5, v // 2 :] = -0.0
+        for view in (rows, torch.cat([rows, rows], dim=1)[:, :v]):
+            if not torch.equal(argmax(view), view.argmax(dim=-1)):
+                return f"{v} values a row differ from aten's"
+    return None
+
+
 @functools.cache
 def argmax_usable() -> bool:
     """Whether the argmax kernel builds here and picks aten's index on rows with ties, NaN,
-    infinities and signed zeros (asked once per process; a failure is logged, aten's stays)."""
-    try:
-        build("argmax")
-        gen = torch.Generator().manual_seed(0)
-        for v in (49152, 100, 7, 16):
-            rows = torch.randn(6, v, generator=gen)
-            rows[1] = rows[1].round()  # ties: the first index wins
-            rows[2, v // 3] = float("nan")
-            rows[2, v // 2] = float("nan")
-            rows[3] = float("-inf")
-            rows[4, v - 1] = float("inf")
-            rows[5] = 0.0
-            rows[5, v // 2 :] = -0.0
-            for view in (rows, torch.cat([rows, rows], dim=1)[:, :v]):
-                if not torch.equal(argmax(view), view.argmax(dim=-1)):
-                    logger.warning("the argmax kernel is not used: %d values a row differ from aten's", v)
-                    return False
-    except Exception as exc:  # noqa: BLE001 - no compiler, an inductor without this API ...
-        logger.warning("the argmax kernel did not build (%s: %s); aten's stays", type(exc).__name__, exc)
-        return False
-    return True
+    infinities and signed zeros."""
+    return _checked("argmax", "argmax", "aten's argmax", _argmax_check)
 
 
 def argmax_takes(logits: torch.Tensor) -> bool:
@@ -523,14 +534,8 @@ def kv_write(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch
 
 @functools.cache
 def kv_write_usable() -> bool:
-    """Whether the KV write kernel builds here (asked once per process; a failure is logged and
-    the cache keeps ``index_copy_``)."""
-    try:
-        build("kv_write")
-    except Exception as exc:  # noqa: BLE001 - no compiler, an inductor without this API ...
-        logger.warning("the KV write kernel did not build (%s: %s); index_copy_ stays", type(exc).__name__, exc)
-        return False
-    return True
+    """Whether the KV write kernel builds here (a copy: nothing to compare)."""
+    return _checked("kv_write", "KV write", "index_copy_")
 
 
 def kv_write_takes(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

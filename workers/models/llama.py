@@ -110,12 +110,7 @@ def rotate(rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Te
     cos, sin = rope
     if cpu_fused.rotary_takes(x, cos, sin):
         return cpu_fused.rotary(x, cos, sin)
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return cpu_fused.eager_rotary(x, cos, sin)
 
 
 class Attention(nn.Module):
