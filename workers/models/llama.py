@@ -43,7 +43,10 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One op, bit for bit transformers' arithmetic in fp32 (checked against LlamaRMSNorm in
             # tests/unit/test_engine_parity.py): eager runs two norms a layer, and each of the six
-            # small ops below costs a dispatch.
+            # small ops below costs a dispatch. On CPU, cpu_fused's kernel (the first layer's
+            # input norm, q/k norms; the others come with their residual add: add_forward).
+            if cpu_fused.norm_takes(x, self.weight):
+                return cpu_fused.add_rms_norm(x, None, self.weight, self.eps)[1]
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.to(torch.float32)
