@@ -192,8 +192,52 @@ def test_kv_write_puts_k_and_v_rows_where_index_copy_does_and_refuses_a_slot_out
 
 def test_the_load_line_names_the_kernels_that_run(width, monkeypatch):
     line = cpu_fused.describe()
-    for name in ("residual add + RMSNorm", "rotary embedding", "KV cache write", "greedy argmax"):
+    for name in ("residual add + RMSNorm", "rotary embedding", "KV cache write", "greedy argmax", "SwiGLU"):
         assert name in line
     assert "aten's ops for" not in line
     monkeypatch.setattr(cpu_fused, "rotary_usable", lambda: False)
     assert cpu_fused.describe().endswith("; aten's ops for rotary embedding")
+
+
+@pytest.mark.parametrize("inner", [1536, 64, 40, 100, 31, 7])
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_swiglu_is_silu_of_the_gate_times_up_bit_for_bit(inner, rows):
+    """Whole pairs of vectors (Sleef's exp) and tails of each length (libm's), on the fused
+    gate/up output's layout, with values where exp overflows, underflows or is not a number."""
+    assert cpu_fused.swiglu_usable()
+    gen = torch.Generator().manual_seed(inner * 10 + rows)
+    wide = torch.randn(rows, 2 * inner + 5, generator=gen) * 8.0
+    specials = torch.tensor([0.0, -0.0, 88.7, -88.8, 104.0, -104.0, float("inf"), float("-inf"), float("nan")])
+    wide.view(-1)[torch.randperm(wide.numel(), generator=gen)[: len(specials)]] = specials
+    gate_up = wide[:, : 2 * inner]  # rows 2 * inner + 5 apart
+    assert cpu_fused.swiglu_takes(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    got = cpu_fused.swiglu(gate_up)
+    assert torch.equal(got.view(torch.int32), expected.contiguous().view(torch.int32))
+
+
+def test_swiglu_takes_only_the_serial_loops_it_copies():
+    inner = 1536
+    assert cpu_fused.swiglu_takes(torch.randn(8, 2 * inner))
+    too_many = cpu_fused.SWIGLU_MAX_ELEMENTS // inner + 1  # aten splits this one over its threads
+    assert not cpu_fused.swiglu_takes(torch.randn(too_many, 2 * inner))
+    assert not cpu_fused.swiglu_takes(torch.randn(8, 4 * inner)[:, ::2])  # strided columns
+    assert not cpu_fused.swiglu_takes(torch.randn(8, 2 * inner, dtype=torch.bfloat16))
+    assert not cpu_fused.swiglu_takes(torch.randn(2, 8, 2 * inner))
+    cpu_fused.enabled = False
+    try:
+        assert not cpu_fused.swiglu_takes(torch.randn(8, 2 * inner))
+    finally:
+        cpu_fused.enabled = True
+
+
+def test_the_swiglu_check_fails_on_a_kernel_that_differs(monkeypatch):
+    """The load-time check can fail: a SwiGLU one ulp off (the up projection nudged) is caught."""
+
+    def nudged(gate_up, out=None):
+        result = cpu_fused.eager_swiglu(gate_up)
+        return torch.nextafter(result, torch.full_like(result, float("inf")))
+
+    monkeypatch.setattr(cpu_fused, "swiglu", nudged)
+    assert cpu_fused._swiglu_check() is not None

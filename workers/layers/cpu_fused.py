@@ -61,6 +61,9 @@ logger = logging.getLogger(__name__)
 
 PARALLEL_ROWS = 64  # batches of at least this many rows split their rows over the threads
 NORM_WIDTHS = (8, 16)  # the vector widths (floats) tried for aten's order of sums
+# aten's elementwise loops run tensors below this many elements (at::internal::GRAIN_SIZE) in one
+# serial pass; the SwiGLU kernel copies that pass's split between vector and scalar exp
+SWIGLU_MAX_ELEMENTS = 32768
 NORM_MIN = 64  # narrower rows keep F.rms_norm (aten sums rows shorter than a vector another way)
 enabled = True  # False: the model runs aten's ops (bench/elementwise.py's baseline, in one process)
 
@@ -309,11 +312,55 @@ KV_WRITE_ARGTYPES = [
 ]
 
 
+_SWIGLU_SOURCE = r"""
+#include <torch/csrc/inductor/cpp_prefix.h>
+#include <cmath>
+
+// gu: [rows, 2 * inner], rows ld floats apart: the gate's columns, then the up projection's;
+// out: [rows, inner] contiguous. out = silu(gate) * up, silu as aten's silu_kernel computes it
+// on a contiguous inner loop: at::vec's x / (1 + exp(-x)) (Sleef's vector exp) for two vectors at
+// a time, then x / (1 + std::exp(-x)) for the tail past the last pair (Loops.h's
+// vectorized_loop, then basic_loop); the product rounded once, as aten's mul
+extern "C" void kernel(const float* gu, float* out, int64_t rows, int64_t inner, int64_t ld) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t W = Vec::size();
+  const Vec one(1.0f);
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* g = gu + m * ld;
+    const float* u = g + inner;
+    float* o = out + m * inner;
+    int64_t e = 0;
+    for (; e + 2 * W <= inner; e += 2 * W) {
+      for (int64_t j = e; j < e + 2 * W; j += W) {
+        const Vec x = Vec::loadu(g + j);
+        const Vec s = x / (one + x.neg().exp());
+        (s * Vec::loadu(u + j)).store(o + j);
+      }
+    }
+    for (; e < inner; ++e) {
+      const float x = g[e];
+      const float s = x / (1.0f + std::exp(-x));
+      o[e] = s * u[e];
+    }
+  }
+}
+"""
+
+SWIGLU_ARGTYPES = [
+    "const float*",  # gu [rows, 2 * inner], rows ld floats apart
+    "float*",  # out [rows, inner]
+    "int64_t",  # rows
+    "int64_t",  # inner
+    "int64_t",  # ld
+]
+
+
 _KERNELS = {  # name: (argument types, source)
     "norm": (NORM_ARGTYPES, _NORM_SOURCE),
     "rotary": (ROTARY_ARGTYPES, _ROTARY_SOURCE),
     "argmax": (ARGMAX_ARGTYPES, _ARGMAX_SOURCE),
     "kv_write": (KV_WRITE_ARGTYPES, _KV_WRITE_SOURCE),
+    "swiglu": (SWIGLU_ARGTYPES, _SWIGLU_SOURCE),
 }
 
 
@@ -553,6 +600,69 @@ def kv_write_takes(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v:
     )
 
 
+# ---------------------------------------------------------------------------------- SwiGLU
+def swiglu(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.silu(gate) * up`` for ``gate, up = gate_up.chunk(2, -1)``, fp32 ``gate_up`` ``[rows, 2 *
+    inner]`` (columns contiguous, rows any stride apart; ``swiglu_takes``): ``[rows, inner]``,
+    written to ``out`` when given."""
+    rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
+    if out is None:
+        out = torch.empty(rows, inner, dtype=torch.float32)
+    build("swiglu")(gate_up, out, rows, inner, gate_up.stride(0))
+    return out
+
+
+def eager_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """The model's SwiGLU in aten ops, what ``swiglu`` equals."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaN with NaN of the same payload, -0 apart from +0)."""
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+def _swiglu_check() -> str | None:
+    gen = torch.Generator().manual_seed(0)
+    specials = torch.tensor([0.0, -0.0, 88.7, -88.7, 89.0, -104.0, 1e-30, -1e-30, 20.0, -20.0])
+    specials = torch.cat([specials, torch.tensor([float("inf"), float("-inf"), float("nan")])])
+    for inner in (1536, 64, 40, 100, 31):  # whole pairs of vectors, and tails of each length
+        for rows in (1, 3, 8):
+            if rows * inner >= SWIGLU_MAX_ELEMENTS:
+                continue
+            gate_up = torch.randn(rows, 2 * inner + 3, generator=gen) * 6.0
+            flat = gate_up.view(-1)
+            flat[torch.randint(0, flat.numel(), (len(specials),), generator=gen)] = specials
+            view = gate_up[:, : 2 * inner]  # rows 2 * inner + 3 apart, as a wider fused output's
+            if not _same_bits(swiglu(view), eager_swiglu(view)):
+                return f"{rows} rows of {inner} differ from aten's"
+    return None
+
+
+@functools.cache
+def swiglu_usable() -> bool:
+    """Whether the SwiGLU kernel builds here and equals ``eager_swiglu`` bit for bit."""
+    return _checked("swiglu", "fused SwiGLU", "aten's silu and mul", _swiglu_check)
+
+
+def swiglu_takes(gate_up: torch.Tensor) -> bool:
+    """Whether ``swiglu`` runs for ``gate_up``: CPU fp32, 2-D, columns contiguous, eager, checked
+    here, and fewer than ``SWIGLU_MAX_ELEMENTS`` outputs (aten's silu runs such a tensor in one
+    serial loop a row at a time, the split between vector and scalar ``exp`` the kernel copies;
+    a larger one is cut over the threads at places that depend on their number)."""
+    return (
+        enabled
+        and _cpu_fp32(gate_up)
+        and gate_up.dim() == 2
+        and gate_up.stride(1) == 1
+        and gate_up.shape[1] % 2 == 0
+        and gate_up.shape[0] * gate_up.shape[1] // 2 < SWIGLU_MAX_ELEMENTS
+        and not torch.compiler.is_compiling()
+        and swiglu_usable()
+    )
+
+
 def describe() -> str:
     """One log line: which of the kernels run here (running their self-checks, once a process)."""
     kernels = {
@@ -560,6 +670,7 @@ def describe() -> str:
         "rotary embedding": rotary_usable(),
         "KV cache write": kv_write_usable(),
         "greedy argmax": argmax_usable(),
+        "SwiGLU (decode rows)": swiglu_usable(),
     }
     used = [name for name, ok in kernels.items() if ok]
     left = [name for name, ok in kernels.items() if not ok]

@@ -15,6 +15,7 @@ of many sequences, and ``PagedAttention`` knows which rows belong to which seque
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,9 @@ from workers.models.parallel import (
     TPGroup,
     VocabParallelEmbedding,
 )
+
+if TYPE_CHECKING:
+    from workers.models.lean_decode import LeanDecode
 
 
 class RMSNorm(nn.Module):
@@ -171,7 +175,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and self.fused.applies(x):
-            gate, up = self.fused(x).chunk(2, dim=-1)
+            gate_up = self.fused(x)
+            if cpu_fused.swiglu_takes(gate_up):  # CPU fp32, a few rows: one call, aten's bits
+                return self.down_proj(cpu_fused.swiglu(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -203,6 +210,9 @@ class LlamaForCausalLM(nn.Module):
     # Batches of up to this many rows multiply with F.linear though the linears are packed
     # (prepack_linears, choose_plain_rows: set by load_model)
     plain_linear_rows = 0
+    # CPU fp32 decode steps as one loop of kernel calls (workers/models/lean_decode.py; set by
+    # load_model where it applies)
+    lean_decode: LeanDecode | None = None
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None, tp: TPGroup | None = None) -> None:
         super().__init__()
@@ -218,6 +228,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``."""
+        lean = self.lean_decode
+        if lean is not None and not torch.compiler.is_compiling() and lean.takes(input_ids, attn):
+            return lean.run(input_ids, positions, attn)  # the same calls, bit for bit, without the modules
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb.tables(positions, x.dtype)
         layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]

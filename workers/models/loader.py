@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from workers.layers import cpu_fused
 from workers.models.config import ModelConfig
+from workers.models.lean_decode import LeanDecode
 from workers.models.llama import LlamaForCausalLM
 from workers.models.parallel import (
     Shard,
@@ -177,4 +178,10 @@ def load_model(
         )
     if device.type == "cpu" and torch_dtype == torch.float32 and (fused_line := cpu_fused.describe()):
         logger.info("%s", fused_line)  # the self-checks run here, at load, not in the first request
+    if prepack and (lean := LeanDecode.for_model(model)) is not None:
+        model.lean_decode = lean
+        logger.info(
+            "decode steps of up to %d rows run as one loop of kernel calls, not through the modules (lean decode)",
+            lean.max_rows,
+        )
     return model.eval()
