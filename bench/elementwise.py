@@ -116,17 +116,49 @@ def c8_run(engine: LLMEngine, rng: random.Random, requests: int, concurrency: in
     return tokens / wall, cpu / tokens * 1e3
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help=MODEL_HELP.split("; 'tiny'")[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 256, 2048], help="(a): rows per call")
-    ap.add_argument("--rounds", type=int, default=4, help="(b): runs per side, interleaved")
+def compare_c8(engine: LLMEngine, sides: tuple[str, str], switch, args: argparse.Namespace) -> None:
+    """(b): the c8 workload on one engine switched between ``sides`` (``switch(side)`` before each
+    run), ``args.rounds`` runs each, interleaved; each run, the medians, and the second side's
+    over the first's."""
+    rng = random.Random(0)
+    c8_run(engine, rng, args.concurrency, args.concurrency, args.prompt_len, args.output_len)  # warm-up
+    print(
+        f"(b) engine alone: {args.requests} requests of {args.prompt_len} random tokens -> "
+        f"{args.output_len}, {args.concurrency} in flight; interleaved runs"
+    )
+    runs: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
+    for _ in range(args.rounds):
+        for side in sides:
+            switch(side)
+            tps, cpu = c8_run(engine, rng, args.requests, args.concurrency, args.prompt_len, args.output_len)
+            runs[side].append((tps, cpu))
+            print(f"  {side:>8}: {tps:6.1f} tok/s, {cpu:6.2f} ms CPU a token", flush=True)
+    med = {side: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for side, v in runs.items()}
+    for side, (tps, cpu) in med.items():
+        print(f"  median {side:>8}: {tps:6.1f} tok/s, {cpu:6.2f} ms CPU a token")
+    first, second = sides
+    print(
+        f"  {second} / {first}: {med[second][0] / med[first][0]:.2f}x tok/s, "
+        f"{med[second][1] / med[first][1]:.2f}x CPU a token"
+    )
+
+
+def add_c8_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options ``compare_c8`` reads, and ``--skip`` of the sections a and b."""
+    ap.add_argument("--rounds", type=int, default=4, help="runs (or rounds) per side, interleaved")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--skip", nargs="*", default=[], choices=("a", "b"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help=MODEL_HELP.split("; 'tiny'")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 256, 2048], help="(a): rows per call")
+    add_c8_arguments(ap)
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -146,29 +178,13 @@ def main(argv: list[str] | None = None) -> None:
     if "a" not in args.skip:
         ops_table(engine.model_config, args.rows)
     if "b" not in args.skip:
-        rng = random.Random(0)
-        c8_run(engine, rng, args.concurrency, args.concurrency, args.prompt_len, args.output_len)  # warm-up
-        print(
-            f"(b) engine alone: {args.requests} requests of {args.prompt_len} random tokens -> "
-            f"{args.output_len}, {args.concurrency} in flight; interleaved runs"
+        compare_c8(
+            engine,
+            ("aten", "fused"),
+            lambda side: setattr(cpu_fused, "enabled", side == "fused"),
+            args,
         )
-        runs: dict[str, list[tuple[float, float]]] = {"aten": [], "fused": []}
-        for _ in range(args.rounds):
-            for side in runs:
-                cpu_fused.enabled = side == "fused"
-                tps, cpu = c8_run(engine, rng, args.requests, args.concurrency, args.prompt_len, args.output_len)
-                runs[side].append((tps, cpu))
-                print(f"  {side:>6}: {tps:6.1f} tok/s, {cpu:6.2f} ms CPU a token", flush=True)
         cpu_fused.enabled = True
-        med = {
-            side: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for side, v in runs.items()
-        }
-        for side, (tps, cpu) in med.items():
-            print(f"  median {side:>6}: {tps:6.1f} tok/s, {cpu:6.2f} ms CPU a token")
-        print(
-            f"  fused / aten: {med['fused'][0] / med['aten'][0]:.2f}x tok/s, "
-            f"{med['fused'][1] / med['aten'][1]:.2f}x CPU a token"
-        )
 
 
 if __name__ == "__main__":

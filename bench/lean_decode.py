@@ -25,13 +25,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.elementwise import c8_run  # noqa: E402
+from bench.elementwise import add_c8_arguments, compare_c8  # noqa: E402
 from bench.models import MODEL_HELP  # noqa: E402
 from workers.engine import LLMEngine, SamplingParams  # noqa: E402
 from workers.models import lean_decode  # noqa: E402
 from workers.models.source import resolve_model  # noqa: E402
 
-SIDES = {"lean": True, "modules": False}
+SIDES = {"modules": False, "lean": True}
 
 
 def step_table(engine: LLMEngine, batches: list[int], context: int, steps: int, rounds: int, rng: random.Random):
@@ -71,12 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="(a): sequences decoding together")
     ap.add_argument("--context", type=int, default=256, help="(a): prompt tokens of each sequence")
     ap.add_argument("--steps", type=int, default=15, help="(a): steps each way per round")
-    ap.add_argument("--rounds", type=int, default=4, help="rounds each way, interleaved")
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--skip", nargs="*", default=[], choices=("a", "b"))
+    add_c8_arguments(ap)
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -93,28 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     if "a" not in args.skip:
         step_table(engine, args.batches, args.context, args.steps, args.rounds, rng)
     if "b" not in args.skip:
-        c8_run(engine, rng, args.concurrency, args.concurrency, args.prompt_len, args.output_len)  # warm-up
-        print(
-            f"(b) engine alone: {args.requests} requests of {args.prompt_len} random tokens -> "
-            f"{args.output_len}, {args.concurrency} in flight; interleaved runs"
-        )
-        runs: dict[str, list[tuple[float, float]]] = {side: [] for side in SIDES}
-        for _ in range(args.rounds):
-            for side, on in SIDES.items():
-                lean_decode.enabled = on
-                tps, cpu = c8_run(engine, rng, args.requests, args.concurrency, args.prompt_len, args.output_len)
-                runs[side].append((tps, cpu))
-                print(f"  {side:>8}: {tps:6.1f} tok/s, {cpu:6.2f} ms CPU a token", flush=True)
+        compare_c8(engine, ("modules", "lean"), lambda side: setattr(lean_decode, "enabled", side == "lean"), args)
         lean_decode.enabled = True
-        med = {
-            side: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for side, v in runs.items()
-        }
-        for side, (tps, cpu) in med.items():
-            print(f"  median {side:>8}: {tps:6.1f} tok/s, {cpu:6.2f} ms CPU a token")
-        print(
-            f"  lean / modules: {med['lean'][0] / med['modules'][0]:.2f}x tok/s, "
-            f"{med['lean'][1] / med['modules'][1]:.2f}x CPU a token"
-        )
 
 
 if __name__ == "__main__":
