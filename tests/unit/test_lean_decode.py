@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(
 def _engine(model_dir: str, **kwargs):
     from workers.engine import LLMEngine
 
-    return LLMEngine(model_dir, load_progress=False, num_kv_blocks=64, plain_linear_rows=8, **kwargs)
+    kwargs.setdefault("plain_linear_rows", 8)
+    return LLMEngine(model_dir, load_progress=False, num_kv_blocks=64, **kwargs)
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -111,8 +112,10 @@ def test_it_runs_only_decode_steps_the_panel_kernel_takes(tiny_model_dirs, monke
 
 
 def test_no_lean_path_where_a_call_would_differ(tiny_model_dirs):
-    """q/k norms (qwen3), a quantized cache, the sdpa backend, oneDNN for every batch: the modules."""
+    """q/k norms (qwen3), every batch on oneDNN or AMX (no panel kernel rows), a quantized cache,
+    the sdpa backend: the modules."""
     assert _engine(tiny_model_dirs["qwen3"]).model.lean_decode is None
+    assert _engine(tiny_model_dirs["llama"], plain_linear_rows=0).model.lean_decode is None
     quantized = _engine(tiny_model_dirs["llama"], kv_cache_dtype="int8", attention_backend="sdpa")
     sdpa = _engine(tiny_model_dirs["llama"], attention_backend="sdpa")
     from workers.engine import SamplingParams

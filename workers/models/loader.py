@@ -178,7 +178,7 @@ def load_model(
         )
     if device.type == "cpu" and torch_dtype == torch.float32 and (fused_line := cpu_fused.describe()):
         logger.info("%s", fused_line)  # the self-checks run here, at load, not in the first request
-    if prepack and (lean := LeanDecode.for_model(model)) is not None:
+    if prepack and (lean := LeanDecode.for_model(model)) is not None and lean.max_rows > 0:
         model.lean_decode = lean
         logger.info(
             "decode steps of up to %d rows run as one loop of kernel calls, not through the modules (lean decode)",
