@@ -235,7 +235,7 @@ def test_swiglu_takes_only_the_serial_loops_it_copies():
 def test_the_swiglu_check_fails_on_a_kernel_that_differs(monkeypatch):
     """The load-time check can fail: a SwiGLU one ulp off (the up projection nudged) is caught."""
 
-    def nudged(gate_up, out=None):
+    def nudged(gate_up):
         result = cpu_fused.eager_swiglu(gate_up)
         return torch.nextafter(result, torch.full_like(result, float("inf")))
 

@@ -152,7 +152,7 @@ def test_a_kv_slot_out_of_range_raises_index_error(tiny_llama, monkeypatch):
     engine.generate(_prompts(2, seed=6), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     input_ids, positions, attn = seen[-1]
     write = attn.meta.write
-    num_slots = attn.kv.layers[0].view(2, -1, attn.kv.num_kv_heads, attn.kv.head_dim).shape[1]
+    num_slots = attn.kv.flat(0).shape[1]
     bad = write.slots.clone()
     bad[-1] = num_slots
     attn.meta.write = dataclasses.replace(write, slots=bad)

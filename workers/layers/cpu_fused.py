@@ -575,8 +575,14 @@ def kv_write(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch
     rows, heads, dim = k.shape
     bad = torch.zeros(1, dtype=torch.long)
     build("kv_write")(cache, slots, k, v, bad, rows, heads * dim, cache.shape[1], k.stride(0), v.stride(0))
+    check_slots(bad, slots, cache.shape[1])
+
+
+def check_slots(bad: torch.Tensor, slots: torch.Tensor, num_slots: int) -> None:
+    """Raise ``IndexError`` as ``index_copy_`` does where the kernel counted slots out of range
+    in ``bad`` (the others are written)."""
     if bad.item():
-        raise IndexError(f"{bad.item()} KV slot(s) out of range [0, {cache.shape[1]}): {slots.tolist()}")
+        raise IndexError(f"{bad.item()} KV slot(s) out of range [0, {num_slots}): {slots.tolist()}")
 
 
 @functools.cache
@@ -601,13 +607,11 @@ def kv_write_takes(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v:
 
 
 # ---------------------------------------------------------------------------------- SwiGLU
-def swiglu(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up`` for ``gate, up = gate_up.chunk(2, -1)``, fp32 ``gate_up`` ``[rows, 2 *
-    inner]`` (columns contiguous, rows any stride apart; ``swiglu_takes``): ``[rows, inner]``,
-    written to ``out`` when given."""
+    inner]`` (columns contiguous, rows any stride apart; ``swiglu_takes``): ``[rows, inner]``."""
     rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
-    if out is None:
-        out = torch.empty(rows, inner, dtype=torch.float32)
+    out = torch.empty(rows, inner, dtype=torch.float32)
     build("swiglu")(gate_up, out, rows, inner, gate_up.stride(0))
     return out
 

@@ -506,9 +506,15 @@ def linear(
     """``F.linear(x, weight, bias)`` from ``pack(weight)`` or ``code(weight)``, for ``x``
     ``[..., K]`` that ``takes`` accepts: ``[..., out_features]``. ``kernel``: a ``build``
     (``build_coded`` for coded panels; default: this CPU's)."""
+    default, weights = kernel_for(panels)
+    return run_kernel(kernel or default, x, weights, out_features, bias)
+
+
+def kernel_for(panels: Panels) -> tuple[Any, tuple[torch.Tensor, ...]]:
+    """The kernel this CPU runs on ``panels`` and the tensors it reads them from."""
     if isinstance(panels, CodedPanels):
-        return run_kernel(kernel or build_coded(), x, (panels.codes, panels.scales), out_features, bias)
-    return run_kernel(kernel or build(), x, (panels,), out_features, bias)
+        return build_coded(), (panels.codes, panels.scales)
+    return build(), (panels,)
 
 
 def run_kernel(

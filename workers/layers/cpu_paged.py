@@ -266,6 +266,11 @@ def num_splits_for(batch: int, num_blocks: int, threads: int) -> int:
     return max(1, min(want, num_blocks // 2))
 
 
+def splits_for(batch: int, num_blocks: int, threads: int, num_splits: int | None = None) -> int:
+    """The splits the kernel runs: ``num_splits`` (default ``num_splits_for``), within 1..blocks."""
+    return max(1, min(num_splits or num_splits_for(batch, num_blocks, threads), num_blocks))
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -292,7 +297,6 @@ def paged_decode(
         return out
     threads = torch.get_num_threads()
     blocks = tables.shape[1]
-    splits = num_splits or num_splits_for(batch, blocks, threads)
     kernel(
         q,
         k_cache,
@@ -305,7 +309,7 @@ def paged_decode(
         blocks,
         tables.stride(0),
         window or 0,
-        max(1, min(splits, blocks)),
+        splits_for(batch, blocks, threads, num_splits),
         threads,
         float(scale),
     )

@@ -363,10 +363,14 @@ class PagedKVCache:
         return offsets, encode_scale(radius / self.qmax)
 
     # ------------------------------------------------------------------ write
+    def flat(self, layer: int) -> torch.Tensor:
+        """A full-precision layer's ``[2, slots, heads, dim]`` view: K's plane, then V's, one row a slot."""
+        return self.layers[layer].view(2, -1, self.num_kv_heads, self.head_dim)
+
     def write(self, layer: int, plan: KVWritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the step's new K and V (``[T, heads, dim]``) at ``plan.slots``."""
         if not self.quantized:
-            flat = self.layers[layer].view(2, -1, self.num_kv_heads, self.head_dim)
+            flat = self.flat(layer)
             if cpu_fused.kv_write_takes(flat, plan.slots, k, v):  # CPU fp32: K and V in one call
                 cpu_fused.kv_write(flat, plan.slots, k, v)
                 return

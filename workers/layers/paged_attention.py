@@ -571,9 +571,7 @@ class FlexPagedAttention(PagedAttention):
         self._span_masks: dict[int, FlexMask] = {}
 
     def _physical(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cache = self.cache
-        layer_cache = cache.layers[layer]  # [2, N, bs, H, D]
-        flat = layer_cache.view(2, -1, cache.num_kv_heads, cache.head_dim)  # [2, N * bs, H, D]
+        flat = self.cache.flat(layer)  # [2, N * bs, H, D]
         return flat[0].transpose(0, 1).unsqueeze(0), flat[1].transpose(0, 1).unsqueeze(0)
 
     def _run(self, layer: int, q: torch.Tensor, mask: FlexMask) -> torch.Tensor:

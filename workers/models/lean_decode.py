@@ -9,7 +9,7 @@ one call (the panel kernel's linears, ``cpu_fused``'s norm, rotary, KV write and
 ``cpu_paged``'s attention); what is left between them is bookkeeping that is the same for every
 layer and every step.
 
-``LeanDecode`` does that bookkeeping once. At the first step it can run (``for_model``) it
+``LeanDecode`` does that bookkeeping once. At load (``for_model``, from ``load_model``) it
 collects, per layer, the kernels and the weights they read (the fused q/k/v and gate/up
 panels, o and down, the norms' weights); per step it makes the step's buffers once and runs
 the layers as a flat sequence of kernel calls into them (the K/V slots checked once a step,
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-enabled = True  # False: decode steps run the modules (bench/engine.py --lean-decode's baseline)
+enabled = True  # False: decode steps run the modules (bench/lean_decode.py's baseline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,14 +64,8 @@ class _Linear:
         panels = getattr(unit, "panels", None)
         if panels is None or getattr(unit, "packed", None) is None:
             return None
-        weight = unit.weight
-        weights: tuple[torch.Tensor, ...]
-        if isinstance(panels, cpu_linear.CodedPanels):
-            kernel, weights = cpu_linear.build_coded(), (panels.codes, panels.scales)
-        else:
-            kernel, weights = cpu_linear.build(), (panels,)
-        bias = getattr(unit, "bias", None)
-        return cls(kernel, weights, bias, weight.shape[0], weight.shape[1])
+        kernel, weights = cpu_linear.kernel_for(panels)
+        return cls(kernel, weights, getattr(unit, "bias", None), unit.weight.shape[0], unit.weight.shape[1])
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor, rows: int, threads: int) -> None:
         bias = self.bias
@@ -185,7 +179,7 @@ class LeanDecode:
         kernel = cpu_paged._kernel(block_size, num_kv_heads, self.num_heads // num_kv_heads, head_dim)
         self._views = _CacheViews(
             kv,
-            [layer.view(2, -1, kv.num_kv_heads, kv.head_dim) for layer in kv.layers],
+            [kv.flat(i) for i in range(len(kv.layers))],
             [layer[0] for layer in kv.layers],
             [layer[1] for layer in kv.layers],
             kernel,
@@ -214,7 +208,8 @@ class LeanDecode:
             tables = tables.contiguous()
         firsts, lens = meta.decode_first_pos.contiguous(), meta.decode_context_lens.contiguous()
         blocks = tables.shape[1]
-        splits = max(1, min(cpu_paged.num_splits_for(rows, blocks, threads), blocks))
+        splits = cpu_paged.splits_for(rows, blocks, threads)
+        scale = float(attn.scale)
         window = meta.sliding_window or 0
         num_slots = views.flat[0].shape[1]
 
@@ -251,7 +246,7 @@ class LeanDecode:
                 window,
                 splits,
                 threads,
-                float(attn.scale),
+                scale,
             )
             layer.o(out, o, rows, threads)
             norm(x, o, other, layer.post_norm, normed, rows, hidden, 1, layer.post_eps, width, threads)
@@ -261,8 +256,7 @@ class LeanDecode:
             layer.down(act, down, rows, threads)
             norm(x, down, other, layer.next_norm, normed, rows, hidden, 1, layer.next_eps, width, threads)
             x, other = other, x
-        if bad.item():
-            raise IndexError(f"{bad.item()} KV slot(s) out of range [0, {num_slots}): {slots.tolist()}")
+        cpu_fused.check_slots(bad, slots, num_slots)
         return normed
 
 
