@@ -64,7 +64,9 @@ PANEL = 48  # output rows per panel: 3 AVX-512 vectors, 6 AVX2 ones
 GROUP = 32  # k's per step and offset of coded panels (CodedPanels): GGUF's block size
 MAX_ROWS = 64  # the widest batch the kernel takes (oneDNN wins from some width up: timed at load)
 
-_PRELUDE = r"""
+# The vector type and its few operations, shared with ``cpu_prefill``'s kernel (``{max_vl}`` is
+# replaced by the widest vector the build may use).
+VECTOR_PRELUDE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
 #include <omp.h>
 #if defined(__x86_64__)
@@ -106,7 +108,11 @@ static inline vf fmadd(vf a, vf b, vf c) {  // inductor builds with -ffp-contrac
   return a * b + c;
 #endif
 }
+"""
 
+_PRELUDE = (
+    VECTOR_PRELUDE
+    + r"""
 constexpr int P = {panel};               // panel width (floats)
 constexpr int JV = P / VL;               // vectors across a panel
 constexpr int JB = JV < 3 ? JV : 3;      // vectors per block
@@ -188,6 +194,7 @@ static inline void tile(const float* __restrict__ x, int64_t K, const float* __r
   finish<R>(acc, out, ldo, cols, bias);
 }
 """
+)
 
 _SOURCE = (
     _PRELUDE

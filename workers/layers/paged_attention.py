@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from workers.layers import cpu_paged, triton_paged
+from workers.layers import cpu_paged, cpu_prefill, triton_paged
 from workers.layers.kv_cache import KVWritePlan, PagedKVCache
 
 if TYPE_CHECKING:
@@ -123,11 +123,18 @@ class PagedAttention:
     """Attention for one step; the model calls ``forward`` once per layer (the SDPA backend:
     gathers the blocks a step reads)."""
 
+    # Prompt spans through ``cpu_prefill``'s kernel on CPU fp32 (the paged backend); the SDPA
+    # backend is the reference and keeps SDPA.
+    cpu_prefill_kernel = False
+
     def __init__(self, kv: PagedKVCache | None, meta: AttentionMetadata, scale: float):
         self.kv = kv
         self.meta = meta
         self.scale = scale
         self._context_masks: dict[int, torch.Tensor] = {}  # by span start: built once a step, used by every layer
+        self._cpu_prefill: bool | None = None  # decided on the first span of the step
+        # by span start: (key rows, first query position, first key position), made and checked once a step
+        self._prefill_plans: dict[int, tuple[torch.Tensor, int, int]] = {}
 
     @property
     def cache(self) -> PagedKVCache:
@@ -149,6 +156,8 @@ class PagedAttention:
         window = meta.sliding_window
         for span in meta.prefills:
             rows = slice(span.start, span.start + span.num_tokens)
+            if self._prefill_kernel(layer, span, q, k, v, out):
+                continue
             qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             if span.fresh:
                 ks = k[rows].transpose(0, 1).unsqueeze(0)
@@ -171,6 +180,63 @@ class PagedAttention:
                 o = self._context_chunk(layer, span, qs)
             out[rows] = o.squeeze(0).transpose(0, 1)
         return out
+
+    def _prefill_kernel(
+        self, layer: int, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+    ) -> bool:
+        """Attend ``span``'s rows of q into ``out`` with ``cpu_prefill``'s kernel: a fresh prompt over
+        its own rows of the step's K/V, a chunk after cached tokens over its blocks of the cache, in
+        place. False where the kernel does not take the step (SDPA runs instead)."""
+        if self._cpu_prefill is None:
+            kv = self.kv
+            self._cpu_prefill = (
+                self.cpu_prefill_kernel
+                and (kv is None or (not kv.quantized and kv.rotation is None))
+                and cpu_prefill.takes(q, k, v)
+            )
+        if not self._cpu_prefill:
+            return False
+        if span.fresh:
+            keys, values = k, v
+        else:
+            flat = self.cache.flat(layer)
+            keys, values = flat[0], flat[1]
+        plan = self._prefill_plans.get(span.start)
+        if plan is None:
+            plan = self._prefill_plan(span, keys.shape[0])
+            self._prefill_plans[span.start] = plan
+        key_rows, q_pos0, k_pos0 = plan
+        rows = slice(span.start, span.start + span.num_tokens)
+        cpu_prefill.prefill_attention(
+            q[rows],
+            keys,
+            values,
+            key_rows,
+            q_pos0,
+            k_pos0,
+            self.scale,
+            self.meta.sliding_window,
+            out[rows],
+            check=False,
+        )
+        return True
+
+    def _prefill_plan(self, span: PrefillSpan, num_rows: int) -> tuple[torch.Tensor, int, int]:
+        """The span's key rows (a fresh prompt's own rows of the step; a chunk's cache slots, from
+        its block table), checked against the ``num_rows`` they index, and the positions of its
+        first query and first key."""
+        if span.fresh:
+            key_rows = torch.arange(span.start, span.start + span.num_tokens)
+            q_pos0 = k_pos0 = 0
+        else:
+            if span.block_table is None:
+                raise ValueError("a chunk after cached tokens needs its block table")
+            block_size = self.cache.block_size
+            j = torch.arange(span.context_len - span.first_key_pos)
+            key_rows = span.block_table.to(torch.int64)[j // block_size] * block_size + j % block_size
+            q_pos0, k_pos0 = span.context_len - span.num_tokens, span.first_key_pos
+        cpu_prefill.check_key_rows(key_rows, num_rows)
+        return key_rows, q_pos0, k_pos0
 
     def _context_chunk(self, layer: int, span: PrefillSpan, qs: torch.Tensor) -> torch.Tensor:
         """A chunk after cached tokens: qs [1, Hq, n, D] -> [1, Hq, n, D]."""
@@ -321,6 +387,7 @@ class PagedDecodeAttention(PagedAttention):
     Prefill chunks run as in the sdpa backend (a fresh prompt reads no cache, a chunk after
     cached context gathers its own blocks for one SDPA call with many queries)."""
 
+    cpu_prefill_kernel = True
     min_keys = PAGED_MIN_KEYS  # tests set 0 to run the inductor kernel at every size
     cpu_kernel = True  # tests set False to run the inductor kernel on CPU fp32 too
 
