@@ -92,6 +92,13 @@ def test_a_key_row_out_of_range_is_refused():
         cpu_prefill.prefill_attention(q, k, v, torch.tensor([-1, 0]), 0, 0, 1.0, None)
 
 
+def test_an_output_of_another_layout_is_refused():
+    q, k = torch.zeros(4, 2, 16), torch.zeros(4, 1, 16)
+    heads_apart = torch.zeros(2, 4, 16).transpose(0, 1)  # [4, 2, 16] with a row's heads 64 floats apart
+    with pytest.raises(ValueError, match="each row's heads contiguous"):
+        cpu_prefill.prefill_attention(q, k, k, torch.arange(4), 0, 0, 1.0, None, out=heads_apart)
+
+
 def test_takes_only_cpu_fp32_rows_of_heads():
     q, k = torch.zeros(4, 4, 16), torch.zeros(4, 2, 16)
     assert cpu_prefill.takes(q, k, k)

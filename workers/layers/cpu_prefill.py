@@ -32,8 +32,9 @@ up, each output a sum over keys in position order). The engine's greedy parity w
 transformers is held by its tests with this kernel on (``test_engine_parity.py``,
 ``test_real_model.py``, ``test_cpu_prefill.py``), as for the panel kernel. The paged backend
 (CPU's default) runs it (``PagedAttention._prefill_kernel``); ``cpu_prefill.enabled = False``
-turns it off, and the SDPA backend (``attention_backend="sdpa"``) stays the reference. Built once per (group, head dim) through inductor's C++
-toolchain, as ``cpu_paged`` is; where it cannot be built prompts keep SDPA.
+turns it off, and the SDPA backend (``attention_backend="sdpa"``) stays the reference. Built
+once per (group, head dim) through inductor's C++ toolchain, as ``cpu_paged`` is; where it cannot
+be built prompts keep SDPA.
 """
 
 from __future__ import annotations
@@ -355,6 +356,8 @@ def prefill_attention(
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     if out is None:
         out = torch.empty(n, num_q_heads, head_dim, dtype=q.dtype)
+    elif out.shape != q.shape or not _rows_of_heads(out):
+        raise ValueError(f"out {tuple(out.shape)} must be q's shape {tuple(q.shape)} with each row's heads contiguous")
     if n == 0:
         return out
     key_rows = key_rows.contiguous()

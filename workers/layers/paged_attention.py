@@ -8,7 +8,9 @@ quantized cache its blocks) and then attends:
   ``scaled_dot_product_attention`` call runs with a key-length mask;
 - each prefill chunk on its own: a fresh prompt (nothing cached before it) attends to its own
   K/V with ``is_causal``, exactly like a plain forward; a chunk after cached or earlier-computed
-  tokens gathers its context from the cache and uses a causal mask offset by that context.
+  tokens gathers its context from the cache and uses a causal mask offset by that context
+  (the paged backend on CPU fp32 runs both through ``cpu_prefill``'s kernel instead, which reads
+  the cache in place: ``PagedAttention._prefill_kernel``).
 
 With a sliding window (Mistral-style ``sliding_window``), a query at position ``p`` sees keys at
 ``p - window < k <= p``; only blocks holding such keys are gathered (blocks wholly before every
@@ -384,8 +386,10 @@ class PagedDecodeAttention(PagedAttention):
     - otherwise inductor's compilation of ``_paged_decode``, and a decode batch of fewer than
       ``min_keys`` keys gathers instead (faster there).
 
-    Prefill chunks run as in the sdpa backend (a fresh prompt reads no cache, a chunk after
-    cached context gathers its own blocks for one SDPA call with many queries)."""
+    Prefill chunks on CPU fp32 run ``cpu_prefill``'s kernel (``cpu_prefill_kernel``): a fresh
+    prompt over its own rows of the step's K/V, a chunk after cached context over its cache slots
+    in place. Elsewhere they run as in the sdpa backend (a fresh prompt reads no cache, a chunk
+    after cached context gathers its own blocks for one SDPA call with many queries)."""
 
     cpu_prefill_kernel = True
     min_keys = PAGED_MIN_KEYS  # tests set 0 to run the inductor kernel at every size
