@@ -108,6 +108,19 @@ static inline vf fmadd(vf a, vf b, vf c) {  // inductor builds with -ffp-contrac
   return a * b + c;
 #endif
 }
+
+// f(std::integral_constant<int, C>) for C = c, 1 <= c <= N: a count (of rows, of vectors) as a
+// template argument, so that a tile's accumulators are an array the compiler keeps in registers
+template <int N, class F>
+static inline void with_count(int64_t c, F&& f) {
+  if constexpr (N > 1) {
+    if (c < N) {
+      with_count<N - 1>(c, f);
+      return;
+    }
+  }
+  f(std::integral_constant<int, N>{});
+}
 """
 
 _PRELUDE = (
@@ -139,21 +152,6 @@ static inline void finish(vf (&acc)[R][JB], float* __restrict__ out, int64_t ldo
       for (int j = 0; j < JB; ++j) store(t + j * VL, acc[r][j]);
       for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = t[c];
     }
-  }
-}
-
-// f(std::integral_constant<int, R>) for R = r, 1 <= r <= MB: the row count as a template argument
-template <class F>
-static inline void with_rows(int64_t r, F&& f) {
-  switch (r) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    case 8: f(std::integral_constant<int, 8>{}); break;
   }
 }
 
@@ -209,7 +207,7 @@ extern "C" void kernel(const float* x, const float* panels, const float* bias, f
   for (int64_t p = 0; p < num_panels; ++p) {
     const float* panel = panels + p * K * P;
     for_blocks(p, M, N, bias, out, [&](int64_t j0, int64_t m0, int64_t r, float* o, int64_t cols, const float* b) {
-      with_rows(r, [&](auto R) { tile<R()>(x + m0 * K, K, panel, j0, o, N, cols, b); });
+      with_count<MB>(r, [&](auto R) { tile<R()>(x + m0 * K, K, panel, j0, o, N, cols, b); });
     });
   }
 }
@@ -283,7 +281,7 @@ extern "C" void kernel(const float* x, const uint8_t* codes_, const float* scale
       const float* s = scales + p * (K / G) * 2 * P;
       if (wide) decode_panel(q, s, K, decoded.data());
       for_blocks(p, M, N, bias, out, [&](int64_t j0, int64_t m0, int64_t r, float* o, int64_t cols, const float* b) {
-        with_rows(r, [&](auto R) {
+        with_count<MB>(r, [&](auto R) {
           if (wide)
             tile<R()>(x + m0 * K, K, decoded.data(), j0, o, N, cols, b);
           else

@@ -76,31 +76,6 @@ static_assert(D % VL == 0, "a head row is whole vectors");
 using AVec = at::vec::Vectorized<float>;
 static_assert(KC % AVec::size() == 0, "a chunk of scores is whole at::vec vectors");
 
-// f(std::integral_constant<int, R>) for R = r, 1 <= r <= 6
-template <class F>
-static inline void with_rows(int64_t r, F&& f) {
-  switch (r) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-  }
-}
-
-// f(std::integral_constant<int, U>) for U = u, 1 <= u <= NV
-template <class F>
-static inline void with_vectors(int64_t u, F&& f) {
-  switch (u) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-  }
-}
-static_assert(NV == 4, "with_vectors covers 1..4");
-
 // s[r][0..U*VL) = q[r] . kt[.][j] for R stacked rows (q rows D apart, kt [D][KC]): the first U
 // vectors of the chunk's keys (the ones some row of the block sees)
 template <int R, int U>
@@ -200,8 +175,8 @@ extern "C" void kernel(const float* q, const float* k, const float* v, const int
         const int64_t used = last_row < nk ? last_row : nk;
         int64_t ext = (used + AVec::size() - 1) / AVec::size() * AVec::size();
         if (ext > KC) ext = KC;
-        with_rows(mr, [&](auto R) {
-          with_vectors((ext + VL - 1) / VL, [&](auto U) { scores<R(), U()>(qs + r0 * D, kt, s); });
+        with_count<MS>(mr, [&](auto R) {
+          with_count<NV>((ext + VL - 1) / VL, [&](auto U) { scores<R(), U()>(qs + r0 * D, kt, s); });
         });
         for (int64_t r = 0; r < mr; ++r) {
           float* sr = s + r * KC;
@@ -235,7 +210,7 @@ extern "C" void kernel(const float* q, const float* k, const float* v, const int
         }
         for (int64_t p0 = 0; p0 < mr; p0 += MO) {
           const int64_t pr = mr - p0 < MO ? mr - p0 : MO;
-          with_rows(pr, [&](auto R) { weighted_values<R()>(o + (r0 + p0) * D, s + p0 * KC, vrows, used); });
+          with_count<MO>(pr, [&](auto R) { weighted_values<R()>(o + (r0 + p0) * D, s + p0 * KC, vrows, used); });
         }
       }
     }
