@@ -173,6 +173,7 @@ extern "C" void kernel(const float* q, const float* k, const float* v, const int
         // the scores made: [0, ext), whole at::vec vectors and whole vf vectors
         const int64_t last_row = q_pos0 + i0 + (r0 + mr - 1) / G - k_pos0 - c0 + 1;
         const int64_t used = last_row < nk ? last_row : nk;
+        if (used <= 0) continue;  // every row of the block lies before this chunk
         int64_t ext = (used + AVec::size() - 1) / AVec::size() * AVec::size();
         if (ext > KC) ext = KC;
         with_count<MS>(mr, [&](auto R) {
