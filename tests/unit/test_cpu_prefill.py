@@ -6,6 +6,8 @@ with the kernel really taking those spans (and not under the SDPA reference back
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -171,3 +173,17 @@ def test_the_switch_and_the_sdpa_backend_keep_sdpa(tiny_llama, monkeypatch):
     monkeypatch.setattr(cpu_prefill, "enabled", False)
     assert _greedy(_engine(tiny_llama), prompts) == with_kernel
     assert spy.fresh == taken, "cpu_prefill.enabled = False still ran the kernel"
+
+
+def test_the_kernel_is_built_at_start_up_not_in_a_request(tiny_llama, monkeypatch):
+    """The engine's start-up (the paged backend's warm-up) builds the kernel; the first prompt
+    then finds it built (no C++ compile while a request waits)."""
+    monkeypatch.setattr(cpu_prefill, "build", functools.cache(cpu_prefill.build.__wrapped__))
+    monkeypatch.setattr(cpu_prefill, "available", functools.cache(cpu_prefill.available.__wrapped__))
+    engine = _engine(tiny_llama)
+    built = cpu_prefill.build.cache_info()
+    assert built.currsize == 1
+    spy = _Spy(monkeypatch)
+    _greedy(engine, [[3, 4, 5, 6, 7]])
+    assert spy.fresh > 0
+    assert cpu_prefill.build.cache_info().currsize == 1, "a request built the kernel"

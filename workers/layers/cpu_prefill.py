@@ -259,9 +259,10 @@ def _source(group: int, head_dim: int, max_vector_floats: int) -> str:
 
 
 @functools.cache
-def build(group: int, head_dim: int, max_vector_floats: int = 16) -> Any:
+def build(group: int, head_dim: int, max_vector_floats: int) -> Any:
     """The kernel for one (group, head dim), with vectors of at most ``max_vector_floats`` floats
-    (16: AVX-512 where the CPU has it; below that only for the tests)."""
+    (16: AVX-512 where the CPU has it; below that only for the tests). Every caller passes all
+    three (one cache key per kernel)."""
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
     return CppPythonBindingsCodeCache.load_pybinding(ARGTYPES, _source(group, head_dim, max_vector_floats))
@@ -272,7 +273,7 @@ def available(group: int, head_dim: int) -> bool:
     """Whether the kernel builds here for this shape (asked once per shape; a failure is logged
     and prompts keep SDPA)."""
     try:
-        build(group, head_dim)
+        build(group, head_dim, 16)
     except Exception as exc:  # noqa: BLE001 - no compiler, an inductor without this API ...
         logger.warning(
             "the CPU prompt-attention kernel did not build (%s: %s); prompts keep SDPA", type(exc).__name__, exc

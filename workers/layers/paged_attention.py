@@ -466,13 +466,16 @@ def cpu_paged_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def warm_up_paged_decode(
     kv: PagedKVCache, scale: float, num_q_heads: int, window: int | None, cpu_kernel: bool | None = None
 ) -> None:
-    """Build the kernel the paged backend will run now: on CPU fp32 ``cpu_paged``'s C++ kernel
-    (~10 s on a cold inductor cache, then from its disk cache), else the inductor graph: 3 rows of 5
-    blocks (distinct sizes, so that dynamo's duck shaping does not tie batch and blocks to one
-    symbol); what it reads is void. ``cpu_kernel``: as ``PagedDecodeAttention.cpu_kernel``
-    unless given."""
+    """Build the kernels the paged backend will run now, not in a request: on CPU fp32
+    ``cpu_prefill``'s prompt kernel and ``cpu_paged``'s decode kernel (C++, ~10 s each on a cold
+    inductor cache, then from its disk cache), else the inductor graph: 3 rows of 5 blocks
+    (distinct sizes, so that dynamo's duck shaping does not tie batch and blocks to one symbol);
+    what it reads is void. ``cpu_kernel``: as ``PagedDecodeAttention.cpu_kernel`` unless given."""
     dev = kv.layers[0].device
     probe = torch.zeros(1, num_q_heads, kv.head_dim, dtype=kv.dtype, device=dev)
+    if PagedDecodeAttention.cpu_prefill_kernel and not kv.quantized:
+        flat = kv.flat(0)
+        cpu_prefill.takes(probe, flat[0], flat[1])  # builds the kernel for this shape where it runs
     if cpu_kernel is None:
         cpu_kernel = PagedDecodeAttention.cpu_kernel
     if cpu_kernel and cpu_paged_usable(probe, kv.layers[0][0]):
