@@ -6,8 +6,9 @@ the engine ran before), in one process, interleaved.
 cached ones (SDPA with the additive mask over a gathered copy, the kernel over the scattered
 rows in place); min and median of ``--calls`` calls each way per round.
 
-Then the engine's prompt pass: a fresh prompt of each of ``--lengths`` tokens to its first token
-(one step), the kernel on and off (``cpu_prefill.enabled``), interleaved; min and median.
+Then the engine's prompt pass (``bench/engine.py``'s ``prompt_pass``: one prompt of each of
+``--lengths`` tokens to its first token, the engine caching no prefix), the kernel on and off
+(``cpu_prefill.enabled``), interleaved; min and median.
 
 (b) The engine alone on the c8 workload (``bench/elementwise.py``'s ``compare_c8``), both ways.
 ``--skip a`` / ``--skip b`` leave a section out.
@@ -18,7 +19,6 @@ Then the engine's prompt pass: a fresh prompt of each of ``--lengths`` tokens to
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import time
@@ -30,8 +30,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.elementwise import add_c8_arguments, compare_c8  # noqa: E402
+from bench.engine import prompt_pass  # noqa: E402
 from bench.models import MODEL_HELP  # noqa: E402
-from workers.engine import LLMEngine, SamplingParams  # noqa: E402
+from workers.engine import LLMEngine  # noqa: E402
 from workers.layers import cpu_prefill  # noqa: E402
 from workers.models.source import resolve_model  # noqa: E402
 
@@ -115,9 +116,7 @@ def _interleave(fns: dict, args: argparse.Namespace) -> dict[str, list[float]]:
     return times
 
 
-def prompt_pass_table(engine: LLMEngine, args: argparse.Namespace, rng: random.Random) -> None:
-    vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=1, temperature=0.0)
+def prompt_pass_table(engine: LLMEngine, args: argparse.Namespace) -> None:
     _header(
         f"(a) the engine's prompt pass, a fresh prompt to its first token; {args.rounds} rounds x {args.passes} (ms)"
     )
@@ -127,14 +126,10 @@ def prompt_pass_table(engine: LLMEngine, args: argparse.Namespace, rng: random.R
             for side in SIDES:
                 cpu_prefill.enabled = side == "kernel"
                 for i in range(args.passes):
-                    engine.add_request(
-                        f"{side}-{n}-{round_}-{i}", [rng.randrange(100, vocab) for _ in range(n)], params
-                    )
-                    start = time.perf_counter()
-                    while engine.has_unfinished():
-                        engine.step()
+                    # bench/engine.py's pass: the same prompt each time (the engine caches no prefix)
+                    seconds = prompt_pass(engine, 1, n, f"{side}-{n}-{round_}-{i}")
                     if round_:
-                        times[side].append((time.perf_counter() - start) * 1e3)
+                        times[side].append(seconds * 1e3)
         cpu_prefill.enabled = True
         _row(f"prompt {n}", times)
 
@@ -162,9 +157,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     if "a" not in args.skip:
         attention_table(args)
-    engine = LLMEngine(str(model_dir), load_progress=False)
+    # no prefix caching: (a)'s passes repeat one prompt per length (bench/engine.py's), and (b)'s
+    # random prompts share no prefix
+    engine = LLMEngine(str(model_dir), load_progress=False, enable_prefix_caching=False)
     if "a" not in args.skip:
-        prompt_pass_table(engine, args, random.Random(0))
+        prompt_pass_table(engine, args)
     if "b" not in args.skip:
         compare_c8(engine, SIDES, lambda side: setattr(cpu_prefill, "enabled", side == "kernel"), args)
         cpu_prefill.enabled = True
