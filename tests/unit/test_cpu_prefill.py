@@ -134,15 +134,8 @@ def _engine(model_dir: str, **kwargs):
 def _greedy(engine, prompts: list[list[int]], max_tokens: int = 24) -> list[list[int]]:
     from workers.engine import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = list(output.token_ids)
-    return [done[f"r{i}"] for i in range(len(prompts))]
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return [list(output.token_ids) for output in outputs]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])  # plain; q/k/v biases; a sliding window
