@@ -193,7 +193,7 @@ class PagedAttention:
             kv = self.kv
             self._cpu_prefill = (
                 self.cpu_prefill_kernel
-                and (kv is None or (not kv.quantized and kv.rotation is None))
+                and (kv is None or not kv.quantized)  # a full-precision cache stores V as it is
                 and cpu_prefill.takes(q, k, v)
             )
         if not self._cpu_prefill:
