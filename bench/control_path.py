@@ -129,9 +129,9 @@ async def control_round_trips(status: dict, n: int) -> list[float]:
         async def call() -> None:
             await handle.release_kv.remote("bench-no-such-request", target_replica=prefill_id)
     else:
-        from deploy.pools.directory import find, lookup
+        from deploy.pools.directory import lookup
 
-        address = (await lookup(find("bench"), "prefill"))[prefill_id]
+        address = (await lookup("bench", "prefill"))[prefill_id]
         client = ControlClient("bench")
 
         async def call() -> None:

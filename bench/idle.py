@@ -49,6 +49,7 @@ class ProcessCPU:
     role: str
     seconds: float  # CPU seconds over the window
     threads: list[tuple[str, float]] = field(default_factory=list)  # (name, CPU seconds), busiest first
+    wakes: float = 0.0  # voluntary context switches over the window, all its threads
 
 
 def thread_name(pid: int, tid: int) -> str:
@@ -57,11 +58,28 @@ def thread_name(pid: int, tid: int) -> str:
     return str(tid)
 
 
-def snapshot(procs: Mapping[int, Any]) -> dict[int, tuple[str, str, float, dict[str, float]]]:
-    """pid -> (title, role, CPU seconds, CPU seconds by thread name) of every live process."""
+def voluntary_switches(pid: int) -> int:
+    """How many times the process's threads have gone to sleep of their own accord (each is a
+    wake-up later), summed over its live threads; 0 where /proc no longer has it."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                for line in (task / "status").read_text().splitlines():
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+    return total
+
+
+Snapshot = dict[int, tuple[str, str, float, dict[str, float], int]]
+
+
+def snapshot(procs: Mapping[int, Any]) -> Snapshot:
+    """pid -> (title, role, CPU seconds, CPU seconds by thread name, voluntary context switches)
+    of every live process."""
     import psutil
 
-    out: dict[int, tuple[str, str, float, dict[str, float]]] = {}
+    out: Snapshot = {}
     for pid, p in procs.items():
         with contextlib.suppress(psutil.Error):
             name, cmdline = p.name(), " ".join(p.cmdline())
@@ -71,37 +89,41 @@ def snapshot(procs: Mapping[int, Any]) -> dict[int, tuple[str, str, float, dict[
                 key = thread_name(pid, t.id)
                 by_thread[key] = by_thread.get(key, 0.0) + t.user_time + t.system_time
             title = cmdline if cmdline.startswith("ray::") else f"{name} {cmdline}"
-            out[pid] = (title[:90], cpu_role(name, cmdline), times.user + times.system, by_thread)
+            cpu = times.user + times.system
+            out[pid] = (title[:90], cpu_role(name, cmdline), cpu, by_thread, voluntary_switches(pid))
     return out
 
 
-def window(
-    before: Mapping[int, tuple[str, str, float, dict[str, float]]],
-    after: Mapping[int, tuple[str, str, float, dict[str, float]]],
-) -> list[ProcessCPU]:
+def window(before: Snapshot, after: Snapshot) -> list[ProcessCPU]:
     """Each process's CPU over the window (those alive at both reads), busiest first."""
     rows = []
-    for pid, (title, role, seconds, threads) in after.items():
+    for pid, (title, role, seconds, threads, switches) in after.items():
         if pid not in before:
             continue
         prev_threads = before[pid][3]
         used = [(n, s - prev_threads.get(n, 0.0)) for n, s in threads.items()]
         used = sorted((u for u in used if u[1] > 0), key=lambda u: -u[1])
-        rows.append(ProcessCPU(pid, title, role, max(0.0, seconds - before[pid][2]), used))
+        wakes = max(0, switches - before[pid][4])
+        rows.append(ProcessCPU(pid, title, role, max(0.0, seconds - before[pid][2]), used, wakes))
     return sorted(rows, key=lambda r: -r.seconds)
 
 
 def format_window(rows: Sequence[ProcessCPU], seconds: float, threads: int) -> str:
-    lines = ["| % of a core | role | process (pid) | busiest threads (% of a core) |", "|---|---|---|---|"]
+    lines = [
+        "| % of a core | wake-ups/s | role | process (pid) | busiest threads (% of a core) |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         busiest = ", ".join(f"{n} {100 * s / seconds:.2f}" for n, s in r.threads[:threads])
-        lines.append(f"| {100 * r.seconds / seconds:.2f} | {r.role} | {r.title} ({r.pid}) | {busiest} |")
+        wakes = r.wakes / seconds
+        lines.append(f"| {100 * r.seconds / seconds:.2f} | {wakes:.0f} | {r.role} | {r.title} ({r.pid}) | {busiest} |")
     total = sum(r.seconds for r in rows)
     by_role: dict[str, float] = {}
     for r in rows:
         by_role[r.role] = by_role.get(r.role, 0.0) + r.seconds
     roles = ", ".join(f"{role} {100 * s / seconds:.2f}" for role, s in sorted(by_role.items()))
-    lines.append(f"| **{100 * total / seconds:.2f}** | all ({roles}) | {len(rows)} processes | |")
+    all_wakes = sum(r.wakes for r in rows) / seconds
+    lines.append(f"| **{100 * total / seconds:.2f}** | {all_wakes:.0f} | all ({roles}) | {len(rows)} processes | |")
     return "\n".join(lines)
 
 

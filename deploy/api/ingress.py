@@ -30,7 +30,6 @@ from deploy.args import PDServeArgs
 from deploy.ops.cluster_status import PoolReader, autoscaling_status, extend_status, index_status, start_history
 from deploy.ops.dashboard import install_dashboard
 from deploy.ops.metrics import IngressMetrics
-from deploy.pools import directory as worker_directory
 from deploy.pools.worker_calls import PoolReadiness, WorkerCalls
 from deploy.replica_logging import route_to_serve
 from kvstore.hashing import hash_prompt_blocks
@@ -79,10 +78,10 @@ class OpenAIIngress:
         self.autoscaler = autoscaler  # autoscaling: pd (deploy/pools/autoscaler.py); shown in the status
         self.metrics = IngressMetrics(self.args.model_name)
         # The workers' control servers (KV releases, lease extensions, each replica's figures),
-        # found through the application's worker directory, which the first ingress creates.
+        # found through the application's worker directory (entries in the GCS's KV store).
         app_name = serve.get_replica_context().app_name
         self.control = ControlClient("ingress")
-        self.pool_reader = PoolReader(app_name, worker_directory.get_or_create(app_name), self.control)
+        self.pool_reader = PoolReader(app_name, self.control)
         self.workers = WorkerCalls(
             self.args.mode,
             prefill=prefill,

@@ -37,20 +37,22 @@ def replica_ids(app_name: str, deployment: str) -> list[str]:
 class PoolReader:
     """Reads each live replica's figures: Serve's replica list (its replica actors' names), the
     directory's control addresses, one ``Stats`` call per replica with a deadline. A replica
-    that does not answer is listed ``healthy: False`` with the reason."""
+    that does not answer is listed ``healthy: False`` with the reason. Entries the directory
+    still holds for replicas Serve no longer lists are deleted once stale."""
 
-    def __init__(self, app_name: str, directory, control, timeout_s: float = 3.0) -> None:
+    def __init__(self, app_name: str, control, timeout_s: float = 3.0) -> None:
         self.app_name = app_name
-        self.directory = directory  # a WorkerDirectory handle, or None (looked up on use)
         self.control = control  # ControlClient
         self.timeout_s = timeout_s
 
     async def read(self, deployment: str) -> list[dict[str, Any]]:
-        await self._ensure_directory()
-        ids, addresses = await asyncio.gather(
+        ids, found = await asyncio.gather(
             asyncio.to_thread(replica_ids, self.app_name, deployment),
-            self._lookup(deployment),
+            worker_directory.entries(self.app_name, deployment),
         )
+        addresses = None if found is None else {w: e.address for w, e in found.items()}
+        if found and (gone := worker_directory.stale(found, ids, time.time())):
+            await worker_directory.forget(self.app_name, deployment, gone)
 
         async def one(replica_id: str) -> dict[str, Any]:
             address = (addresses or {}).get(replica_id)
@@ -74,19 +76,7 @@ class PoolReader:
     async def addresses(self, deployment: str) -> dict:
         """Each registered replica's control address in ``deployment`` (empty when the worker
         directory is not readable)."""
-        await self._ensure_directory()
-        return await self._lookup(deployment) or {}
-
-    async def _ensure_directory(self) -> None:
-        if self.directory is None:  # gone (its node or its owner died): made again, workers re-register
-            self.directory = await asyncio.to_thread(worker_directory.get_or_create, self.app_name)
-
-    async def _lookup(self, deployment: str) -> dict | None:
-        try:
-            return await worker_directory.lookup(self.directory, deployment)
-        except worker_directory.DirectoryGone:
-            self.directory = None  # dead: looked up (or made) again next time; a slow one is kept
-            return None
+        return await worker_directory.lookup(self.app_name, deployment) or {}
 
     async def read_all(self, names: list[str]) -> dict[str, list[dict[str, Any]]]:
         return dict(zip(names, await asyncio.gather(*(self.read(n) for n in names))))

@@ -193,7 +193,7 @@ class PDAutoscaler:
         self._retire_wanted = 0  # decode replicas the running watch looks for
         self._retire_deadline = 0.0
         self.scaler = DashboardScaler(dashboard_urls(self.args.autoscaling.dashboard_url))
-        self.pool_reader = PoolReader(self.app_name, None, ControlClient("autoscaler"), timeout_s=STATS_TIMEOUT_S)
+        self.pool_reader = PoolReader(self.app_name, ControlClient("autoscaler"), timeout_s=STATS_TIMEOUT_S)
         self._ensure_running()
         c = self.config
         logger.info(

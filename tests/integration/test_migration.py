@@ -154,7 +154,7 @@ def retire_busy_decode_replica(base: str) -> tuple[str, int]:
     busy = busy_decode_replica(base)
 
     async def retire() -> int:
-        address = (await directory.lookup(directory.get_or_create(APP), "decode"))[busy]
+        address = (await directory.lookup(APP, "decode"))[busy]
         client = ControlClient("test")
         try:
             return await client.retire(address, 10.0)
