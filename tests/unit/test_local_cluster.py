@@ -152,3 +152,12 @@ def test_sigterm_stops_managed_redis(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
     assert not _pid_alive(redis_pid)
+
+
+def test_ray_config_env_names_each_setting_as_ray_reads_it_from_the_environment() -> None:
+    from cluster.local import RAY_IDLE_CONFIG, ray_config_env
+
+    env = ray_config_env()
+    assert set(env) == {f"RAY_{name}" for name in RAY_IDLE_CONFIG}
+    assert env["RAY_event_stats"] == "0"  # Ray reads a boolean as true only from "1" or "true"
+    assert env["RAY_kill_idle_workers_interval_ms"] == "1000"
