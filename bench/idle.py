@@ -9,8 +9,9 @@ remembered and stopped at the end), sent ``--requests`` short requests (one by d
 ``--settle-s`` seconds, then the CPU time (user + system, ``/proc`` through psutil) of each of its
 processes and their threads is read at the start and the end of ``--window-s`` seconds with no
 request in flight. The table gives each process's share of one core over the window, busiest
-first, with its role as ``bench/peer.py`` counts it and, under it, the threads that used the
-most (their names as the kernel has them, ``/proc/<pid>/task/<tid>/comm``).
+first, its wake-ups a second (voluntary context switches of all its threads: a Ray worker's main
+thread alone wakes 100 times a second), its role as ``bench/peer.py`` counts it and the threads
+that used the most (their names as the kernel has them, ``/proc/<pid>/task/<tid>/comm``).
 """
 
 from __future__ import annotations
