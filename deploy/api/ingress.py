@@ -139,6 +139,7 @@ class OpenAIIngress:
         give the ones in flight ``timeout_s`` to finish, then cut the rest, which aborts them
         on the workers (their KV blocks are freed). Returns how many were in flight and cut."""
         self.readiness.stopping = True
+        self.history.stop()  # the status sampler: nothing left to watch
         in_flight = len(self._requests)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s

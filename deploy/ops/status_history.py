@@ -222,6 +222,10 @@ class StatusHistory:
             await asyncio.sleep(max(0.05, self.interval_s - (time.monotonic() - started)))
 
     def stop(self) -> None:
+        """Stop sampling for good (the ingress is draining: a sample would read replicas that are
+        stopping, on an event loop whose executor may already be shut down). ``ensure_running``
+        starts nothing afterwards; the samples so far stay readable."""
+        self.collect = None
         if self._task is not None:
             self._task.cancel()
 

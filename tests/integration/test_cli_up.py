@@ -36,7 +36,7 @@ pytestmark = [
     pytest.mark.skipif(find_redis_server() is None, reason="redis-server not installed"),
 ]
 REPO_ROOT = Path(__file__).resolve().parents[2]
-BAD = ("ERROR", "Traceback", "lost", "could not leave", "graceful_shutdown failed")
+BAD = ("ERROR", "Traceback", "lost", "could not leave", "graceful_shutdown failed", "sample failed")
 ACCESS_LOG = re.compile(r"\bCALL\b|\b(GET|POST) /\S* \d{3} ")  # Serve's access-log lines
 
 

@@ -149,6 +149,27 @@ async def test_the_sampler_task_feeds_the_ring_and_survives_a_failed_round():
         history.stop()
 
 
+async def test_a_stopped_sampler_stays_stopped_and_keeps_its_samples():
+    calls = []
+
+    async def collect():
+        calls.append(1)
+        return status_at(float(len(calls)))
+
+    history = StatusHistory(collect, interval_s=0.01).start()
+    for _ in range(500):
+        if history.samples:
+            break
+        await asyncio.sleep(0.01)
+    history.stop()  # the ingress drains
+    await asyncio.sleep(0.05)
+    taken = len(calls)
+    assert not history.ensure_running()  # a status read during the drain starts nothing
+    await asyncio.sleep(0.05)
+    assert len(calls) == taken and history._task is not None and history._task.done()
+    assert history.export()["samples"]  # what was sampled stays readable
+
+
 def test_without_an_event_loop_the_sampler_waits_for_one():
     async def collect():
         return status_at(1.0)
