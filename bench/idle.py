@@ -59,17 +59,24 @@ def thread_name(pid: int, tid: int) -> str:
     return str(tid)
 
 
-def voluntary_switches(pid: int) -> int:
-    """How many times the process's threads have gone to sleep of their own accord (each is a
-    wake-up later), summed over its live threads; 0 where /proc no longer has it."""
-    total = 0
+def thread_switches(pid: int | str) -> dict[str, int]:
+    """Each live thread's voluntary context switches (times it went to sleep of its own accord,
+    each a wake-up later), by thread id; ``pid`` may be "self". Empty where /proc no longer has
+    the process."""
+    out: dict[str, int] = {}
     with contextlib.suppress(OSError):
         for task in Path(f"/proc/{pid}/task").iterdir():
             with contextlib.suppress(OSError):
                 for line in (task / "status").read_text().splitlines():
                     if line.startswith("voluntary_ctxt_switches:"):
-                        total += int(line.split()[1])
-    return total
+                        out[task.name] = int(line.split()[1])
+    return out
+
+
+def voluntary_switches(pid: int) -> int:
+    """The process's voluntary context switches, summed over its live threads; 0 where /proc no
+    longer has it."""
+    return sum(thread_switches(pid).values())
 
 
 Snapshot = dict[int, tuple[str, str, float, dict[str, float], int]]

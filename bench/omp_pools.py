@@ -25,15 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.idle import thread_switches  # noqa: E402
+
 MODES = ("built-elsewhere", "built-on-the-stepping-thread")
-
-
-def _switches() -> dict[str, int]:
-    out = {}
-    for task in Path("/proc/self/task").iterdir():
-        status = (task / "status").read_text()
-        out[task.name] = int(status.split("voluntary_ctxt_switches:")[1].split()[0])
-    return out
 
 
 def child(mode: str, model: str, threads: int, tokens: int) -> dict:
@@ -50,11 +44,11 @@ def child(mode: str, model: str, threads: int, tokens: int) -> dict:
             engine.append(LLMEngine(model, load_progress=False))
         warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         engine[0].generate([[1] * 280], warm)
-        before = _switches()
+        before = thread_switches("self")
         start = time.perf_counter()
         engine[0].generate([[5] * 280], SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
         result["s"] = time.perf_counter() - start
-        after = _switches()
+        after = thread_switches("self")
         result["switches"] = sorted(after[k] - before.get(k, 0) for k in after)[-3:]
 
     thread = threading.Thread(target=run, name="engine-loop")

@@ -144,16 +144,21 @@ def _serve_processes(up: Up, controller: bool = False) -> Iterator[tuple[str, in
             yield "ServeController", pid
 
 
+def _environ(pid: int) -> dict[str, str]:
+    """The environment a process started with (FileNotFoundError once it is gone)."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    return dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+
+
 def _serve_environments(up: Up) -> dict[str, dict[str, str]]:
     """The environment of Serve's controller and of each replica process in the session, by
     deployment ("ServeController" for the controller)."""
     found: dict[str, dict[str, str]] = {}
     for name, pid in _serve_processes(up, controller=True):
         try:
-            raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+            found[name] = _environ(pid)
         except FileNotFoundError:
             continue
-        found[name] = dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
     return found
 
 
@@ -166,12 +171,11 @@ def _ray_daemons(up: Up) -> tuple[dict, dict[str, str]]:
         pid = int(line.split()[0])
         try:
             args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-            if any(a.endswith("/gcs_server") for a in args[:1]):
+            if args[0].endswith("/gcs_server"):
                 encoded = next(a.split("=", 1)[1] for a in args if a.startswith("--config_list="))
                 config = json.loads(base64.b64decode(encoded))
             elif any(a.endswith("log_monitor.py") for a in args):
-                raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
-                log_monitor_env = dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+                log_monitor_env = _environ(pid)
         except FileNotFoundError:
             continue
     return config, log_monitor_env
