@@ -3,6 +3,7 @@
     python bench/idle.py                               # colocated SmolLM2, a 30 s window
     python bench/idle.py --server disagg --window-s 60 --threads 3
     python bench/idle.py --pdserve-arg=--haproxy       # one more `pdserve up` argument (repeatable)
+    python bench/idle.py --server serve-floor          # Ray Serve in pdserve's shape, no model (bench/serve_floor.py)
 
 The server is started alone as ``bench/peer.py`` starts it (its own session; every descendant
 remembered and stopped at the end), sent ``--requests`` short requests (one by default) so every lazy path has run, left
@@ -147,7 +148,7 @@ def send(base_url: str, model: str, n: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--server", choices=("colocated", "disagg"), default="colocated")
+    ap.add_argument("--server", choices=("colocated", "disagg", "serve-floor"), default="colocated")
     ap.add_argument("--model", default=None, help="model directory (default: `pdserve pull`'s SmolLM2)")
     ap.add_argument("--port", type=int, default=8011)
     ap.add_argument("--served-model-name", default="SmolLM2-135M-Instruct")
@@ -164,7 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     model = Path(args.model or default_model())
     if not port_free(args.port):
         raise SystemExit(f"port {args.port} is taken: pass --port")
-    cmd = pdserve_command(args.server, model, args.served_model_name, args.port, args.max_model_len) + args.pdserve_arg
+    if args.server == "serve-floor":
+        floor = Path(__file__).resolve().parent / "serve_floor.py"
+        cmd = [sys.executable, str(floor), "--port", str(args.port), "--served-model-name", args.served_model_name]
+    else:
+        cmd = pdserve_command(args.server, model, args.served_model_name, args.port, args.max_model_len)
+        cmd += args.pdserve_arg
     log = Path(tempfile.gettempdir()) / f"pdserve-idle-{args.server}.log"
     server = Server(f"pdserve {args.server}", cmd, offline_env(os.environ), args.port, log)
     print(f"# {machine_line()}; load {' / '.join(f'{x:.2f}' for x in loadavg())}")
