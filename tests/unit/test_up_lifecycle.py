@@ -230,6 +230,35 @@ def test_the_stop_flag_waits_like_an_event():
     assert flag.is_set() and flag.wait() is True and flag.wait(0) is True
 
 
+def test_the_stop_flag_sleeps_until_set_from_another_thread():
+    import threading
+
+    from bench.idle import thread_switches
+    from deploy.ops.cli import _StopFlag
+
+    flag = _StopFlag()
+    waiter: dict[str, object] = {}
+    returned = threading.Event()
+
+    def wait() -> None:
+        waiter["tid"] = threading.get_native_id()
+        waiter["result"] = flag.wait()
+        returned.set()
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    while "tid" not in waiter:
+        time.sleep(0.01)
+    tid = str(waiter["tid"])
+    time.sleep(0.2)  # into select
+    before = thread_switches("self")[tid]
+    time.sleep(1.0)
+    # Asleep in select: it did not wake (a 0.1 s poll woke ten times over that second).
+    assert thread_switches("self")[tid] - before <= 2 and not returned.is_set()
+    flag.set()
+    assert returned.wait(10) and waiter["result"] is True
+
+
 def test_first_interrupt_asks_for_a_stop_a_second_one_exits_at_once():
     script = textwrap.dedent("""
         import sys, time
