@@ -511,7 +511,7 @@ class _StopFlag:
         if not self._set:
             # Interrupted by a signal, select runs the handler and resumes (PEP 475): readable
             # at once when the handler set the flag.
-            select.select([self._read_fd], [], [], timeout)
+            select.select([self._read_fd], [], [], None if timeout is None else max(0.0, timeout))
         return self._set
 
 

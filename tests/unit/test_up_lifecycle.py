@@ -225,7 +225,7 @@ def test_the_stop_flag_waits_like_an_event():
     from deploy.ops.cli import _StopFlag
 
     flag = _StopFlag()
-    assert not flag.is_set() and flag.wait(0.05) is False
+    assert not flag.is_set() and flag.wait(0.05) is False and flag.wait(-1) is False
     flag.set()
     assert flag.is_set() and flag.wait() is True and flag.wait(0) is True
 
