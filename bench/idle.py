@@ -4,6 +4,7 @@
     python bench/idle.py --server disagg --window-s 60 --threads 3
     python bench/idle.py --pdserve-arg=--haproxy       # one more `pdserve up` argument (repeatable)
     python bench/idle.py --server serve-floor          # Ray Serve in pdserve's shape, no model (bench/serve_floor.py)
+    python bench/idle.py --server serve-floor --pdserve-arg=--ray-defaults   # ... on a plain ray.init
 
 The server is started alone as ``bench/peer.py`` starts it (its own session; every descendant
 remembered and stopped at the end), sent ``--requests`` short requests (one by default) so every lazy path has run, left
@@ -159,7 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=3, help="threads shown per process")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--startup-timeout-s", type=float, default=600.0)
-    ap.add_argument("--pdserve-arg", action="append", default=[], help="one more `pdserve up` argument")
+    ap.add_argument(
+        "--pdserve-arg",
+        action="append",
+        default=[],
+        help="one more argument for the server's command (`pdserve up`, or serve_floor.py's --ray-defaults)",
+    )
     args = ap.parse_args(argv)
 
     model = Path(args.model or default_model())
@@ -170,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, str(floor), "--port", str(args.port), "--served-model-name", args.served_model_name]
     else:
         cmd = pdserve_command(args.server, model, args.served_model_name, args.port, args.max_model_len)
-        cmd += args.pdserve_arg
+    cmd += args.pdserve_arg
     log = Path(tempfile.gettempdir()) / f"pdserve-idle-{args.server}.log"
     server = Server(f"pdserve {args.server}", cmd, offline_env(os.environ), args.port, log)
     print(f"# {machine_line()}; load {' / '.join(f'{x:.2f}' for x in loadavg())}")
