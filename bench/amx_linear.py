@@ -1,7 +1,7 @@
 """One layer's linears of SmolLM2-135M (q/k/v fused 960 x 576, o 576 x 576, gate/up fused 3072 x
 576, down 576 x 1536) on coded weights (random weights through GGUF's Q4_1 and back, as ``pdserve
 pull`` leaves SmolLM2's), at each row count: oneDNN's fp32 GEMM on its reordered copy (what wide
-batches ran on before), the AMX kernel on the weight's tiles (``workers/layers/cpu_amx.py``) and,
+batches ran on before), the AMX kernel on the weight's tiles (``workers/backends/cpu/amx.py``) and,
 up to ``cpu_linear.MAX_ROWS`` rows, the panel kernel on the coded panels. Each figure is the best
 of ``--repeats`` calls, the ways taken in turn per weight; "err" is the worst ``|out - exact| /
 sum |x w|`` against float64 over the four weights.
@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workers.layers import cpu_amx, cpu_linear  # noqa: E402
+from workers.backends.cpu import amx as cpu_amx  # noqa: E402
+from workers.backends.cpu import panels as cpu_linear  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # q/k/v, o, gate/up, down
 

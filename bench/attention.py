@@ -1,6 +1,6 @@
 """Decode step time per attention backend (sdpa: gather + SDPA; flex: FlexAttention over the
 physical cache; paged: one kernel per layer reading through the block tables, on CPU fp32 the C++
-one of ``workers/layers/cpu_paged.py``; paged-inductor: the paged backend with inductor's kernel
+one of ``workers/backends/cpu/paged.py``; paged-inductor: the paged backend with inductor's kernel
 instead, gather + SDPA below PAGED_MIN_KEYS keys), side by side in one run, each as a ratio to
 sdpa.
 
@@ -80,7 +80,7 @@ def decode_step(engine: LLMEngine, attn: PagedAttention, tokens: torch.Tensor, p
 
 class InductorPagedAttention(PagedDecodeAttention):
     """The paged backend with inductor's kernel on CPU fp32 too (what ran there before the C++
-    kernel of ``workers/layers/cpu_paged.py``): gather + SDPA below PAGED_MIN_KEYS keys."""
+    kernel of ``workers/backends/cpu/paged.py``): gather + SDPA below PAGED_MIN_KEYS keys."""
 
     cpu_kernel = False
 

@@ -1,4 +1,4 @@
-"""The engine's fused CPU kernels (``workers/layers/cpu_fused.py``) against aten's ops, which
+"""The engine's fused CPU kernels (``workers/backends/cpu/fused.py``) against aten's ops, which
 they equal bit for bit.
 
 (a) Each op alone at a few row counts, at the model's widths: the residual add with the RMSNorm
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.models import MODEL_HELP  # noqa: E402
 from workers.engine import LLMEngine, SamplingParams  # noqa: E402
-from workers.layers import cpu_fused  # noqa: E402
+from workers.backends.cpu import fused as cpu_fused  # noqa: E402
 from workers.models.config import ModelConfig  # noqa: E402
 from workers.models.source import resolve_model  # noqa: E402
 

@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
         "--onednn",
         action="store_true",
         help="also build an eager engine whose small batches stay on oneDNN (plain_linear_rows=0: no "
-        "panel kernel, workers/layers/cpu_linear.py) and compare it in (b) and (c), where it is the baseline",
+        "panel kernel, workers/backends/cpu/panels.py) and compare it in (b) and (c), where it is the baseline",
     )
     ap.add_argument(
         "--fp32-panels",
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         "--onednn-prompts",
         action="store_true",
         help="also build an eager engine whose batches wider than the panel kernel's stay on oneDNN "
-        "(amx_linears=False: no AMX tiles, workers/layers/cpu_amx.py) and compare it in (b), (c) "
+        "(amx_linears=False: no AMX tiles, workers/backends/cpu/amx.py) and compare it in (b), (c) "
         "and (d), where it is the baseline",
     )
     ap.add_argument(

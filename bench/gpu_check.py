@@ -15,7 +15,7 @@
   roofline: (weight bytes + the step's KV bytes) / 4.8 TB/s (H200). Eager and compiled use
   the engine's CUDA choice (SDPA over gathered blocks; flash-attn's paged kernel when installed
   and the block size suits it); two more eager rows per batch run the paged backend (its decode
-  kernel: hand-written Triton on CUDA, ``workers/layers/triton_paged.py``) and flex; "compiled-
+  kernel: hand-written Triton on CUDA, ``workers/backends/cuda/triton_paged.py``) and flex; "compiled-
   paged" is the compiled step over the paged kernel. Each row names its backend. Each backend
   is built and timed in a process of its own, one after another, eager first (two compiled
   models in one process interfered: call 4 in BENCHMARKS.md), and one that fails is a row: the

@@ -1,4 +1,4 @@
-"""CPU fp32 decode steps as one loop of kernel calls (``workers/models/lean_decode.py``) against
+"""CPU fp32 decode steps as one loop of kernel calls (``workers/backends/cpu/lean_decode.py``) against
 the same steps through the model's modules, in one engine switched between them
 (``lean_decode.enabled``), runs interleaved.
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.elementwise import add_c8_arguments, compare_c8  # noqa: E402
 from bench.models import MODEL_HELP  # noqa: E402
 from workers.engine import LLMEngine, SamplingParams  # noqa: E402
-from workers.models import lean_decode  # noqa: E402
+from workers.backends.cpu import lean_decode  # noqa: E402
 from workers.models.source import resolve_model  # noqa: E402
 
 SIDES = {"modules": False, "lean": True}

@@ -14,7 +14,7 @@ for bit (on the LM head and a down projection): the engine's greedy output is he
 transformers' token for token, which runs ``F.linear``.
 
 Batches of up to ``cpu_linear.MAX_ROWS`` rows also run the engine's panel kernel on its panel
-copies of the weights (``workers/layers/cpu_linear.py``; a dash where it does not apply or did
+copies of the weights (``workers/backends/cpu/panels.py``; a dash where it does not apply or did
 not build), with the weights' bytes over its time (GB/s): a small batch only streams the weights.
 
     python bench/packed_linear.py --batches 1 2 4 8 16 --threads 2   # the panel kernel's range
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workers.layers import cpu_linear  # noqa: E402
+from workers.backends.cpu import panels as cpu_linear  # noqa: E402
 
 HIDDEN, INNER, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30  # SmolLM2-135M
 SHAPES = [

@@ -33,7 +33,7 @@ from bench.elementwise import add_c8_arguments, compare_c8  # noqa: E402
 from bench.engine import prompt_pass  # noqa: E402
 from bench.models import MODEL_HELP  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
-from workers.layers import cpu_prefill  # noqa: E402
+from workers.backends.cpu import prefill as cpu_prefill  # noqa: E402
 from workers.models.source import resolve_model  # noqa: E402
 
 SIDES = ("sdpa", "kernel")

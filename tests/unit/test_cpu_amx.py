@@ -1,4 +1,4 @@
-"""The AMX kernel for wide batches on coded weights (``workers/layers/cpu_amx.py``) against a
+"""The AMX kernel for wide batches on coded weights (``workers/backends/cpu/amx.py``) against a
 float64 reference: every row count around its 16-row blocks, widths that do not fill a panel,
 biases, and weights from each GGUF block format. Its sums are fp32 sums of exact products, so it
 is held to fp32's accuracy (the bound below is what oneDNN's fp32 GEMM meets too)."""
@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.layers import cpu_amx, cpu_linear
+from workers.backends.cpu import amx as cpu_amx
+from workers.backends.cpu import panels as cpu_linear
 
 pytestmark = pytest.mark.skipif(not cpu_amx.available(), reason="no AMX on this CPU (or the kernel did not build)")
 

@@ -1,4 +1,4 @@
-"""The decoder's fused CPU kernels (``workers/layers/cpu_fused.py``) equal aten's ops bit for
+"""The decoder's fused CPU kernels (``workers/backends/cpu/fused.py``) equal aten's ops bit for
 bit: the residual add with the RMSNorm after it, and rotary embedding; the self-checks that
 guard them can fail; and an engine's logprobs are the same bits with the kernels on or off."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.layers import cpu_fused
+from workers.backends.cpu import fused as cpu_fused
 
 pytestmark = pytest.mark.skipif(
     torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),

@@ -1,4 +1,4 @@
-"""The panel kernel for small batches (``workers/layers/cpu_linear.py``) against a float64
+"""The panel kernel for small batches (``workers/backends/cpu/panels.py``) against a float64
 reference: shapes that do not fill a panel or a vector, every row count it takes (a row block
 boundary included), biases, and its batch invariance (a row's output does not depend on the
 rows around it)."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.layers import cpu_linear
+from workers.backends.cpu import panels as cpu_linear
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="the panel kernel did not build (no C++ compiler)")
 

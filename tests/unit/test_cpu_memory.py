@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
 PROBE = r"""
 import ctypes, json, sys
 import torch
-from workers.cpu_memory import keep_freed_memory
+from workers.backends.cpu.memory import keep_freed_memory
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (

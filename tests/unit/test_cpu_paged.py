@@ -1,4 +1,4 @@
-"""The CPU paged decode kernel (``workers/layers/cpu_paged.py``) against attention written out
+"""The CPU paged decode kernel (``workers/backends/cpu/paged.py``) against attention written out
 in float64 over the same keys: block sizes, GQA groups, head dims, sliding windows, tables that
 start past position 0, any number of splits; slots it must not read hold NaN."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from workers.layers import cpu_paged
+from workers.backends.cpu import paged as cpu_paged
 
 
 def reference(q, k_cache, v_cache, tables, first_pos, lens, scale, window):

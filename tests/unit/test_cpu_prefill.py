@@ -1,4 +1,4 @@
-"""The CPU prompt-attention kernel (``workers/layers/cpu_prefill.py``): the attention of a fresh
+"""The CPU prompt-attention kernel (``workers/backends/cpu/prefill.py``): the attention of a fresh
 prompt and of a chunk after cached tokens, against a float64 reference, at each vector width this
 CPU runs; out-of-range key rows refused; and the engine, with the kernel on, serving
 transformers' greedy tokens for fresh prompts, chunks after a cached prefix and sliding windows,
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.unit.engine_helpers import hf_greedy
-from workers.layers import cpu_prefill
+from workers.backends.cpu import prefill as cpu_prefill
 
 
 def _widths() -> list[int]:

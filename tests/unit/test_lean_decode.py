@@ -1,4 +1,4 @@
-"""CPU fp32 decode steps as one loop of kernel calls (``workers/models/lean_decode.py``) give the
+"""CPU fp32 decode steps as one loop of kernel calls (``workers/backends/cpu/lean_decode.py``) give the
 module path's hidden states bit for bit, run only where every call is the module path's, and
 refuse a KV slot out of range as the module path does."""
 
@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from workers.layers import cpu_fused
-from workers.models import lean_decode
+from workers.backends.cpu import fused as cpu_fused
+from workers.backends.cpu import lean_decode
 
 pytestmark = pytest.mark.skipif(
     torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or cpu_fused.norm_width() is None,

@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from tests.unit.engine_helpers import random_prompts
 from tests.unit.test_engine_parity import GREEDY, assert_matches_hf, make_engine
-from workers.layers import cpu_linear
+from workers.backends.cpu import panels as cpu_linear
 from workers.models.config import ModelConfig
 from workers.models.loader import load_model
 from workers.models.parallel import (

@@ -21,7 +21,7 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
         # whatever the load-time timing chose here: decode steps on the panel kernel, or on oneDNN
         pytest.param({"plain_linear_rows": 64}, id="panel-kernel"),  # on coded panels (one byte a weight)
         pytest.param({"plain_linear_rows": 64, "coded_weights": False}, id="panel-kernel-fp32"),
-        # every batch on the wide path: AMX's tiles where the CPU has AMX (workers/layers/cpu_amx.py)
+        # every batch on the wide path: AMX's tiles where the CPU has AMX (workers/backends/cpu/amx.py)
         pytest.param({"plain_linear_rows": 0}, id="wide-path"),
         pytest.param({"plain_linear_rows": 0, "amx_linears": False}, id="onednn"),
     ],
@@ -40,7 +40,7 @@ def test_engine_equals_transformers_on_chat_prompts(smollm2_dir, engine_kwargs):
 def test_the_panel_kernel_holds_every_weight_of_the_gguf_checkpoint_coded(smollm2_dir):
     """SmolLM2's fp32 weights come from Q4_1 (linears) and Q8_0 (embedding and tied head)
     tensors: every one codes exactly, so decode steps stream a quarter of the bytes."""
-    from workers.layers import cpu_linear
+    from workers.backends.cpu import panels as cpu_linear
     from workers.models.parallel import _packed_units
 
     if not cpu_linear.available():
@@ -57,7 +57,7 @@ def test_amx_tiles_hold_every_coded_weight_and_a_long_prompt_equals_transformers
     """Where the CPU has AMX, every coded weight gets tiles, and batches wider than the panel
     kernel's (here every one) multiply on them: a ~300-token prompt's greedy continuation equals
     transformers'. With ``amx_linears=False`` no weight has tiles."""
-    from workers.layers import cpu_amx
+    from workers.backends.cpu import amx as cpu_amx
     from workers.models.parallel import _packed_units
 
     if not cpu_amx.available():

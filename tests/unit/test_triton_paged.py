@@ -1,4 +1,4 @@
-"""The CUDA paged decode kernel (workers/layers/triton_paged.py) against the inductor kernel's
+"""The CUDA paged decode kernel (workers/backends/cuda/triton_paged.py) against the inductor kernel's
 definition (``_paged_decode``) in float64: GQA, ragged rows, sliding windows, split counts, and a
 cache whose unwritten slots and padding block hold NaN. Runs on CUDA, or on CPU under Triton's
 interpreter (``TRITON_INTERPRET=1`` with triton installed; its ``tl.dot`` mishandles bf16, so
@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from workers.layers import triton_paged
+from workers.backends.cuda import triton_paged
 from workers.layers.paged_attention import _paged_decode
 
 ON_CUDA = torch.cuda.is_available()

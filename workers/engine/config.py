@@ -31,7 +31,7 @@ class EngineConfig:
     enforce_eager: bool = True
     compile_batch_sizes: tuple[int, ...] | None = None  # decode buckets; None: powers of two to max_num_seqs
     # CPU fp32: eager linears multiply with oneDNN on weights reordered once at load (1.2-2.5x
-    # faster than F.linear), small batches with the panel kernel (workers/layers/cpu_linear.py)
+    # faster than F.linear), small batches with the panel kernel (workers/backends/cpu/panels.py)
     # on a panel copy; workers/models/parallel.py. False: F.linear on the plain weights.
     prepack_weights: bool = True
     # With prepack_weights: batches of up to this many rows multiply with the panel kernel (F.linear
@@ -40,12 +40,12 @@ class EngineConfig:
     plain_linear_rows: int | None = None
     # With prepack_weights: the panel kernel holds a weight as one byte a weight where that is
     # exact (a checkpoint dequantized from a block format, such as a GGUF file's Q4/Q8 tensors:
-    # the same fp32 products from a quarter of the bytes; workers/layers/cpu_linear.py, code).
+    # the same fp32 products from a quarter of the bytes; workers/backends/cpu/panels.py, code).
     # False: fp32 panels for every weight.
     coded_weights: bool = True
     # With coded weights on a CPU with Intel AMX: batches wider than plain_linear_rows (prompts,
     # wide decode steps) multiply on AMX's bf16 tiles, each input cut into three exact bf16 parts
-    # (fp32 products, fp32 sums; workers/layers/cpu_amx.py) instead of oneDNN's fp32 GEMM.
+    # (fp32 products, fp32 sums; workers/backends/cpu/amx.py) instead of oneDNN's fp32 GEMM.
     # False: oneDNN.
     amx_linears: bool = True
     # "sdpa": attention gathers the blocks it reads; "flex": FlexAttention over the physical cache;

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.events import KVEvent
-from workers.cpu_memory import keep_freed_memory
+from workers.backends.cpu.memory import keep_freed_memory
 from workers.engine.block_manager import NULL_BLOCK, BlockManager, CachedPrefix, first_window_block
 from workers.engine.compiled import CompiledDecode
 from workers.engine.config import EngineConfig

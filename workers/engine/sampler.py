@@ -11,7 +11,7 @@ import torch
 
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import Sequence, TokenLogprob
-from workers.layers import cpu_fused
+from workers.backends.cpu import fused as cpu_fused
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:

@@ -62,7 +62,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from workers.cpu_memory import keep_freed_memory
+from workers.backends.cpu.memory import keep_freed_memory
 from workers.engine.block_manager import first_window_block
 from workers.engine.config import EngineConfig
 from workers.engine.model_runner import ModelRunner, StepThreads

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.layers import cpu_fused
+from workers.backends.cpu import fused as cpu_fused
 from workers.models.config import ModelConfig
 from workers.protocol import SCALE_ROWS, KVCacheDType, KVLayout
 

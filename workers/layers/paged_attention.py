@@ -53,7 +53,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from workers.layers import cpu_paged, cpu_prefill, triton_paged
+from workers.backends.cpu import paged as cpu_paged
+from workers.backends.cpu import prefill as cpu_prefill
+from workers.backends.cuda import triton_paged
 from workers.layers.kv_cache import KVWritePlan, PagedKVCache
 
 if TYPE_CHECKING:
@@ -370,8 +372,8 @@ def check_full_precision(kv: PagedKVCache | None, backend: str) -> None:
 # The paged backend's hand-written decode kernels, by plan: one signature (q, k_cache, v_cache,
 # tables, first_pos, context_lens, scale, window), every batch size.
 HAND_WRITTEN = {
-    "triton": triton_paged.paged_decode,  # CUDA (workers/layers/triton_paged.py)
-    "cpp": cpu_paged.paged_decode,  # CPU fp32 (workers/layers/cpu_paged.py)
+    "triton": triton_paged.paged_decode,  # CUDA (workers/backends/cuda/triton_paged.py)
+    "cpp": cpu_paged.paged_decode,  # CPU fp32 (workers/backends/cpu/paged.py)
 }
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.layers import cpu_fused
+from workers.backends.cpu import fused as cpu_fused
 from workers.layers.paged_attention import PagedAttention
 from workers.models.config import ModelConfig, RopeConfig
 from workers.models.parallel import (
@@ -34,7 +34,7 @@ from workers.models.parallel import (
 )
 
 if TYPE_CHECKING:
-    from workers.models.lean_decode import LeanDecode
+    from workers.backends.cpu.lean_decode import LeanDecode
 
 
 class RMSNorm(nn.Module):
@@ -210,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
     # Batches of up to this many rows multiply with F.linear though the linears are packed
     # (prepack_linears, choose_plain_rows: set by load_model)
     plain_linear_rows = 0
-    # CPU fp32 decode steps as one loop of kernel calls (workers/models/lean_decode.py; set by
+    # CPU fp32 decode steps as one loop of kernel calls (workers/backends/cpu/lean_decode.py; set by
     # load_model where it applies)
     lean_decode: LeanDecode | None = None
 

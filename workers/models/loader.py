@@ -19,9 +19,9 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from workers.layers import cpu_fused
+from workers.backends.cpu import fused as cpu_fused
 from workers.models.config import ModelConfig
-from workers.models.lean_decode import LeanDecode
+from workers.backends.cpu.lean_decode import LeanDecode
 from workers.models.llama import LlamaForCausalLM
 from workers.models.parallel import (
     Shard,

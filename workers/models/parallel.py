@@ -28,7 +28,7 @@ instead of three and two, bit for bit the separate layers' outputs.
 **Small batches on the panel kernel** (``choose_plain_rows``): a decode step multiplies each
 weight by a few rows and only streams the weights, which oneDNN does at 20-25 GB/s on a VM that
 streams 30-40 (and ``F.linear`` at 8-12). Packing also makes a panel copy of each weight for
-``workers/layers/cpu_linear.py``, a hand-written kernel that streams it at 31-39 GB/s at 1-8
+``workers/backends/cpu/panels.py``, a hand-written kernel that streams it at 31-39 GB/s at 1-8
 rows there (SmolLM2's linears 1.1-1.9x oneDNN's speed at 1-64 rows; BENCHMARKS.md). Which is
 faster at a row count depends on the CPU, so after packing the linears are timed both ways at
 1, 2, 4, 8, 16, 32 and 64 rows on the weights themselves, and batches up to the largest row count where
@@ -38,7 +38,7 @@ weight is the small-batch side of the timing, as before it existed (on an Intel 
 GB/s a core, MKL's GEMV beat oneDNN at 1-2 rows).
 
 **Wide batches on AMX tiles** (``amx_tiles``, ``wide_linear``): on a CPU with Intel AMX, a coded
-weight also gets bf16 tiles of its codes (``workers/layers/cpu_amx.py``), and batches wider than
+weight also gets bf16 tiles of its codes (``workers/backends/cpu/amx.py``), and batches wider than
 ``plain_rows`` multiply on them instead of oneDNN (fp32 products and sums; 1.3-1.7x oneDNN on
 SmolLM2's linears at 8-2048 rows). The timing above then weighs the panel kernel against them.
 
@@ -68,7 +68,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.layers import cpu_amx, cpu_linear
+from workers.backends.cpu import amx as cpu_amx
+from workers.backends.cpu import panels as cpu_linear
 from workers.models.config import ModelConfig
 from workers.transfer.tp_plan import heads_of_rank
 
@@ -160,7 +161,7 @@ def small_linear(
     x: torch.Tensor, weight: torch.Tensor, panels: cpu_linear.Panels | None, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """A small batch (up to ``plain_rows``): the panel kernel on ``panels``
-    (``workers/layers/cpu_linear.py``) where it takes ``x``, else ``F.linear`` on the plain weight."""
+    (``workers/backends/cpu/panels.py``) where it takes ``x``, else ``F.linear`` on the plain weight."""
     if panels is not None and cpu_linear.takes(x):
         return cpu_linear.linear(x, panels, weight.shape[0], bias)
     return F.linear(x, weight, bias)
@@ -180,7 +181,7 @@ def wide_linear(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """A batch wider than ``plain_rows``: AMX's tiles on a coded weight's ``tiles``
-    (``workers/layers/cpu_amx.py``), else oneDNN's inner product on its ``packed`` copy."""
+    (``workers/backends/cpu/amx.py``), else oneDNN's inner product on its ``packed`` copy."""
     if tiles is not None and isinstance(panels, cpu_linear.CodedPanels):
         return cpu_amx.linear(x, panels, tiles, out_features, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from workers.layers import cpu_linear
+from workers.backends.cpu import panels as cpu_linear
 
 logger = logging.getLogger(__name__)
 

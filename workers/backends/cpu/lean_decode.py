@@ -37,7 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from workers.layers import cpu_fused, cpu_linear, cpu_paged
+from workers.backends.cpu import fused as cpu_fused
+from workers.backends.cpu import panels as cpu_linear
+from workers.backends.cpu import paged as cpu_paged
 from workers.layers.paged_attention import PagedAttention, PagedDecodeAttention, cpu_paged_usable
 
 if TYPE_CHECKING:

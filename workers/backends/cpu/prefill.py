@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from workers.layers.cpu_linear import VECTOR_PRELUDE
+from workers.backends.cpu.panels import VECTOR_PRELUDE
 
 logger = logging.getLogger(__name__)
 
