@@ -15,8 +15,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from bench.serve import CHAT, BenchConfig, main, run_benchmark
-from bench.workloads import WorkloadSpec, build_workload, ideal_prefix_hit_rate
+from deploy.ops.loadgen import CHAT, BenchConfig, main, run_benchmark
+from deploy.ops.loadgen.workloads import WorkloadSpec, build_workload, ideal_prefix_hit_rate
 
 FIRST_DELAY_S = 0.03
 CHUNK_DELAY_S = 0.01
