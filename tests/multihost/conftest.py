@@ -1,4 +1,4 @@
-"""pdserve across hosts, on this machine: a testbed of network-namespace hosts (cluster/testbed.py)
+"""pdserve across hosts, on this machine: a testbed of network-namespace hosts (cluster/testbed/)
 joined by a bridge, each host running its own Ray node (the head: Ray head, the index's Redis on
 its address, Serve's HTTP proxy; workers: `ray start --resources '{"prefill": 1}'` or decode).
 

@@ -1,6 +1,7 @@
-"""bench/serve.py against a fake OpenAI-compatible server on loopback (FastAPI + uvicorn in a
-thread) that streams a known number of chunks with known delays, reports usage with
-cached_tokens, and refuses every Nth request with 429."""
+"""The serving load generator (deploy/ops/loadgen, ``pdserve bench``) against a fake
+OpenAI-compatible server on loopback (FastAPI + uvicorn in a thread) that streams a known number
+of chunks with known delays, reports usage with cached_tokens, and refuses every Nth request
+with 429."""
 
 from __future__ import annotations
 

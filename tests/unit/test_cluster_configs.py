@@ -209,7 +209,7 @@ def test_serve_gpu_yaml_pins_one_gpu_per_replica_to_its_pool(tiny_model_dir: str
     assert (args.dtype, args.transport, args.device) == ("bfloat16", "auto", "cuda")
 
 
-# -- the testbed (cluster/testbed.py: hosts as network namespaces on this machine) ----------------
+# -- the testbed (cluster/testbed/: hosts as network namespaces on this machine) ----------------
 
 
 def _run_testbed_commands(config: dict, kind: str, ip: str, home: Path) -> list[list[str]]:
