@@ -26,19 +26,21 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from workers.backends.cpu.attention import CPUPagedAttention  # noqa: E402
+from workers.backends.cpu.attention import warm_up as warm_up_cpu  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
 from workers.layers.paged_attention import (  # noqa: E402
     PAGED_MIN_KEYS,
     AttentionMetadata,
     FlexPagedAttention,
     PagedAttention,
-    PagedDecodeAttention,
     warm_up_flex,
     warm_up_paged_decode,
 )
@@ -78,23 +80,32 @@ def decode_step(engine: LLMEngine, attn: PagedAttention, tokens: torch.Tensor, p
     return time.perf_counter() - start
 
 
-class InductorPagedAttention(PagedDecodeAttention):
-    """The paged backend with inductor's kernel on CPU fp32 too (what ran there before the C++
-    kernel of ``workers/backends/cpu/paged.py``): gather + SDPA below PAGED_MIN_KEYS keys."""
-
-    cpu_kernel = False
+MIN_KEYS = PAGED_MIN_KEYS  # --paged-min-keys
 
 
-KINDS: dict[str, type[PagedAttention]] = {
+def _paged(kv, meta, scale, decode_kernel_on: bool = True):
+    """The CPU backend's paged attention (``decode_kernel_on=False``: inductor's kernel on CPU
+    fp32 too, what ran there before the C++ kernel, gather + SDPA below MIN_KEYS keys)."""
+    return CPUPagedAttention(kv, meta, scale, min_keys=MIN_KEYS, decode_kernel_on=decode_kernel_on)
+
+
+KINDS: dict[str, Callable[..., PagedAttention]] = {
     "sdpa": PagedAttention,
     "flex": FlexPagedAttention,
-    "paged": PagedDecodeAttention,
-    "paged-inductor": InductorPagedAttention,
+    "paged": _paged,
+    "paged-inductor": functools.partial(_paged, decode_kernel_on=False),
 }
+
+
+def _warm_up_paged(kv, scale, heads, window) -> None:
+    if not warm_up_cpu(kv, heads):
+        warm_up_paged_decode(kv, scale, heads, window)
+
+
 WARM_UPS = {
     "flex": warm_up_flex,
-    "paged": warm_up_paged_decode,
-    "paged-inductor": functools.partial(warm_up_paged_decode, cpu_kernel=False),
+    "paged": _warm_up_paged,
+    "paged-inductor": warm_up_paged_decode,
 }
 
 
@@ -163,14 +174,15 @@ def main() -> None:
         help=f"paged: the kernel from this many keys a step, gather + SDPA below (default {PAGED_MIN_KEYS}; 0: always)",
     )
     args = parser.parse_args()
+    global MIN_KEYS
     if args.paged_min_keys is not None:
-        PagedDecodeAttention.min_keys = args.paged_min_keys
+        MIN_KEYS = args.paged_min_keys
     if args.threads:
         torch.set_num_threads(args.threads)
     load = os.getloadavg()
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cpus, "
-        f"paged kernel from {PagedDecodeAttention.min_keys} keys a step, "
+        f"paged kernel from {MIN_KEYS} keys a step, "
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
     )
     for name in args.models:

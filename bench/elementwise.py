@@ -7,7 +7,7 @@ cache write of k and v (strided views too); the greedy sampler's argmax over the
 
 (b) The engine on a c8 workload, alone (no server): requests of random prompts, at most
 ``--concurrency`` in flight, a new one admitted as one finishes, as a served c8 run feeds it.
-One engine, the kernels switched on and off between runs (``cpu_fused.enabled``), runs
+One engine, the kernels switched on and off between runs (its ops as ``CPUOps`` or the reference's ``Ops``), runs
 interleaved; the medians and their ratio.
 
     .venv/bin/python bench/elementwise.py --threads 2
@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.models import MODEL_HELP  # noqa: E402
-from workers.engine import LLMEngine, SamplingParams  # noqa: E402
 from workers.backends.cpu import fused as cpu_fused  # noqa: E402
+from workers.engine import LLMEngine, SamplingParams  # noqa: E402
 from workers.models.config import ModelConfig  # noqa: E402
 from workers.models.source import resolve_model  # noqa: E402
 
@@ -178,13 +178,14 @@ def main(argv: list[str] | None = None) -> None:
     if "a" not in args.skip:
         ops_table(engine.model_config, args.rows)
     if "b" not in args.skip:
+        from workers.backends.base import Ops
+        from workers.backends.cpu.backend import CPUOps
+
+        ops = engine.backend.ops  # shared by every module and the step's attention
         compare_c8(
-            engine,
-            ("aten", "fused"),
-            lambda side: setattr(cpu_fused, "enabled", side == "fused"),
-            args,
+            engine, ("aten", "fused"), lambda side: setattr(ops, "__class__", CPUOps if side == "fused" else Ops), args
         )
-        cpu_fused.enabled = True
+        ops.__class__ = CPUOps
 
 
 if __name__ == "__main__":

@@ -216,7 +216,8 @@ def check_roofline(
 
     device = torch.device("cpu" if smoke else "cuda")
     dtype, block_size = torch.bfloat16, 16
-    cfg = ModelConfig.from_dir(_model_dir(Path(tempfile.mkdtemp()) / "llama-shape", SHAPE_SMOKE if smoke else SHAPE_8B))
+    model_dir = _model_dir(Path(tempfile.mkdtemp()) / "llama-shape", SHAPE_SMOKE if smoke else SHAPE_8B)
+    cfg = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, context + 1)
     model = model.to_empty(device=device).to(dtype)
@@ -243,14 +244,21 @@ def check_roofline(
             seqs.append(seq)
         steps_of[batch] = SchedulerOutput(decodes=[ScheduledSeq(s, 1) for s in seqs], prefills=[], num_preempted=0)
 
+    def backend_for(attention: str):
+        from workers import backends
+        from workers.engine.config import EngineConfig
+
+        config = EngineConfig(model_dir=str(model_dir), device=str(device), attention_backend=attention)
+        return backends.select("auto", device, config)
+
     def build(name: str):
         if name.startswith("compiled"):  # "compiled": SDPA attention; "compiled-paged": paged
             compiled = CompiledDecode(model, max(batches), device, tuple(batches))
-            backend = name.partition("-")[2] or "sdpa"
-            return ModelRunner(model, kv, compiled=compiled, attention_backend=backend)  # compiles every bucket
+            attention = name.partition("-")[2] or "sdpa"
+            return ModelRunner(model, kv, backend_for(attention), compiled=compiled)  # compiles every bucket
         if name == "eager":
-            return ModelRunner(model, kv)
-        return ModelRunner(model, kv, attention_backend=name)
+            return ModelRunner(model, kv, backend_for("sdpa"))
+        return ModelRunner(model, kv, backend_for(name))
 
     # One backend at a time, eager first: a backend that fails to build or run is a row, and
     # every row already measured has been printed.

@@ -1,6 +1,6 @@
 """CPU fp32 decode steps as one loop of kernel calls (``workers/backends/cpu/lean_decode.py``) against
 the same steps through the model's modules, in one engine switched between them
-(``lean_decode.enabled``), runs interleaved.
+(``model.fast_decode`` set or None), runs interleaved.
 
 (a) Decode steps alone: ``--batches`` sequences of ``--context`` random prompt tokens decoding
 together; per round, ``--steps`` steps each way; the min and median step over all rounds.
@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.elementwise import add_c8_arguments, compare_c8  # noqa: E402
 from bench.models import MODEL_HELP  # noqa: E402
 from workers.engine import LLMEngine, SamplingParams  # noqa: E402
-from workers.backends.cpu import lean_decode  # noqa: E402
 from workers.models.source import resolve_model  # noqa: E402
 
 SIDES = {"modules": False, "lean": True}
@@ -38,6 +37,7 @@ def step_table(engine: LLMEngine, batches: list[int], context: int, steps: int, 
     vocab = engine.model_config.vocab_size
     print(f"(a) decode steps, context {context}; {rounds} rounds of {steps} steps each way, interleaved (ms)")
     print(f"  {'batch':>5} {'lean min':>9} {'lean med':>9} {'modules min':>12} {'modules med':>12} {'ratio (med)':>12}")
+    fast = engine.model.fast_decode
     for batch in batches:
         params = SamplingParams(max_tokens=10**6, temperature=0.0, ignore_eos=True)
         ids = [f"b{batch}-{i}" for i in range(batch)]
@@ -48,12 +48,12 @@ def step_table(engine: LLMEngine, batches: list[int], context: int, steps: int, 
         times: dict[str, list[float]] = {side: [] for side in SIDES}
         for _ in range(rounds):
             for side, on in SIDES.items():
-                lean_decode.enabled = on
+                engine.model.fast_decode = fast if on else None
                 for _ in range(steps):
                     start = time.perf_counter()
                     engine.step()
                     times[side].append((time.perf_counter() - start) * 1e3)
-        lean_decode.enabled = True
+        engine.model.fast_decode = fast
         for rid in ids:
             engine.abort(rid)
         lean, mods = times["lean"], times["modules"]
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
     engine = LLMEngine(str(model_dir), load_progress=False)
-    lean = engine.model.lean_decode
+    lean = engine.model.fast_decode
     if lean is None:
         sys.exit("decode steps cannot run the lean path here (see the engine's log): nothing to compare")
     print(
@@ -88,8 +88,13 @@ def main(argv: list[str] | None = None) -> None:
     if "a" not in args.skip:
         step_table(engine, args.batches, args.context, args.steps, args.rounds, rng)
     if "b" not in args.skip:
-        compare_c8(engine, ("modules", "lean"), lambda side: setattr(lean_decode, "enabled", side == "lean"), args)
-        lean_decode.enabled = True
+        compare_c8(
+            engine,
+            ("modules", "lean"),
+            lambda side: setattr(engine.model, "fast_decode", lean if side == "lean" else None),
+            args,
+        )
+        engine.model.fast_decode = lean
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ rows in place); min and median of ``--calls`` calls each way per round.
 
 Then the engine's prompt pass (``bench/engine.py``'s ``prompt_pass``: one prompt of each of
 ``--lengths`` tokens to its first token, the engine caching no prefix), the kernel on and off
-(``cpu_prefill.enabled``), interleaved; min and median.
+(the paged attention's ``prompt_kernel_on``), interleaved; min and median.
 
 (b) The engine alone on the c8 workload (``bench/elementwise.py``'s ``compare_c8``), both ways.
 ``--skip a`` / ``--skip b`` leave a section out.
@@ -19,6 +19,7 @@ Then the engine's prompt pass (``bench/engine.py``'s ``prompt_pass``: one prompt
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -32,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.elementwise import add_c8_arguments, compare_c8  # noqa: E402
 from bench.engine import prompt_pass  # noqa: E402
 from bench.models import MODEL_HELP  # noqa: E402
-from workers.engine import LLMEngine  # noqa: E402
 from workers.backends.cpu import prefill as cpu_prefill  # noqa: E402
+from workers.engine import LLMEngine  # noqa: E402
 from workers.models.source import resolve_model  # noqa: E402
 
 SIDES = ("sdpa", "kernel")
@@ -116,6 +117,11 @@ def _interleave(fns: dict, args: argparse.Namespace) -> dict[str, list[float]]:
     return times
 
 
+def use_prompt_kernel(engine: LLMEngine, on: bool) -> None:
+    """The engine's next steps run prompts through the kernel, or SDPA (its attention's option)."""
+    engine.runner._attention = functools.partial(engine.runner._attention, prompt_kernel_on=on)
+
+
 def prompt_pass_table(engine: LLMEngine, args: argparse.Namespace) -> None:
     _header(
         f"(a) the engine's prompt pass, a fresh prompt to its first token; {args.rounds} rounds x {args.passes} (ms)"
@@ -124,13 +130,13 @@ def prompt_pass_table(engine: LLMEngine, args: argparse.Namespace) -> None:
         times: dict[str, list[float]] = {side: [] for side in SIDES}
         for round_ in range(args.rounds + 1):  # the first round warms up
             for side in SIDES:
-                cpu_prefill.enabled = side == "kernel"
+                use_prompt_kernel(engine, side == "kernel")
                 for i in range(args.passes):
                     # bench/engine.py's pass: the same prompt each time (the engine caches no prefix)
                     seconds = prompt_pass(engine, 1, n, f"{side}-{n}-{round_}-{i}")
                     if round_:
                         times[side].append(seconds * 1e3)
-        cpu_prefill.enabled = True
+        use_prompt_kernel(engine, True)
         _row(f"prompt {n}", times)
 
 
@@ -163,8 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     if "a" not in args.skip:
         prompt_pass_table(engine, args)
     if "b" not in args.skip:
-        compare_c8(engine, SIDES, lambda side: setattr(cpu_prefill, "enabled", side == "kernel"), args)
-        cpu_prefill.enabled = True
+        compare_c8(engine, SIDES, lambda side: use_prompt_kernel(engine, side == "kernel"), args)
+        use_prompt_kernel(engine, True)
 
 
 if __name__ == "__main__":

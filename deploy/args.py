@@ -45,7 +45,8 @@ class PoolArgs(BaseModel):
         ge=1,
         description="torch threads of a decode-only engine step of at most small_batch_max_seqs sequences "
         "(CPU): fewer than num_threads leaves the serving path a core while such steps run, which helped on "
-        "one 2-core VM and hurt on another (BENCHMARKS.md); None: num_threads's count",
+        "one 2-core VM and hurt on another (docs/decisions/0011-small-batch-threads-off-by-default.md), so "
+        "measure before setting it; None: num_threads's count",
     )
     small_batch_max_seqs: int = Field(
         default=4, ge=1, description="the most sequences a decode step runs on small_batch_threads"
@@ -268,6 +269,11 @@ class PDServeArgs(BaseModel):
         "(prompts, wide decode steps) multiply on AMX's bf16 tiles with each input cut into three exact "
         "bf16 parts (fp32 products and sums); false: oneDNN's fp32 GEMM",
     )
+    backend: Literal["auto", "cpu", "cuda", "reference"] = Field(
+        default="auto",
+        description="the engine's device backend: auto is the device's own (cpu or cuda); reference runs "
+        "plain torch and gather + SDPA attention (the specification the others are checked against)",
+    )
     attention_backend: Literal["auto", "sdpa", "flex", "paged"] = Field(
         default="auto",
         description="sdpa: decodes gather their blocks for SDPA; paged: decodes read the cache through "
@@ -452,6 +458,17 @@ class PDServeArgs(BaseModel):
 
     def engine_kwargs(self, device: str, role: str = "colocated") -> dict[str, Any]:
         """Keyword arguments for ``LLMEngine`` on a replica of pool ``role`` whose device is resolved."""
+        from workers.backends.cpu.options import CPUOptions
+
+        pool = getattr(self, role)
+        cpu = CPUOptions(
+            prepack_weights=self.prepack_weights,
+            coded_weights=self.coded_weights,
+            amx_linears=self.amx_linears,
+            prefill_threads=pool.prefill_threads,
+            small_batch_threads=pool.small_batch_threads,
+            small_batch_max_seqs=pool.small_batch_max_seqs,
+        )
         return dict(
             block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks,
@@ -465,15 +482,11 @@ class PDServeArgs(BaseModel):
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
             enforce_eager=self.enforce_eager,
-            prepack_weights=self.prepack_weights,
-            coded_weights=self.coded_weights,
-            amx_linears=self.amx_linears,
+            backend=self.backend,
+            cpu=cpu,
             attention_backend=self.attention_backend,
             model_key=self.model_key,
-            tensor_parallel_size=getattr(self, role).tensor_parallel_size,
-            prefill_threads=getattr(self, role).prefill_threads,
-            small_batch_threads=getattr(self, role).small_batch_threads,
-            small_batch_max_seqs=getattr(self, role).small_batch_max_seqs,
+            tensor_parallel_size=pool.tensor_parallel_size,
             emulated_step_s=self.emulated_step_s,
         )
 

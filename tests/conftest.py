@@ -13,6 +13,10 @@ try:
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # Without a GPU, Triton's kernels run in its interpreter (tests/unit/test_triton_paged.py): it
+    # must be on before triton is first imported in this process.
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:  # the kvstore/index tests need no torch
     pass
 

@@ -172,6 +172,12 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--block-size", type=_positive_int, default=16)
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     parser.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "cpu", "cuda", "reference"),
+        help="the device backend (default auto: the device's own; 'reference': plain torch, gather + SDPA)",
+    )
+    parser.add_argument(
         "--compile",
         action="store_true",
         help="run decode steps compiled (torch.compile; graphs for batches up to the number "
@@ -206,6 +212,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        backend=args.backend,
         tensor_parallel_size=args.tp,
         **compile_kwargs,
     )
@@ -381,6 +388,13 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         "as each replica starts: a graph per batch bucket on CUDA, one on CPU; default: eager)",
     )
     parser.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "cpu", "cuda", "reference"),
+        help="the engines' device backend: auto is the device's own (cpu or cuda); 'reference' runs plain "
+        "torch with gather + SDPA attention (the specification every backend is checked against)",
+    )
+    parser.add_argument(
         "--attention-backend",
         default="auto",
         choices=("auto", "sdpa", "paged", "flex"),
@@ -414,7 +428,7 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         help="CPU: torch threads for a decode-only engine step of at most --small-batch-max-seqs "
         "sequences (default: the engine's own threads). Fewer than the engine's leaves the serving "
         "path a core while such steps run: it helped on one 2-core VM and hurt on another "
-        "(BENCHMARKS.md, 2026-12-04), so measure before setting it",
+        "(docs/decisions/0011-small-batch-threads-off-by-default.md), so measure before setting it",
     )
     parser.add_argument(
         "--small-batch-max-seqs",
@@ -693,10 +707,10 @@ def _ray_dashboard(args: argparse.Namespace) -> bool:
 # token crosses the replica's event loop, Ray's streaming, the ingress and Serve's proxy, and an
 # engine's OpenMP threads spin between ops): one from SERVING_RESERVED_FROM cores on, as vLLM's
 # CPU backend keeps cores back (VLLM_CPU_NUM_OF_RESERVED_CPU), none below. On 2 cores a kept core
-# is half the machine: a colocated SmolLM2 engine on both was 1.21x and 1.11x the output tok/s of
-# one on a single core at concurrency 1 and 8 (bench/peer.py, BENCHMARKS.md, 2026-12-04). An
-# earlier measurement that favoured keeping one there ran engines built on one thread and stepped
-# on another, whose OpenMP workers slept and woke on every op (workers/threads.py).
+# is half the machine, and an engine on both cores outserves one on a single core
+# (docs/decisions/0010-thread-split-per-replica.md). An earlier measurement that favoured keeping
+# one there ran engines built on one thread and stepped on another, whose OpenMP workers slept
+# and woke on every op (workers/threads.py).
 SERVING_RESERVED_CORES = 1
 SERVING_RESERVED_FROM = 3
 
@@ -721,8 +735,8 @@ def _prefill_threads_per_replica(args: argparse.Namespace) -> int | None:
     ranks with the serving path's core included, when that is more than ``_threads_per_replica``;
     else None (the same threads as every step). While a step computes a prompt the serving path
     has little to carry (no token of that request streams before its first), and a prompt's
-    matmuls are compute-bound: a second thread cut SmolLM2's 256-token prefill 0.64-0.69 s ->
-    0.39 s on 2 cores."""
+    matmuls are compute-bound, so each thread added shortens the prefill
+    (docs/decisions/0010-thread-split-per-replica.md)."""
     if args.prefill_threads is not None or not _local_cpu_split(args):
         return args.prefill_threads
     cores, ranks = _cores_and_ranks(args)
@@ -821,6 +835,7 @@ def up_app_args(args: argparse.Namespace, model: str, redis_url: str | None):
         coded_weights=not args.no_coded_weights,
         amx_linears=not args.no_amx_linears,
         enforce_eager=not args.compile,
+        backend=args.backend,
         attention_backend=args.attention_backend,
         max_num_seqs=args.max_num_seqs,
         redis_url=redis_url,
@@ -922,10 +937,16 @@ def _run_status(args: argparse.Namespace) -> int:
 
 def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "bench", help="benchmark any OpenAI-compatible server (see bench/serve.py --help)", add_help=False
+        "bench", help="benchmark any OpenAI-compatible server (see pdserve bench --help)", add_help=False
     )
     parser.add_argument("bench_args", nargs=argparse.REMAINDER)
-    parser.set_defaults(handler=lambda a: __import__("bench.serve", fromlist=["main"]).main(a.bench_args))
+    parser.set_defaults(handler=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from deploy.ops.loadgen.cli import main as loadgen_main  # httpx and numpy only when benchmarking
+
+    return loadgen_main(args.bench_args)
 
 
 def _add_testbed_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -958,10 +979,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:  # every argument is bench/serve.py's, --help and a leading option too
-        import importlib
+    if argv[:1] == ["bench"]:  # every argument is the load generator's, --help and a leading option too
+        from deploy.ops.loadgen.cli import main as loadgen_main
 
-        return importlib.import_module("bench.serve").main(argv[1:])  # bench/ is not type-checked
+        return loadgen_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.handler(args)
 

@@ -28,7 +28,6 @@ from kvstore import IndexConfig, IndexPublisher, WorkerSpec
 from workers.decode import ColocatedWorker, DecodeWorker
 from workers.engine import LLMEngine
 from workers.engine_loop import EngineLoop
-from workers.models.parallel import small_op_name, wide_op_name
 from workers.output_channel import OutputSender
 from workers.prefill import PrefillWorker
 from workers.protocol import GenerateRequest, PrefillResult, TokenChunk, TransferAddress
@@ -129,10 +128,7 @@ class _WorkerServer:
             self.worker_id,
             engine.num_kv_blocks,
             self.device,
-            f", batches of up to {rows} row(s) multiply with {small_op_name()}, larger ones with "
-            f"{wide_op_name(engine.model)}"
-            if (rows := engine.model.plain_linear_rows)
-            else "",
+            f", {summary}" if (summary := engine.backend.linears_summary()) else "",
         )
         return self.loop
 

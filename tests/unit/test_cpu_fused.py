@@ -89,11 +89,6 @@ def test_rotary_takes_only_what_it_can_read():
     assert not cpu_fused.rotary_takes(x.transpose(0, 1), cos, cos)  # heads not one block a row
     assert not cpu_fused.rotary_takes(x.double(), cos.double(), cos.double())
     assert not cpu_fused.rotary_takes(x, torch.randn(4, 1, 128)[:, :, ::2], cos)  # cos not contiguous
-    cpu_fused.enabled = False
-    try:
-        assert not cpu_fused.rotary_takes(x, cos, cos)
-    finally:
-        cpu_fused.enabled = True
 
 
 def test_an_engine_s_logprobs_are_the_same_bits_with_the_kernels_on_or_off(tiny_model_dirs, width, monkeypatch):
@@ -114,14 +109,10 @@ def test_an_engine_s_logprobs_are_the_same_bits_with_the_kernels_on_or_off(tiny_
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, prompt_logprobs=2, ignore_eos=True)
     prompts = [[(7 * i + j) % 200 + 5 for j in range(n)] for i, n in enumerate((3, 40, 129))]
     for arch in ("llama", "qwen3"):
-        engine = LLMEngine(tiny_model_dirs[arch], load_progress=False, num_kv_blocks=64)
         runs = []
-        for on in (True, False):
-            cpu_fused.enabled = on
-            try:
-                outs = engine.generate(prompts, params)
-            finally:
-                cpu_fused.enabled = True
+        for on in (True, False):  # the CPU backend with its fused ops, and with aten's (the reference's)
+            engine = LLMEngine(tiny_model_dirs[arch], load_progress=False, num_kv_blocks=64, fused_ops=on)
+            outs = engine.generate(prompts, params)
             runs.append([(o.token_ids, o.logprobs, o.prompt_logprobs) for o in outs])
             if on:  # the kernels ran: two norms and one or two rotations a layer and step
                 assert calls["add_rms_norm"] > 0 and calls["rotary"] > 0, calls
@@ -151,10 +142,12 @@ def test_argmax_is_aten_s_index_with_ties_nan_infinities_and_signed_zeros(v):
 
 
 def test_greedy_sampling_takes_the_kernel_only_when_every_row_is_greedy(monkeypatch):
+    from workers.backends.cpu.backend import CPUOps
     from workers.engine.sampler import sample
     from workers.engine.sampling_params import SamplingParams
     from workers.engine.sequence import Sequence
 
+    argmax = CPUOps().argmax  # the CPU backend's, as the engine passes it
     calls = []
     kernel = cpu_fused.argmax
     monkeypatch.setattr(cpu_fused, "argmax", lambda logits: calls.append(logits.shape) or kernel(logits))
@@ -166,10 +159,10 @@ def test_greedy_sampling_takes_the_kernel_only_when_every_row_is_greedy(monkeypa
         )
 
     greedy = [seq(f"g{i}", temperature=0.0) for i in range(3)]
-    tokens, _ = sample(logits, greedy)
+    tokens, _ = sample(logits, greedy, argmax)
     assert tokens == logits.argmax(dim=-1).tolist() and calls == [(3, 1000)]
     mixed = greedy[:2] + [seq("t", temperature=1.0)]
-    tokens, _ = sample(logits, mixed)
+    tokens, _ = sample(logits, mixed, argmax)
     assert tokens[:2] == logits[:2].argmax(dim=-1).tolist() and len(calls) == 1
 
 
@@ -225,11 +218,6 @@ def test_swiglu_takes_only_the_serial_loops_it_copies():
     assert not cpu_fused.swiglu_takes(torch.randn(8, 4 * inner)[:, ::2])  # strided columns
     assert not cpu_fused.swiglu_takes(torch.randn(8, 2 * inner, dtype=torch.bfloat16))
     assert not cpu_fused.swiglu_takes(torch.randn(2, 8, 2 * inner))
-    cpu_fused.enabled = False
-    try:
-        assert not cpu_fused.swiglu_takes(torch.randn(8, 2 * inner))
-    finally:
-        cpu_fused.enabled = True
 
 
 def test_the_swiglu_check_fails_on_a_kernel_that_differs(monkeypatch):

@@ -163,9 +163,8 @@ def test_the_switch_and_the_sdpa_backend_keep_sdpa(tiny_llama, monkeypatch):
     assert taken > 0
     assert _greedy(_engine(tiny_llama, attention_backend="sdpa"), prompts) == with_kernel
     assert spy.fresh == taken, "the SDPA reference backend ran the kernel"
-    monkeypatch.setattr(cpu_prefill, "enabled", False)
-    assert _greedy(_engine(tiny_llama), prompts) == with_kernel
-    assert spy.fresh == taken, "cpu_prefill.enabled = False still ran the kernel"
+    assert _greedy(_engine(tiny_llama, prompt_kernel=False), prompts) == with_kernel
+    assert spy.fresh == taken, "prompt_kernel=False still ran the kernel"
 
 
 def test_the_kernel_is_built_at_start_up_not_in_a_request(tiny_llama, monkeypatch):

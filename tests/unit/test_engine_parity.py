@@ -12,9 +12,27 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0)
 ARCHS = ("llama", "qwen2", "qwen3")
 
 
+# The conformance suite: every test below runs on each backend this machine has (the reference
+# is the specification; a new backend is added by passing these).
+BACKENDS = ("cpu", "reference") + (("cuda",) if torch.cuda.is_available() else ())
+_backend = BACKENDS[0]
+
+
+@pytest.fixture(autouse=True, params=BACKENDS)
+def backend(request):
+    global _backend
+    _backend = request.param
+    yield request.param
+    _backend = BACKENDS[0]
+
+
 def make_engine(model_dir: str, **kwargs) -> LLMEngine:
     kwargs.setdefault("num_kv_blocks", 512)
-    return LLMEngine(model_dir, load_progress=False, **kwargs)
+    kwargs.setdefault("backend", _backend)
+    kwargs.setdefault("device", "cuda" if _backend == "cuda" else "cpu")
+    engine = LLMEngine(model_dir, load_progress=False, **kwargs)
+    assert engine.backend.name == _backend
+    return engine
 
 
 def assert_matches_hf(model_dir: str, prompts: list[list[int]], outs) -> None:
@@ -88,24 +106,27 @@ def test_identical_prompt_reuses_all_but_the_last_token(tiny_llama):
     engine.check_idle()
 
 
-def test_the_fp32_norm_is_one_op_and_bit_for_bit_transformers_arithmetic():
+def test_the_fp32_norm_is_one_op_and_bit_for_bit_transformers_arithmetic(backend):
     """RMSNorm runs ``F.rms_norm`` in fp32 (one op instead of six a norm, two norms a layer);
     it must equal transformers' LlamaRMSNorm exactly, at model widths and q/k-norm head dims.
     Other dtypes keep transformers' rounding (normalized, cast to the input dtype, then scaled)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+    from workers.backends.base import Ops
+    from workers.backends.cpu.backend import CPUOps
     from workers.models.llama import RMSNorm
 
+    ops = CPUOps() if backend == "cpu" else Ops()
     torch.manual_seed(3)
     for width in (64, 128, 256, 576, 4096):
-        ours, theirs = RMSNorm(width, 1e-5), LlamaRMSNorm(width, eps=1e-5)
+        ours, theirs = RMSNorm(width, 1e-5, ops), LlamaRMSNorm(width, eps=1e-5)
         with torch.no_grad():
             ours.weight.copy_(torch.randn(width))
             theirs.weight.copy_(ours.weight)
         for shape in ((1, width), (37, width), (5, 4, width)):
             x = torch.randn(*shape) * 3
             assert torch.equal(ours(x), theirs(x))
-        half = RMSNorm(width, 1e-5).to(torch.bfloat16)
+        half = RMSNorm(width, 1e-5, ops).to(torch.bfloat16)
         ref = LlamaRMSNorm(width, eps=1e-5).to(torch.bfloat16)
         with torch.no_grad():
             half.weight.copy_(ours.weight)
@@ -114,9 +135,11 @@ def test_the_fp32_norm_is_one_op_and_bit_for_bit_transformers_arithmetic():
         assert torch.equal(half(x), ref(x))
 
 
-def test_prefill_steps_run_on_their_own_threads_and_stay_exact(tiny_llama):
+def test_prefill_steps_run_on_their_own_threads_and_stay_exact(tiny_llama, backend):
     """``prefill_threads``: a step with prompt tokens runs on that many torch threads, a decode-only
     step on the process's own, which every step leaves as it found it; the output is unchanged."""
+    if backend != "cpu":
+        pytest.skip("step threads are the CPU backend's option")
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -139,10 +162,12 @@ def test_prefill_steps_run_on_their_own_threads_and_stay_exact(tiny_llama):
         torch.set_num_threads(before)
 
 
-def test_small_decode_steps_run_on_their_own_threads_and_stay_exact(tiny_llama):
+def test_small_decode_steps_run_on_their_own_threads_and_stay_exact(tiny_llama, backend):
     """``small_batch_threads``: a decode-only step of at most ``small_batch_max_seqs`` sequences
     runs on that many torch threads, a larger one and a prompt step on the process's own; every
     step leaves the count as it found it, and the output is unchanged."""
+    if backend != "cpu":
+        pytest.skip("step threads are the CPU backend's option")
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

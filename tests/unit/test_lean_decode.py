@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from workers.backends.cpu import fused as cpu_fused
-from workers.backends.cpu import lean_decode
 
 pytestmark = pytest.mark.skipif(
     torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or cpu_fused.norm_width() is None,
@@ -36,18 +35,18 @@ class _BothPaths:
     same K/V written to the same slots again) and the two hidden states are compared."""
 
     def __init__(self, model, monkeypatch) -> None:
-        self.model, self.lean = model, model.lean_decode
+        self.model, self.lean = model, model.fast_decode
         self.steps, self.equal, self.rows = 0, 0, set()
         monkeypatch.setattr(self.lean, "run", self.run)
         self._run = type(self.lean).run
 
     def run(self, input_ids, positions, attn):
         lean_out = self._run(self.lean, input_ids, positions, attn)
-        self.model.lean_decode = None
+        self.model.fast_decode = None
         try:
             module_out = self.model(input_ids, positions, attn)
         finally:
-            self.model.lean_decode = self.lean
+            self.model.fast_decode = self.lean
         self.steps += 1
         self.equal += torch.equal(lean_out, module_out)
         self.rows.add(input_ids.shape[0])
@@ -59,7 +58,7 @@ def test_lean_decode_steps_equal_the_module_path_bit_for_bit(tiny_model_dirs, ar
     from workers.engine import SamplingParams
 
     engine = _engine(tiny_model_dirs[arch])
-    assert engine.model.lean_decode is not None
+    assert engine.model.fast_decode is not None
     both = _BothPaths(engine.model, monkeypatch)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     for batch in (1, 3, 8):
@@ -74,12 +73,10 @@ def test_greedy_tokens_and_logprobs_are_the_same_with_the_lean_path_on_or_off(ti
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
     prompts = _prompts(5, seed=7)
     runs = []
-    for on in (True, False):
-        lean_decode.enabled = on
-        try:  # an engine each: the second would find the prompts' blocks in its prefix cache
-            outs = _engine(tiny_llama).generate(prompts, params)
-        finally:
-            lean_decode.enabled = True
+    for on in (True, False):  # an engine each: the second would find the prompts' blocks in its prefix cache
+        engine = _engine(tiny_llama, lean_decode=on)
+        assert (engine.model.fast_decode is not None) == on
+        outs = engine.generate(prompts, params)
         runs.append([(o.token_ids, o.logprobs) for o in outs])
     assert runs[0] == runs[1]
 
@@ -88,7 +85,7 @@ def test_it_runs_only_decode_steps_the_panel_kernel_takes(tiny_model_dirs, monke
     from workers.engine import SamplingParams
 
     engine = _engine(tiny_model_dirs["llama"])
-    lean = engine.model.lean_decode
+    lean = engine.model.fast_decode
     taken: list[int] = []
     run = type(lean).run
 
@@ -102,27 +99,22 @@ def test_it_runs_only_decode_steps_the_panel_kernel_takes(tiny_model_dirs, monke
     assert taken == []
     engine.generate(_prompts(8, seed=2), params)
     assert taken and set(taken) == {8} and lean.max_rows == 8, taken
-    taken.clear()
-    cpu_fused.enabled = False  # aten's ops everywhere: no fused kernel, so no lean step either
-    try:
-        engine.generate(_prompts(2, seed=4), params)
-    finally:
-        cpu_fused.enabled = True
-    assert taken == []
+    # aten's ops everywhere: no fused kernel, so no lean path either
+    assert _engine(tiny_model_dirs["llama"], fused_ops=False).model.fast_decode is None
 
 
 def test_no_lean_path_where_a_call_would_differ(tiny_model_dirs):
     """q/k norms (qwen3), every batch on oneDNN or AMX (no panel kernel rows), a quantized cache,
     the sdpa backend: the modules."""
-    assert _engine(tiny_model_dirs["qwen3"]).model.lean_decode is None
-    assert _engine(tiny_model_dirs["llama"], plain_linear_rows=0).model.lean_decode is None
+    assert _engine(tiny_model_dirs["qwen3"]).model.fast_decode is None
+    assert _engine(tiny_model_dirs["llama"], plain_linear_rows=0).model.fast_decode is None
     quantized = _engine(tiny_model_dirs["llama"], kv_cache_dtype="int8", attention_backend="sdpa")
     sdpa = _engine(tiny_model_dirs["llama"], attention_backend="sdpa")
     from workers.engine import SamplingParams
 
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     for engine in (quantized, sdpa):
-        lean = engine.model.lean_decode
+        lean = engine.model.fast_decode
         assert lean is not None  # the model could; the step's attention or cache cannot
         calls: list[bool] = []
         original = lean.takes
@@ -140,7 +132,7 @@ def test_a_kv_slot_out_of_range_raises_index_error(tiny_llama, monkeypatch):
     from workers.engine import SamplingParams
 
     engine = _engine(tiny_llama)
-    lean = engine.model.lean_decode
+    lean = engine.model.fast_decode
     seen = []
     run = type(lean).run
 

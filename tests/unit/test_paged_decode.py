@@ -8,6 +8,7 @@ refuses it."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -18,6 +19,8 @@ from tests.unit.test_engine_parity import GREEDY, assert_matches_hf, make_engine
 from tests.unit.test_flex_attention import _decode_step
 from tests.unit.test_sliding_window import GREEDY as WINDOW_GREEDY
 from tests.unit.test_sliding_window import hf_reference, windowed_model  # noqa: F401 - a fixture
+from workers.backends.cpu import paged as cpu_paged
+from workers.backends.cpu.attention import CPUPagedAttention
 from workers.engine import EngineConfig
 from workers.layers.kv_cache import PagedKVCache
 from workers.layers.paged_attention import AttentionMetadata, PagedAttention, PagedDecodeAttention
@@ -26,18 +29,26 @@ from workers.models.config import ModelConfig
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 
+_cpp = True  # the kernel fixture's choice: the C++ decode kernel, else inductor's
+
+
+def paged(kv, meta, scale, min_keys: int = 0):
+    """The CPU backend's paged attention with the kernel the test runs (min_keys 0: the tiny
+    models' steps read far fewer keys than PAGED_MIN_KEYS, and inductor's kernel runs anyway)."""
+    return CPUPagedAttention(kv, meta, scale, min_keys=min_keys, decode_kernel_on=_cpp)
+
+
 @pytest.fixture(autouse=True, params=["cpp", "inductor"])
-def kernel(request, monkeypatch) -> str:
-    """Which CPU kernel the test runs. The tiny models' steps read far fewer keys than
-    PAGED_MIN_KEYS: the inductor kernel runs anyway (the C++ one runs at every size)."""
-    monkeypatch.setattr(PagedDecodeAttention, "min_keys", 0)
-    if request.param == "inductor":
-        monkeypatch.setattr(PagedDecodeAttention, "cpu_kernel", False)
-    return request.param
+def kernel(request) -> str:
+    """Which CPU kernel the test runs (the C++ one runs at every size)."""
+    global _cpp
+    _cpp = request.param == "cpp"
+    yield request.param
+    _cpp = True
 
 
 def paged_engine(model_dir: str, **kwargs):
-    engine = make_engine(model_dir, attention_backend="paged", **kwargs)
+    engine = make_engine(model_dir, attention_backend="paged", paged_min_keys=0, decode_kernel=_cpp, **kwargs)
     assert engine.runner.attention_backend == "paged"
     return engine
 
@@ -109,9 +120,9 @@ def test_decode_reads_only_the_steps_blocks(tiny_llama):
                 rows = min(kv.block_size, n - i * kv.block_size)
                 layer[:, block, :rows] = kept[:, block, :rows]
     kv.bytes_gathered = 0
-    paged = _decode_step(kv, PagedDecodeAttention, tables, lens)
+    outputs = _decode_step(kv, paged, tables, lens)
     assert kv.bytes_gathered == 0
-    for got, want in zip(paged, reference):
+    for got, want in zip(outputs, reference):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -125,14 +136,14 @@ def test_one_graph_for_every_batch_and_width(tiny_llama):
     for batch, width in [(1, 1), (2, 1), (1, 6), (9, 3), (4, 2)]:
         tables = [[(r * 7 + i) % 500 + 1 for i in range(width)] for r in range(batch)]
         lens = [width * kv.block_size - r % 5 for r in range(batch)]
-        got = _decode_step(kv, PagedDecodeAttention, tables, lens)
+        got = _decode_step(kv, paged, tables, lens)
         want = _decode_step(kv, PagedAttention, tables, lens)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     assert compiled_graphs() == frames, "a decode batch recompiled the paged graph"
 
 
-def test_small_batches_gather(tiny_llama, monkeypatch, kernel):
+def test_small_batches_gather(tiny_llama, kernel):
     """With the inductor kernel, below ``min_keys`` the step gathers and runs SDPA (cheaper
     there), with the same output; at or above it nothing is gathered. The C++ kernel runs at
     every size: nothing is gathered either way."""
@@ -144,12 +155,10 @@ def test_small_batches_gather(tiny_llama, monkeypatch, kernel):
     tables, lens = [[1, 2], [3, 4, 5]], [30, 41]  # 2 rows x 3 padded blocks = 96 keys
     want = _decode_step(kv, PagedAttention, tables, lens)
     kv.bytes_gathered = 0
-    monkeypatch.setattr(PagedDecodeAttention, "min_keys", 97)
-    below = _decode_step(kv, PagedDecodeAttention, tables, lens, mask=False)
+    below = _decode_step(kv, functools.partial(paged, min_keys=97), tables, lens, mask=False)
     assert (kv.bytes_gathered > 0) == (kernel == "inductor")
     kv.bytes_gathered = 0
-    monkeypatch.setattr(PagedDecodeAttention, "min_keys", 96)
-    at = _decode_step(kv, PagedDecodeAttention, tables, lens, mask=False)
+    at = _decode_step(kv, functools.partial(paged, min_keys=96), tables, lens, mask=False)
     assert kv.bytes_gathered == 0
     for a, b, w in zip(below, at, want):
         exact = kernel == "inductor"  # the gather path is the reference's arithmetic
@@ -169,10 +178,10 @@ def test_each_kernel_runs_where_chosen(tiny_llama, kernel):
         decode_context_lens=torch.tensor([20]),
         decode_first_pos=torch.zeros(1, dtype=torch.long),
     )
-    attn = PagedDecodeAttention(kv, meta, 1.0)
+    attn = paged(kv, meta, 1.0)
     empty = torch.empty(0, kv.num_kv_heads, kv.head_dim)
     attn.forward(0, torch.zeros(1, 2 * kv.num_kv_heads, kv.head_dim), empty, empty)
-    assert (attn._plan == "cpp") == (kernel == "cpp")
+    assert (attn._plan is cpu_paged.paged_decode) == (kernel == "cpp")
 
 
 def test_paged_with_a_quantized_cache_is_refused(tiny_llama):
@@ -185,7 +194,7 @@ def test_paged_with_a_quantized_cache_is_refused(tiny_llama):
 
 
 def test_auto_runs_paged_on_cpu(tiny_llama):
-    """The measured choice for a full-precision cache on CPU (model_runner.AUTO_BACKEND)."""
+    """The CPU backend's choice for a full-precision cache (CPUBackend.default_attention)."""
     engine = make_engine(tiny_llama)
     assert engine.runner.attention_backend == "paged"
 
@@ -220,7 +229,7 @@ def test_kernel_runs_on_the_engine_loops_thread(tiny_llama):
     want = _decode_step(kv, PagedAttention, tables, lens)
     graphs = compiled_graphs()
     got: list = []
-    thread = threading.Thread(target=lambda: got.append(_decode_step(kv, PagedDecodeAttention, tables, lens)))
+    thread = threading.Thread(target=lambda: got.append(_decode_step(kv, paged, tables, lens)))
     thread.start()
     thread.join()
     assert compiled_graphs() == graphs, "the loop's thread compiled the paged graph again"

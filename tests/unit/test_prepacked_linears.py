@@ -14,21 +14,45 @@ from torch.profiler import ProfilerActivity, profile
 
 from tests.unit.engine_helpers import random_prompts
 from tests.unit.test_engine_parity import GREEDY, assert_matches_hf, make_engine
+from workers.backends.cpu import linears
 from workers.backends.cpu import panels as cpu_linear
-from workers.models.config import ModelConfig
-from workers.models.loader import load_model
-from workers.models.parallel import (
+from workers.backends.cpu.backend import CPUBackend
+from workers.backends.cpu.linears import (
     PLAIN_ROW_CANDIDATES,
     PLAIN_ROWS_MARGIN,
-    ColumnParallelLinear,
-    PackedLinear,
+    PackedWeights,
     PlainRowsTiming,
-    TPGroup,
     choose_plain_rows,
+    packable,
     prepack_linears,
 )
+from workers.backends.cpu.options import CPUOptions
+from workers.engine.config import EngineConfig
+from workers.models.config import ModelConfig
+from workers.models.loader import load_model
+from workers.models.parallel import ColumnParallelLinear, ParallelLinear, TPGroup
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+
+
+def _load(model_dir: str, prepack: bool = True, plain_rows: int | None = None):
+    """The model on the CPU backend (``prepack``: its linears prepared; ``plain_rows``: as given,
+    None: timed), or on the reference backend's plain linears."""
+    options = CPUOptions(prepack_weights=prepack, plain_linear_rows=plain_rows)
+    backend = CPUBackend(torch.device("cpu"), EngineConfig(model_dir=model_dir, cpu=options))
+    return load_model(model_dir, backend=backend, progress=False)
+
+
+def _packed(m) -> bool:
+    return isinstance(m.impl, PackedWeights)
+
+
+def _pack(layer: ParallelLinear) -> bool:
+    """Pack one linear as ``prepack_linears`` would (batch hint 8); False where it does not."""
+    if not packable(layer.weight):
+        return False
+    layer.impl = PackedWeights(layer.weight, getattr(layer, "bias", None), 8, True, True)
+    return True
 
 
 def _ops(fn) -> set[str]:
@@ -41,20 +65,20 @@ def _ops(fn) -> set[str]:
 def test_load_packs_every_linear_and_the_head(tiny_model_dirs, arch):
     model_dir = tiny_model_dirs[arch]
     cfg = ModelConfig.from_dir(model_dir)
-    model = load_model(model_dir, progress=False, prepack=True)
-    packed = [m for m in model.modules() if isinstance(m, PackedLinear) and m.packed is not None]
+    model = _load(model_dir)
+    packed = [m for m in model.modules() if isinstance(m, ParallelLinear) and _packed(m)]
     # o and down per layer on their own, q/k/v and gate/up each as one fused copy, and the head
     # that scores: the embedding when tied, else lm_head (an untied embedding only looks rows up:
     # packing it would waste its size)
     assert len(packed) == 2 * cfg.num_layers + 1
     for layer in model.model.layers:
         assert layer.self_attn.fused is not None and layer.mlp.fused is not None
-        assert layer.self_attn.o_proj.packed is not None and layer.self_attn.q_proj.packed is None
-    assert model.head.packed is not None
+        assert _packed(layer.self_attn.o_proj) and not _packed(layer.self_attn.q_proj)
+    assert _packed(model.head)
     if not cfg.tie_word_embeddings:
-        assert model.model.embed_tokens.packed is None
-    plain = load_model(model_dir, progress=False)
-    assert not any(m.packed is not None for m in plain.modules() if isinstance(m, PackedLinear))
+        assert not _packed(model.model.embed_tokens)
+    plain = _load(model_dir, prepack=False)
+    assert not any(_packed(m) for m in plain.modules() if isinstance(m, ParallelLinear))
     assert all(layer.self_attn.fused is None and layer.mlp.fused is None for layer in plain.model.layers)
 
 
@@ -71,7 +95,7 @@ class _CaptureAttention:
 
 @pytest.mark.parametrize("arch", ("llama", "qwen2", "qwen3"))  # qwen2: q/k/v biases; qwen3: q/k norms
 def test_fused_layers_equal_the_separately_packed_ones_bit_for_bit(tiny_model_dirs, arch):
-    model = load_model(tiny_model_dirs[arch], progress=False, prepack=True, plain_rows=0)
+    model = _load(tiny_model_dirs[arch], plain_rows=0)
     layer = model.model.layers[1]
     hidden = model.config.hidden_size
     torch.manual_seed(0)
@@ -85,7 +109,7 @@ def test_fused_layers_equal_the_separately_packed_ones_bit_for_bit(tiny_model_di
                 if not fused:  # the same weights, each linear packed on its own
                     module.saved, module.fused = module.fused, None
                     for name in module.fused_inputs:
-                        getattr(module, name).pack(8)
+                        _pack(getattr(module, name))
             capture = _CaptureAttention()
             with torch.inference_mode():
                 attn_out = layer.self_attn(x, rope, capture)
@@ -99,10 +123,10 @@ def test_fused_layers_equal_the_separately_packed_ones_bit_for_bit(tiny_model_di
 
 @pytest.mark.parametrize("arch", ("llama", "qwen2"))  # qwen2: q/k/v biases
 def test_small_batches_take_the_panel_kernel_on_the_fused_weight(tiny_model_dirs, arch):
-    model = load_model(tiny_model_dirs[arch], progress=False, prepack=True, plain_rows=2)
+    model = _load(tiny_model_dirs[arch], plain_rows=2)
     attn = model.model.layers[0].self_attn
     fused = attn.fused
-    assert fused is not None and fused.plain_rows == 2 and attn.o_proj.plain_rows == 2
+    assert fused is not None and fused.plain_rows == 2 and attn.o_proj.impl.plain_rows == 2
     layers = [getattr(attn, name) for name in attn.fused_inputs]
     # one plain copy: each layer's weight is a view of its rows of the fused weight
     widths = [m.weight.shape[0] for m in layers]
@@ -112,8 +136,8 @@ def test_small_batches_take_the_panel_kernel_on_the_fused_weight(tiny_model_dirs
     if not cpu_linear.available():
         pytest.skip("the panel kernel did not build here (no C++ compiler)")
     # one panel copy too: the fused one, none for the layers it serves
-    assert fused.panels is not None and attn.o_proj.panels is not None
-    assert all(m.panels is None and m.packed is None for m in layers)
+    assert fused.panels is not None and attn.o_proj.impl.panels is not None
+    assert all(m.impl is None for m in layers)
     torch.manual_seed(0)
     for rows in (1, 2, 3):
         x = torch.randn(rows, model.config.hidden_size)
@@ -134,7 +158,7 @@ def test_small_batches_take_the_panel_kernel_on_the_fused_weight(tiny_model_dirs
 
 
 def test_plain_rows_are_measured_when_not_given(tiny_model_dirs):
-    model = load_model(tiny_model_dirs["llama"], progress=False, prepack=True, plain_rows=0)
+    model = _load(tiny_model_dirs["llama"], plain_rows=0)
     rows, timings = choose_plain_rows(model)  # timed on this CPU, both ways
     assert timings and [t.rows for t in timings] == list(PLAIN_ROW_CANDIDATES[: len(timings)])
     assert all(t.plain_s > 0 and t.packed_s > 0 for t in timings)
@@ -147,7 +171,7 @@ def test_plain_rows_are_measured_when_not_given(tiny_model_dirs):
     assert wins[:-1] == [True] * (len(wins) - 1)
     assert rows == (timings[-1].rows if wins[-1] else (timings[-2].rows if len(timings) > 1 else 0))
     assert len(timings) == len(PLAIN_ROW_CANDIDATES) or not wins[-1]
-    units = [m for m in model.modules() if isinstance(m, PackedLinear) and m.packed is not None]
+    units = [m.impl for m in model.modules() if isinstance(m, ParallelLinear) and _packed(m)]
     units += [layer.self_attn.fused for layer in model.model.layers] + [layer.mlp.fused for layer in model.model.layers]
     assert all(unit.plain_rows == rows for unit in units)
     assert choose_plain_rows(model, 1) == (1, []) and all(unit.plain_rows == 1 for unit in units)
@@ -169,7 +193,7 @@ def test_against_amx_tiles_the_faster_at_best_keeps_a_row_count():
     8 rows and sent batch-8 decode steps to AMX, the slower of the two at c8."""
     from types import SimpleNamespace
 
-    from workers.models.parallel import margin_against
+    from workers.backends.cpu.linears import margin_against
 
     assert not PlainRowsTiming(8, 0.0221, 0.0228, 5, 3).plain_wins
     assert PlainRowsTiming(8, 0.0221, 0.0228, 5, 3, margin=0.0).plain_wins
@@ -184,14 +208,12 @@ def test_linears_are_timed_alone_on_the_host(tiny_model_dirs, monkeypatch):
     cannot take the lock meanwhile); it is free again afterwards."""
     import fcntl
 
-    from workers.models import parallel
-
-    model = load_model(tiny_model_dirs["llama"], progress=False, prepack=True, plain_rows=0)
+    model = _load(tiny_model_dirs["llama"], plain_rows=0)
     held: list[bool] = []
-    timed = parallel._pass
+    timed = linears._pass
 
     def probing_pass(units, inputs):
-        with open(parallel.TIMING_LOCK, "a+") as other:  # another open file: as another engine would
+        with open(linears.TIMING_LOCK, "a+") as other:  # another open file: as another engine would
             try:
                 fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -201,10 +223,10 @@ def test_linears_are_timed_alone_on_the_host(tiny_model_dirs, monkeypatch):
                 fcntl.flock(other, fcntl.LOCK_UN)
         timed(units, inputs)
 
-    monkeypatch.setattr(parallel, "_pass", probing_pass)
+    monkeypatch.setattr(linears, "_pass", probing_pass)
     _, timings = choose_plain_rows(model)
     assert timings and held and all(held), held
-    with open(parallel.TIMING_LOCK, "a+") as other:
+    with open(linears.TIMING_LOCK, "a+") as other:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released: raises if still held
 
 
@@ -217,7 +239,7 @@ def test_packed_forward_runs_onednn_and_agrees_with_f_linear():
     x = torch.randn(3, 5, 64)
     plain = layer(x)
     assert "mkldnn::_linear_pointwise" not in _ops(lambda: layer(x))
-    assert layer.pack(8)
+    assert _pack(layer)
     ops = _ops(lambda: layer(x))
     assert "mkldnn::_linear_pointwise" in ops and "aten::linear" not in ops
     for rows in (1, 2, 7, 8, 33):  # one reorder serves every batch size
@@ -229,7 +251,7 @@ def test_packed_forward_runs_onednn_and_agrees_with_f_linear():
 
 def test_only_fp32_cpu_weights_are_packed():
     layer = ColumnParallelLinear(64, 96, bias=False, tp=TPGroup()).to(torch.bfloat16)
-    assert not layer.pack(8) and layer.packed is None
+    assert not _pack(layer) and layer.impl is None
     model = torch.nn.Sequential(layer)
     assert prepack_linears(model) == 0
 
@@ -241,7 +263,7 @@ def test_compiled_graph_keeps_f_linear():
     layer = ColumnParallelLinear(32, 48, bias=False, tp=TPGroup())
     with torch.no_grad():
         layer.weight.normal_(0, 0.05)
-    layer.pack(8)
+    _pack(layer)
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     x = torch.randn(4, 32)
     assert torch.equal(compiled(x), F.linear(x, layer.weight))
@@ -256,9 +278,9 @@ def test_greedy_parity_both_ways(tiny_model_dirs, prepack, plain_rows):
     model_dir = tiny_model_dirs["qwen2"]  # biased q/k/v: the packed path adds the bias
     engine = make_engine(model_dir, prepack_weights=prepack, plain_linear_rows=plain_rows)
     lookup = engine.model.model.embed_tokens  # untied here: it only looks rows up, never packed
-    layers = [m for m in engine.model.modules() if isinstance(m, PackedLinear) and m is not lookup]
+    layers = [m for m in engine.model.modules() if isinstance(m, ParallelLinear) and m is not lookup]
     fused = {id(getattr(m, name)) for m in engine.model.modules() for name in getattr(m, "fused_inputs", ())}
-    assert all((m.packed is not None) == (prepack and id(m) not in fused) for m in layers)
+    assert all(_packed(m) == (prepack and id(m) not in fused) for m in layers)
     assert all((layer.mlp.fused is not None) == prepack for layer in engine.model.model.layers)
     prompts = random_prompts(seed=5)
     assert_matches_hf(model_dir, prompts, engine.generate(prompts, GREEDY))

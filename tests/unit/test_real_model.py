@@ -41,7 +41,7 @@ def test_the_panel_kernel_holds_every_weight_of_the_gguf_checkpoint_coded(smollm
     """SmolLM2's fp32 weights come from Q4_1 (linears) and Q8_0 (embedding and tied head)
     tensors: every one codes exactly, so decode steps stream a quarter of the bytes."""
     from workers.backends.cpu import panels as cpu_linear
-    from workers.models.parallel import _packed_units
+    from workers.backends.cpu.linears import _packed_units
 
     if not cpu_linear.available():
         pytest.skip("the panel kernel did not build (no C++ compiler)")
@@ -58,7 +58,7 @@ def test_amx_tiles_hold_every_coded_weight_and_a_long_prompt_equals_transformers
     kernel's (here every one) multiply on them: a ~300-token prompt's greedy continuation equals
     transformers'. With ``amx_linears=False`` no weight has tiles."""
     from workers.backends.cpu import amx as cpu_amx
-    from workers.models.parallel import _packed_units
+    from workers.backends.cpu.linears import _packed_units
 
     if not cpu_amx.available():
         pytest.skip("no AMX on this CPU (or the AMX kernel did not build)")

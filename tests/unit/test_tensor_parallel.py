@@ -333,7 +333,7 @@ def test_ranks_hold_coded_shards_and_equal_transformers(tiny_llama, tmp_path):
     """Coded panels over 2 ranks: each column shard (q/k/v, gate/up) and row shard (o, down: 32
     and 64 inputs a rank, whole groups) codes on its own, and greedy output equals transformers'."""
     from workers.backends.cpu import panels as cpu_linear
-    from workers.models.parallel import _packed_units
+    from workers.backends.cpu.linears import _packed_units
 
     if not cpu_linear.coded_available():
         pytest.skip("the coded panel kernel did not build (no C++ compiler)")

@@ -6,19 +6,18 @@ A decode-only step of B sequences up to the largest bucket runs compiled; every 
 has its graph (CUDA graphs need static shapes): the step pads its tokens to the smallest bucket
 >= B. On CPU one graph with a dynamic batch dimension serves every bucket, its rows padded to
 at least 2 (dynamo specialises size 1): with a static batch, inductor's freezing packs the
-linears for MKL's sgemm (``mkl._mkl_linear``), which ran the batch-8 step at 0.60x eager's speed
-on SmolLM2 here; with a dynamic one it packs them for oneDNN (``mkldnn._linear_pointwise``), as
-eager runs them (BENCHMARKS.md).
+linears for MKL's sgemm (``mkl._mkl_linear``), which ran slower than eager; with a dynamic one
+it packs them for oneDNN (``mkldnn._linear_pointwise``), as eager runs them
+(docs/decisions/0018-eager-decode-by-default.md).
 
 Attention stays outside the graphs as one opaque op, ``pdserve::paged_attention``, which calls
 the step's ``PagedAttention`` (set for the call by ``step_attention``): the graphs hold the dense
 work only (embedding, norms, projections, rotary, MLP, LM head), whose shapes depend on the
 row count alone. On CPU, inductor with ``freezing`` folds the weights into the graph as
 constants and prepacks them for oneDNN; on CUDA, ``mode="reduce-overhead"`` adds
-CUDA graphs per bucket, captured piecewise between the attention ops (graph partition). On an
-H200 (torch 2.11, 2026-12-04) this ran an 8B-shaped bf16 decode step at 2k context in 9.0 / 14.8 /
-21.3 ms at batch 1 / 16 / 64 against eager's 20.4 / 21.1 / 23.7 ms, and SmolLM2 bf16 greedy kept
-7 of 8 completions identical to transformers' (eager: 8 of 8): BENCHMARKS.md, "GPU check".
+CUDA graphs per bucket, captured piecewise between the attention ops (graph partition). That is
+where compiling pays, most at small batches; compiled bf16 may flip a near-tie in greedy decoding,
+since the graphs reorder bf16 arithmetic (docs/decisions/0018-eager-decode-by-default.md).
 
 Padding rows carry token 0 at position 0; attention neither writes their K/V nor reads for
 them (it sees the step's real rows only and returns zeros for the rest), and their logits are

@@ -6,6 +6,8 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers.backends import BACKENDS
+from workers.backends.cpu.options import CPUOptions
 from workers.protocol import KVCacheDType
 
 
@@ -30,43 +32,18 @@ class EngineConfig:
     # CUDA: a graph per bucket, CPU: one; workers/engine/compiled.py); True: everything eager.
     enforce_eager: bool = True
     compile_batch_sizes: tuple[int, ...] | None = None  # decode buckets; None: powers of two to max_num_seqs
-    # CPU fp32: eager linears multiply with oneDNN on weights reordered once at load (1.2-2.5x
-    # faster than F.linear), small batches with the panel kernel (workers/backends/cpu/panels.py)
-    # on a panel copy; workers/models/parallel.py. False: F.linear on the plain weights.
-    prepack_weights: bool = True
-    # With prepack_weights: batches of up to this many rows multiply with the panel kernel (F.linear
-    # where it does not build) instead of oneDNN (which is faster where depends on the CPU); None:
-    # timed both ways at load (workers/models/parallel.py, choose_plain_rows).
-    plain_linear_rows: int | None = None
-    # With prepack_weights: the panel kernel holds a weight as one byte a weight where that is
-    # exact (a checkpoint dequantized from a block format, such as a GGUF file's Q4/Q8 tensors:
-    # the same fp32 products from a quarter of the bytes; workers/backends/cpu/panels.py, code).
-    # False: fp32 panels for every weight.
-    coded_weights: bool = True
-    # With coded weights on a CPU with Intel AMX: batches wider than plain_linear_rows (prompts,
-    # wide decode steps) multiply on AMX's bf16 tiles, each input cut into three exact bf16 parts
-    # (fp32 products, fp32 sums; workers/backends/cpu/amx.py) instead of oneDNN's fp32 GEMM.
-    # False: oneDNN.
-    amx_linears: bool = True
+    # The device backend (workers/backends): "auto" is the device's own ("cpu" or "cuda");
+    # "reference" runs plain torch and gather + SDPA anywhere (the specification).
+    backend: str = "auto"
+    # The CPU backend's options (kernels, linears, threads): workers/backends/cpu/options.py.
+    cpu: CPUOptions = CPUOptions()
     # "sdpa": attention gathers the blocks it reads; "flex": FlexAttention over the physical cache;
-    # "paged": decodes read the cache through their block tables in one compiled kernel ("flex"
-    # and "paged": full-precision cache only); "auto": the measured choice (model_runner.py)
+    # "paged": decodes read the cache through their block tables in one kernel ("flex" and
+    # "paged": full-precision cache only); "auto": the backend's choice
     attention_backend: str = "auto"
     # Ranks the model is split over (workers/engine/tensor_parallel.py): this process is rank 0,
     # ranks 1..N-1 are processes it starts. 1: the whole model here, no collectives.
     tensor_parallel_size: int = 1
-    # CPU: torch threads for a step that computes prompt tokens (every rank), the process's own
-    # count restored after it; None: every step runs on the process's threads. A prompt's matmuls
-    # are compute-bound and gain from each thread; a decode step is bound by weight bandwidth.
-    prefill_threads: int | None = None
-    # CPU: torch threads for a decode-only step of at most small_batch_max_seqs sequences; None:
-    # the process's threads. Where the engine's threads fill every core, the serving path (this
-    # replica's event loop, Ray's streaming, the ingress) preempts one of them in the middle of an
-    # OpenMP region and every op waits for it; one thread less leaves it a core. Whether that pays
-    # is the machine's: 1.15x the tokens at c1 on an AVX2 VM, 0.82x on an AVX-512 one, where a
-    # second thread makes the step alone 1.66x faster (BENCHMARKS.md, 2026-12-04). Off unless set.
-    small_batch_threads: int | None = None
-    small_batch_max_seqs: int = 4
     # Benchmarks only: (seconds per step, per prefill token, per context token of a decode) that a
     # step lasts at least; the engine thread sleeps the rest. On a CPU every replica shares the same
     # cores, so a replica adds no compute; this stands in for an accelerator's step time (one per
@@ -75,6 +52,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_dtype", KVCacheDType.parse(self.kv_cache_dtype))
+        if isinstance(self.cpu, dict):  # from dataclasses.asdict (a tensor-parallel rank's config)
+            object.__setattr__(self, "cpu", CPUOptions(**self.cpu))
         buckets, max_seqs = self.compile_batch_sizes, self.max_num_seqs
         checks = {
             "block_size": (
@@ -98,12 +77,7 @@ class EngineConfig:
                 "must be batch sizes in [1, max_num_seqs]",
             ),
             "tensor_parallel_size": (self.tensor_parallel_size > 0, "must be positive"),
-            "prefill_threads": (self.prefill_threads is None or self.prefill_threads > 0, "must be positive"),
-            "small_batch_threads": (
-                self.small_batch_threads is None or self.small_batch_threads > 0,
-                "must be positive",
-            ),
-            "small_batch_max_seqs": (self.small_batch_max_seqs > 0, "must be positive"),
+            "backend": (self.backend in BACKENDS, f"must be one of {', '.join(BACKENDS)}"),
             "emulated_step_s": (
                 self.emulated_step_s is None or (len(self.emulated_step_s) == 3 and min(self.emulated_step_s) >= 0),
                 "must be three non-negative numbers (per step, per prefill token, per decode context token)",

@@ -24,22 +24,18 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.events import KVEvent
-from workers.backends.cpu.memory import keep_freed_memory
+from workers.backends.cpu.options import CPUOptions
+from workers.engine.assemble import assemble, plan_context
 from workers.engine.block_manager import NULL_BLOCK, BlockManager, CachedPrefix, first_window_block
-from workers.engine.compiled import CompiledDecode
 from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer, find_stop_cut
-from workers.engine.model_runner import ModelRunner, StepThreads
 from workers.engine.sampler import sample
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import FinishReason, RequestStatus, Sequence, TokenLogprob
 from workers.engine.stats import EngineStats
 from workers.engine.tensor_parallel import TensorParallelWorkers, rank_device
-from workers.layers.kv_cache import PagedKVCache, plan_num_blocks
-from workers.models.config import ModelConfig
-from workers.models.loader import load_model, resolve_dtype
-from workers.models.parallel import TPGroup, rank_model_config
+from workers.models.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +93,8 @@ class LLMEngine:
         **kwargs,
     ) -> None:
         """``LLMEngine(config=EngineConfig(...))``, or ``LLMEngine(model_dir, **fields)`` with
-        ``EngineConfig``'s other fields as keywords (``block_size=16``, ``num_kv_blocks=...``).
+        ``EngineConfig``'s other fields as keywords (``block_size=16``, ``num_kv_blocks=...``), and
+        ``CPUOptions``' fields too (``plain_linear_rows=8``: into ``EngineConfig.cpu``).
         ``tp_launcher`` (tensor_parallel_size > 1): "local" runs ranks 1..N-1 as subprocesses,
         "ray" as Ray actors in this actor's placement group (a Serve replica; tensor_parallel.py)."""
         if config is None:
@@ -106,6 +103,11 @@ class LLMEngine:
                     "LLMEngine needs a model directory: LLMEngine(model_dir, ...) or "
                     "LLMEngine(config=EngineConfig(model_dir=...))"
                 )
+            # the CPU backend's options may come as keywords too (plain_linear_rows=8)
+            cpu_fields = {f.name for f in dataclasses.fields(CPUOptions)}
+            cpu = {k: kwargs.pop(k) for k in list(kwargs) if k in cpu_fields}
+            if cpu:
+                kwargs["cpu"] = dataclasses.replace(kwargs.get("cpu", CPUOptions()), **cpu)
             config = EngineConfig(model_dir=str(model_dir), **kwargs)
         elif model_dir is not None or kwargs:
             raise TypeError(
@@ -118,50 +120,27 @@ class LLMEngine:
         self._rank_transfers_open = False  # open_rank_transfers: the worker ranks' transfer agents
         tp = self.tensor_parallel.tp if self.tensor_parallel else TPGroup()
         self.device = rank_device(cfg.device, 0) if self.tensor_parallel else torch.device(cfg.device)
-        if self.device.type == "cpu":
-            keep_freed_memory()  # before the model's first allocation
-        self.model_config = ModelConfig.from_dir(cfg.model_dir)
-        self.model_key = cfg.resolved_model_key
-        max_len = cfg.max_model_len or self.model_config.max_position_embeddings
-        window = self.model_config.sliding_window
-        # A window at least as long as the context never cuts anything: plain causal attention.
-        self.sliding_window = window if window and window < max_len else None
-        self.dtype = resolve_dtype(self.model_config, self.device, cfg.dtype)
-        self.model = load_model(
-            cfg.model_dir,
+        workers = self.tensor_parallel
+        parts = assemble(
+            cfg,
             self.device,
-            cfg.dtype,
-            max_len,
-            cfg.load_progress,
             tp,
-            cfg.prepack_weights,
-            cfg.plain_linear_rows,
-            cfg.coded_weights,
-            cfg.amx_linears,
+            agree_num_blocks=workers.agree_num_blocks if workers else (lambda n: n),  # same block ids on every rank
+            settle=lambda model_config, num_blocks: plan_context(cfg, model_config, num_blocks),
         )
-        rank_config = rank_model_config(self.model_config, tp)  # this rank's KV heads: what its cache holds
-        num_blocks = plan_num_blocks(cfg, rank_config, self.dtype, self.device)
-        if self.tensor_parallel:
-            num_blocks = self.tensor_parallel.agree_num_blocks(num_blocks)  # the same block ids on every rank
-        capacity = num_blocks * cfg.block_size
-        max_chunk = None
-        if self.sliding_window is not None:
-            # A windowed sequence holds the window's blocks plus those of the chunk it computes:
-            # chunks are capped so that both fit, and any context length runs.
-            window_blocks = self.sliding_window // cfg.block_size + 2
-            if num_blocks > window_blocks:
-                max_chunk = (num_blocks - window_blocks) * cfg.block_size
-            else:
-                self.sliding_window = None  # the cache cannot hold one window: no context past it
-        if capacity < max_len and self.sliding_window is None:
-            logger.info("KV cache holds %d tokens: max_model_len lowered from %d", capacity, max_len)
-            max_len = capacity
-        self.max_model_len = max_len
-        self.kv = PagedKVCache(rank_config, num_blocks, cfg.block_size, cfg.kv_cache_dtype, self.dtype, self.device)
+        self.backend, self.model, self.model_config = parts.backend, parts.model, parts.model_config
+        self.dtype = parts.dtype
+        self.model_key = cfg.resolved_model_key
+        self.sliding_window = parts.plan.sliding_window
+        self.max_model_len = parts.plan.max_model_len
+        self.kv = parts.kv
         self.kv_caches = self.kv.layers  # what the transfer layer moves blocks of (rank 0's heads under TP)
+        num_blocks = self.kv.num_blocks
         self.block_manager = BlockManager(num_blocks, cfg.block_size, self.model_key, cfg.enable_prefix_caching)
         # The scheduler owns the request table and every status change (RequestStatus).
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, max_chunk)
+        self.scheduler = Scheduler(
+            self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, parts.plan.max_chunk
+        )
         self.busy_seconds = 0.0  # model time of the steps run (EngineStats.busy_s)
         self.prefill_tokens_computed = 0  # prompt tokens those steps computed (EngineStats)
         self.decode_tokens = 0  # tokens of decode rows, and their steps' seconds per token (EngineStats)
@@ -171,20 +150,7 @@ class LLMEngine:
         self.decode_steps = 0
         self.decode_step_s = 0.0
         self.decode_rows_sq = 0
-        compiled = (
-            None
-            if cfg.enforce_eager
-            else CompiledDecode(self.model, cfg.max_num_seqs, self.device, cfg.compile_batch_sizes)
-        )
-        self.runner = ModelRunner(
-            self.model,
-            self.kv,
-            self.sliding_window,
-            compiled,
-            cfg.load_progress,
-            cfg.attention_backend,
-            StepThreads.from_config(cfg),
-        )
+        self.runner = parts.runner
         if self.tensor_parallel:
             self.tensor_parallel.start(self.sliding_window)
         self.tokenizer = _load_tokenizer(cfg.model_dir)
@@ -495,7 +461,7 @@ class LLMEngine:
             return []
         seqs = [item.seq for item in sampled]
         try:
-            tokens, logprobs = sample(logits, seqs)
+            tokens, logprobs = sample(logits, seqs, self.backend.ops.argmax)
         except Exception:  # noqa: BLE001 - find the request(s) it was, fail those, keep the rest
             seqs, tokens, logprobs = self._sample_each(logits, seqs)
         outputs = []
@@ -549,7 +515,7 @@ class LLMEngine:
         kept, tokens, logprobs = [], [], []
         for i, seq in enumerate(seqs):
             try:
-                (token,), (logprob,) = sample(logits[i : i + 1], [seq])
+                (token,), (logprob,) = sample(logits[i : i + 1], [seq], self.backend.ops.argmax)
             except Exception as exc:  # noqa: BLE001 - this request's failure, not the engine's
                 logger.warning("request %s: sampling failed, the request fails: %r", seq.request_id, exc)
                 self.abort(seq.request_id)

@@ -8,11 +8,9 @@ logprobs also sends its chunk's prompt rows through it (in slices, so a long chu
 With a sliding window, each sequence's attention reads blocks from ``first_window_block`` on:
 earlier ones are outside every future query's window (and freed).
 
-``attention_backend`` (``EngineConfig.attention_backend``): "sdpa" gathers the blocks a step
-reads (``PagedAttention``), "flex" attends over the physical cache (``FlexPagedAttention``,
-compiled here at start-up), "paged" decodes through the block tables in one compiled kernel per
-layer (``PagedDecodeAttention``, compiled here at start-up), "auto" picks
-``auto_attention_backend``'s choice.
+Everything device-specific comes from the engine's backend (``workers/backends``): the
+attention object of each step (by ``EngineConfig.attention_backend``, or the backend's own
+choice for "auto"; built or compiled here at start-up), and the torch threads of a step.
 """
 
 from __future__ import annotations
@@ -21,28 +19,22 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
+from workers.backends.base import Backend
 from workers.engine.block_manager import first_window_block
 from workers.engine.compiled import CompiledDecode
-from workers.engine.config import EngineConfig
 from workers.engine.sampler import prompt_logprobs
 from workers.engine.scheduler import ScheduledSeq, SchedulerOutput
 from workers.engine.sequence import Sequence, TokenLogprob
 from workers.layers.kv_cache import PagedKVCache
 from workers.layers.paged_attention import (
-    ATTENTION_BACKENDS,
     AttentionMetadata,
-    FlexPagedAttention,
     PagedAttention,
-    PagedDecodeAttention,
     PrefillSpan,
     decode_mask,
     flash_attn_usable,
-    warm_up_flex,
-    warm_up_paged_decode,
 )
 from workers.models.llama import LlamaForCausalLM
 
@@ -53,29 +45,6 @@ PROMPT_LOGITS_ROWS = 512  # rows of prompt logits computed at once ([rows, vocab
 # One sequence's prompt logprobs from a step: (sequence, first position scored, logprobs); the
 # logprob at position p is prompt token p + 1's.
 PromptLogprobs = tuple[Sequence, int, list[TokenLogprob]]
-
-
-# "auto" on a full-precision cache, by device type: chosen by measuring decode steps with the
-# backends side by side (bench/attention.py, batch 1/8/32 x context 256/1024, 2 cores). Flex
-# won nothing measurable on CPU (flex/sdpa 0.86-1.26 on SmolLM2-135M, slower at 5 of 6 points).
-# Paged (its kernel from PAGED_MIN_KEYS keys a step, gather + SDPA below) was paged/sdpa
-# 0.98-1.02 at batch 1 and 8 x 256, 0.92-0.95 at 8 x 1024 and 32 x 256, and 0.40 at 32 x 1024,
-# where the gather path's 50 MB per layer copy dominates: paged on CPU. On CUDA (an H200, 8B-
-# shaped bf16 model, 2k context, eager, bench/gpu_check.py) sdpa won: 20.4 / 21.1 / 23.7 ms a step
-# at batch 1 / 16 / 64 against paged's inductor kernel 27.9 / 26.1 / 69.8 (same run), and flex
-# 38.7 / 35.1 / 57.8 against sdpa's 24.3 / 24.9 / 26.7 in another; paged's later Triton kernel
-# (triton_paged, its combine fused) drew level: 34.6 / 36.2 against 33.6 / 38.0 at batch 1 / 64,
-# and 12.6 / 21.7 against 13.1 / 21.7 compiled: sdpa there (flash-attn's paged kernel when
-# installed; flash-attn was not on that machine).
-AUTO_BACKEND = {"cpu": "paged"}
-
-
-def auto_attention_backend(kv: PagedKVCache) -> str:
-    """What "auto" runs: sdpa for a quantized cache (flex needs full precision), else the
-    measured choice for the device."""
-    if kv.quantized:
-        return "sdpa"
-    return AUTO_BACKEND.get(kv.layers[0].device.type, "sdpa")
 
 
 @contextlib.contextmanager
@@ -93,78 +62,35 @@ def torch_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-@dataclass(frozen=True)
-class StepThreads:
-    """CPU: the torch threads of a step by its kind (EngineConfig's ``prefill_threads``,
-    ``small_batch_threads`` and ``small_batch_max_seqs``); None anywhere: the process's own."""
-
-    prefill: int | None = None
-    small_batch: int | None = None
-    small_batch_max_seqs: int = 4
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> StepThreads:
-        return cls(config.prefill_threads, config.small_batch_threads, config.small_batch_max_seqs)
-
-    @property
-    def switches(self) -> bool:
-        """Whether some step runs on a count of its own."""
-        return self.prefill is not None or self.small_batch is not None
-
-    def for_step(self, out: SchedulerOutput) -> int | None:
-        """``prefill`` for a step with prompt tokens, ``small_batch`` for a decode-only step of at
-        most ``small_batch_max_seqs`` sequences; else None."""
-        if out.prefills:
-            return self.prefill
-        if len(out.decodes) <= self.small_batch_max_seqs:
-            return self.small_batch
-        return None
-
-
 class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
         kv: PagedKVCache,
+        backend: Backend,
         sliding_window: int | None = None,
         compiled: CompiledDecode | None = None,
         progress: bool = False,
-        attention_backend: str = "sdpa",
-        step_threads: StepThreads | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
+        self.backend = backend
         self.block_size = kv.block_size
         self.sliding_window = sliding_window
         self.device = kv.layers[0].device
-        # CPU only: a step's torch threads by its kind (EngineConfig); elsewhere every step the same
-        self.threads = (step_threads or StepThreads()) if self.device.type == "cpu" else StepThreads()
-        if self.threads.switches:
-            # inductor's C++ kernels (the paged decode, --compile's graphs) would otherwise fix the
-            # thread count they were compiled under (`omp parallel num_threads(N)`) unless it equals
-            # os.cpu_count(): with a count that changes per step they take the one in force
-            import torch._inductor.config as inductor_config
-
-            inductor_config.cpp.dynamic_threads = True
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend={attention_backend!r} must be one of {ATTENTION_BACKENDS}")
-        if attention_backend == "auto":
-            attention_backend = auto_attention_backend(kv)
-        self.attention_backend = attention_backend
-        self._attention: type[PagedAttention] = PagedAttention
-        warm_ups = {"flex": (FlexPagedAttention, warm_up_flex), "paged": (PagedDecodeAttention, warm_up_paged_decode)}
-        if attention_backend in warm_ups:  # each refuses a quantized cache (check_full_precision)
-            self._attention, warm_up = warm_ups[attention_backend]
-            if progress:
-                logger.info("compiling the %s attention kernel (once per model shape)", attention_backend)
-            start = time.perf_counter()
-            group = model.config.num_heads // model.config.num_kv_heads
-            warm_up(kv, model.attention_scale, kv.num_kv_heads * group, sliding_window)
-            if progress:
-                logger.info("%s attention ready in %.1f s", attention_backend, time.perf_counter() - start)
-        self.use_flash_attn = attention_backend == "sdpa" and flash_attn_usable(
-            self.device, self.block_size, kv, sliding_window
-        )
+        self.threads = backend.step_threads()  # a step's torch threads by its kind
+        self.attention_backend = kind = backend.attention_kind(kv)
+        self._attention = backend.attention(kind)
+        progress = progress and kind != "sdpa"  # sdpa builds nothing
+        if progress:
+            logger.info("building the %s attention kernels (once per model shape)", kind)
+        start = time.perf_counter()
+        group = model.config.num_heads // model.config.num_kv_heads
+        backend.warm_up_attention(kind, kv, model.attention_scale, kv.num_kv_heads * group, sliding_window)
+        if progress:
+            logger.info("%s attention ready in %.1f s", kind, time.perf_counter() - start)
+        flash = flash_attn_usable(self.device, self.block_size, kv, sliding_window)
+        self.use_flash_attn = backend.name == "cuda" and kind == "sdpa" and flash
         self.compiled = compiled  # decode-only steps of up to its largest bucket run compiled
         if compiled is not None:
             compiled.warm_up(self._scratch_attention, progress)
@@ -173,7 +99,7 @@ class ModelRunner:
         """Run one step. Returns logits ``[N, V]`` for the N sequences that sample, in order, and
         the prompt logprobs of the positions this step computed for requests that ask for them.
         The step runs on ``self.threads.for_step(out)`` torch threads when that is set."""
-        threads = self.threads.for_step(out)
+        threads = self.threads.for_step(len(out.prefills), len(out.decodes))
         if threads is not None:
             with torch_threads(threads):
                 return self._execute(out)
@@ -301,7 +227,7 @@ class ModelRunner:
             prefills=[PrefillSpan(0, len(token_ids), len(token_ids), None)],
             sliding_window=self.sliding_window,
         )
-        attn = PagedAttention(None, meta, self.model.attention_scale)
+        attn = PagedAttention(None, meta, self.model.attention_scale, self.backend.ops)
         hidden = self.model(
             torch.tensor(token_ids, dtype=torch.long, device=dev),
             torch.arange(len(token_ids), device=dev),

@@ -62,17 +62,16 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from workers.backends.cpu.memory import keep_freed_memory
+from workers.engine.assemble import ContextPlan, assemble
 from workers.engine.block_manager import first_window_block
 from workers.engine.config import EngineConfig
-from workers.engine.model_runner import ModelRunner, StepThreads
+from workers.engine.model_runner import ModelRunner
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledSeq, SchedulerOutput
 from workers.engine.sequence import Sequence
-from workers.layers.kv_cache import PagedKVCache, plan_num_blocks
+from workers.layers.kv_cache import PagedKVCache
 from workers.models.config import ModelConfig
-from workers.models.loader import load_model, resolve_dtype
-from workers.models.parallel import TPGroup, rank_model_config
+from workers.models.parallel import TPGroup
 from workers.protocol import decode, encode
 from workers.transfer.pair import abort_process_group, new_process_group
 from workers.transfer.tp_transfer import RankOp, RankReport, RankTransferAgent
@@ -653,8 +652,6 @@ def run_worker(
         own = torch.device(device) if device is not None else rank_device(config.device, rank)
         if own.type == "cuda":
             torch.cuda.set_device(own)
-        else:
-            keep_freed_memory()
         store.set(f"tp/joined/{rank}", "1")
         groups = RankGroups(store, rank, world_size, own, bind_host)
         try:
@@ -672,35 +669,16 @@ def run_worker(
 def _serve(config: EngineConfig, groups: RankGroups, device: torch.device, store: dist.Store, bind_host: str) -> None:
     """Build what rank 0 builds (``LLMEngine.__init__``), in the same order of collectives, then
     run its steps; KV transfer ops run beside them on the rank's transfer agent."""
-    model_config = ModelConfig.from_dir(config.model_dir)
-    dtype = resolve_dtype(model_config, device, config.dtype)
-    max_len = config.max_model_len or model_config.max_position_embeddings
-    model = load_model(
-        config.model_dir,
-        device,
-        config.dtype,
-        max_len,
-        config.load_progress,
-        groups.tp,
-        config.prepack_weights,
-        config.plain_linear_rows,
-        config.coded_weights,
-        config.amx_linears,
-    )
-    local = rank_model_config(model_config, groups.tp)
-    num_blocks = groups.agree_num_blocks(plan_num_blocks(config, local, dtype, device))
-    kind, payload = groups.receive()
-    if kind is not Message.INIT:
-        raise RuntimeError(f"expected INIT from rank 0, got {kind.name}")
-    sliding_window = payload[0] if payload[0] >= 0 else None
-    kv = PagedKVCache(local, num_blocks, config.block_size, config.kv_cache_dtype, dtype, device)
-    runner = ModelRunner(  # as rank 0
-        model,
-        kv,
-        sliding_window,
-        attention_backend=config.attention_backend,
-        step_threads=StepThreads.from_config(config),
-    )
+
+    def settle(model_config: ModelConfig, num_blocks: int) -> ContextPlan:
+        kind, payload = groups.receive()  # rank 0's plan: the sliding window it settled on
+        if kind is not Message.INIT:
+            raise RuntimeError(f"expected INIT from rank 0, got {kind.name}")
+        max_len = config.max_model_len or model_config.max_position_embeddings  # rank 0 holds the limit
+        return ContextPlan(max_len, payload[0] if payload[0] >= 0 else None, None)
+
+    parts = assemble(config, device, groups.tp, groups.agree_num_blocks, settle, rank0=False)
+    kv, runner = parts.kv, parts.runner
     agent: RankTransferAgent | None = None
     try:
         while True:

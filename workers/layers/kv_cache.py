@@ -9,7 +9,7 @@ transfer layer moves blocks of these tensors as they are (``workers.protocol.KVL
 - ``int8`` / ``fp8`` (float8_e4m3fn): one byte per value, and one extra row at the end of the
   block (``rows`` = block_size + 1) holding the block's scales, so a block carries them wherever
   it goes: the prefix cache, a transfer, another worker's cache. The granularity was chosen by
-  measuring candidates on SmolLM2-135M (BENCHMARKS.md, "KV quality on real weights"):
+  measuring candidates on real weights (docs/decisions/0016-kv-quantization-int8-fp8.md):
 
   * **K per channel, asymmetric** (KIVI's choice: K has outlier channels, with large offsets that
     RoPE's slow channels keep nearly constant): per block, per head and per channel an offset
@@ -43,16 +43,14 @@ import functools
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from workers.backends.cpu import fused as cpu_fused
+from workers.backends.base import Ops
 from workers.models.config import ModelConfig
 from workers.protocol import SCALE_ROWS, KVCacheDType, KVLayout
 
-if TYPE_CHECKING:  # the engine's config, for an annotation: this module does not import the engine
-    from workers.engine.config import EngineConfig
+_REFERENCE_OPS = Ops()  # writes K/V when the caller gives no backend's ops
 
 logger = logging.getLogger(__name__)
 
@@ -105,25 +103,6 @@ def bytes_per_block(model: ModelConfig, block_size: int, kv_cache_dtype: str, mo
     rows = block_size + (SCALE_ROWS if quantized else 0)
     element = torch.empty((), dtype=storage).element_size()
     return rows * model.kv_bytes_per_token(element)
-
-
-def plan_num_blocks(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
-    """Blocks to allocate: as configured, else what the memory budget holds."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    per_block = bytes_per_block(model, config.block_size, config.kv_cache_dtype, dtype)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        budget = int(total * config.gpu_memory_utilization) - used
-        if budget < per_block:
-            raise RuntimeError(
-                f"no GPU memory left for the KV cache: {used / 2**30:.1f} GiB of {total / 2**30:.1f} GiB "
-                f"in use after loading; raise gpu_memory_utilization or use a smaller model"
-            )
-    else:
-        budget = int(config.kv_cache_memory_gib * 2**30)
-    return max(1, budget // per_block)
 
 
 def as_wide_rows(blocks: torch.Tensor) -> torch.Tensor:
@@ -367,15 +346,11 @@ class PagedKVCache:
         """A full-precision layer's ``[2, slots, heads, dim]`` view: K's plane, then V's, one row a slot."""
         return self.layers[layer].view(2, -1, self.num_kv_heads, self.head_dim)
 
-    def write(self, layer: int, plan: KVWritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the step's new K and V (``[T, heads, dim]``) at ``plan.slots``."""
+    def write(self, layer: int, plan: KVWritePlan, k: torch.Tensor, v: torch.Tensor, ops: Ops | None = None) -> None:
+        """Store the step's new K and V (``[T, heads, dim]``) at ``plan.slots`` (a full-precision
+        cache through ``ops.kv_write``: the backend's, the reference's by default)."""
         if not self.quantized:
-            flat = self.flat(layer)
-            if cpu_fused.kv_write_takes(flat, plan.slots, k, v):  # CPU fp32: K and V in one call
-                cpu_fused.kv_write(flat, plan.slots, k, v)
-                return
-            flat[0].index_copy_(0, plan.slots, k.to(self.dtype))
-            flat[1].index_copy_(0, plan.slots, v.to(self.dtype))
+            (ops or _REFERENCE_OPS).kv_write(self.flat(layer), plan.slots, k, v)
             return
         writes, rotation = plan.blocks, self.rotation
         if writes is None or rotation is None:  # a quantized cache has a rotation, its plans blocks
@@ -438,7 +413,7 @@ class PagedKVCache:
     def _dequantize(self, raw: torch.Tensor) -> torch.Tensor:
         """Stored bytes (uint8) -> float32 quantized values (before scaling)."""
         if self.dtype == torch.float8_e4m3fn and raw.device.type == "cpu":
-            # CPU's float8 -> float32 cast is slow: a 256-entry table lookup is ~3x faster
+            # CPU's float8 -> float32 cast is slow: a 256-entry table lookup is faster
             return _lookup(_table(raw.device, "e4m3"), raw)
         return raw.view(self.dtype).to(torch.float32)
 

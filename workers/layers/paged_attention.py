@@ -9,8 +9,8 @@ quantized cache its blocks) and then attends:
 - each prefill chunk on its own: a fresh prompt (nothing cached before it) attends to its own
   K/V with ``is_causal``, exactly like a plain forward; a chunk after cached or earlier-computed
   tokens gathers its context from the cache and uses a causal mask offset by that context
-  (the paged backend on CPU fp32 runs both through ``cpu_prefill``'s kernel instead, which reads
-  the cache in place: ``PagedAttention._prefill_kernel``).
+  (a backend may run both through its own kernel instead, which reads the cache in place:
+  ``PagedAttention._prompt_kernel``).
 
 With a sliding window (Mistral-style ``sliding_window``), a query at position ``p`` sees keys at
 ``p - window < k <= p``; only blocks holding such keys are gathered (blocks wholly before every
@@ -47,15 +47,15 @@ that dynamo's 0/1 specialisation never makes a second graph.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from workers.backends.cpu import paged as cpu_paged
-from workers.backends.cpu import prefill as cpu_prefill
-from workers.backends.cuda import triton_paged
+from workers.backends.base import Ops
+from workers.backends.cpu.options import PAGED_MIN_KEYS
 from workers.layers.kv_cache import KVWritePlan, PagedKVCache
 
 if TYPE_CHECKING:
@@ -65,6 +65,9 @@ try:  # optional, CUDA only
     from flash_attn import flash_attn_with_kvcache
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     flash_attn_with_kvcache = None
+
+
+REFERENCE_OPS = Ops()
 
 
 @dataclass(slots=True)
@@ -124,21 +127,16 @@ def decode_mask(
 
 
 class PagedAttention:
-    """Attention for one step; the model calls ``forward`` once per layer (the SDPA backend:
-    gathers the blocks a step reads)."""
+    """Attention for one step; the model calls ``forward`` once per layer. This class is the
+    specification (the reference backend's attention): it gathers the blocks a step reads and
+    runs SDPA. Backends subclass it and override ``_decode`` and ``_prompt_kernel``."""
 
-    # Prompt spans through ``cpu_prefill``'s kernel on CPU fp32 (the paged backend); the SDPA
-    # backend is the reference and keeps SDPA.
-    cpu_prefill_kernel = False
-
-    def __init__(self, kv: PagedKVCache | None, meta: AttentionMetadata, scale: float):
+    def __init__(self, kv: PagedKVCache | None, meta: AttentionMetadata, scale: float, ops: Ops | None = None):
         self.kv = kv
         self.meta = meta
         self.scale = scale
+        self.ops = ops or REFERENCE_OPS  # the backend's: writes K/V into the cache
         self._context_masks: dict[int, torch.Tensor] = {}  # by span start: built once a step, used by every layer
-        self._cpu_prefill: bool | None = None  # decided on the first span of the step
-        # by span start: (key rows, first query position, first key position), made and checked once a step
-        self._prefill_plans: dict[int, tuple[torch.Tensor, int, int]] = {}
 
     @property
     def cache(self) -> PagedKVCache:
@@ -152,7 +150,7 @@ class PagedAttention:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] (already rotated). Returns [T, Hq, D]."""
         meta = self.meta
         if meta.write is not None:
-            self.cache.write(layer, meta.write, k, v)
+            self.cache.write(layer, meta.write, k, v, self.ops)
 
         out = torch.empty_like(q)
         if meta.num_decodes:
@@ -160,7 +158,7 @@ class PagedAttention:
         window = meta.sliding_window
         for span in meta.prefills:
             rows = slice(span.start, span.start + span.num_tokens)
-            if self._prefill_kernel(layer, span, q, k, v, out):
+            if self._prompt_kernel(layer, span, q, k, v, out):
                 continue
             qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             if span.fresh:
@@ -185,62 +183,12 @@ class PagedAttention:
             out[rows] = o.squeeze(0).transpose(0, 1)
         return out
 
-    def _prefill_kernel(
+    def _prompt_kernel(
         self, layer: int, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     ) -> bool:
-        """Attend ``span``'s rows of q into ``out`` with ``cpu_prefill``'s kernel: a fresh prompt over
-        its own rows of the step's K/V, a chunk after cached tokens over its blocks of the cache, in
-        place. False where the kernel does not take the step (SDPA runs instead)."""
-        if self._cpu_prefill is None:
-            kv = self.kv
-            self._cpu_prefill = (
-                self.cpu_prefill_kernel
-                and (kv is None or not kv.quantized)  # a full-precision cache stores V as it is
-                and cpu_prefill.takes(q, k, v)
-            )
-        if not self._cpu_prefill:
-            return False
-        if span.fresh:
-            keys, values = k, v
-        else:
-            flat = self.cache.flat(layer)
-            keys, values = flat[0], flat[1]
-        plan = self._prefill_plans.get(span.start)
-        if plan is None:
-            plan = self._prefill_plan(span, keys.shape[0])
-            self._prefill_plans[span.start] = plan
-        key_rows, q_pos0, k_pos0 = plan
-        rows = slice(span.start, span.start + span.num_tokens)
-        cpu_prefill.prefill_attention(
-            q[rows],
-            keys,
-            values,
-            key_rows,
-            q_pos0,
-            k_pos0,
-            self.scale,
-            self.meta.sliding_window,
-            out[rows],
-            check=False,
-        )
-        return True
-
-    def _prefill_plan(self, span: PrefillSpan, num_rows: int) -> tuple[torch.Tensor, int, int]:
-        """The span's key rows (a fresh prompt's own rows of the step; a chunk's cache slots, from
-        its block table), checked against the ``num_rows`` they index, and the positions of its
-        first query and first key."""
-        if span.fresh:
-            key_rows = torch.arange(span.start, span.start + span.num_tokens)
-            q_pos0 = k_pos0 = 0
-        else:
-            if span.block_table is None:
-                raise ValueError("a chunk after cached tokens needs its block table")
-            block_size = self.cache.block_size
-            j = torch.arange(span.context_len - span.first_key_pos)
-            key_rows = span.block_table.to(torch.int64)[j // block_size] * block_size + j % block_size
-            q_pos0, k_pos0 = span.context_len - span.num_tokens, span.first_key_pos
-        cpu_prefill.check_key_rows(key_rows, num_rows)
-        return key_rows, q_pos0, k_pos0
+        """A backend's own kernel for ``span``'s rows of q (written into ``out``); False where it
+        has none for this step (SDPA runs, as here)."""
+        return False
 
     def _context_chunk(self, layer: int, span: PrefillSpan, qs: torch.Tensor) -> torch.Tensor:
         """A chunk after cached tokens: qs [1, Hq, n, D] -> [1, Hq, n, D]."""
@@ -329,14 +277,6 @@ def _paged_decode(
 # cache's block count between engines (one graph serves every cache of a model shape); block
 # size and head sizes stay static.
 _PAGED_DYNAMIC_DIMS = ((0,), (0,), (0,), (0, 1), (0,), (0,))
-# A decode batch whose tables hold fewer keys than this (over all rows) gathers and runs SDPA
-# instead, which is as fast or faster there (not for dynamo's guards: a compiled call on a tiny
-# table costs ~27 us in all; the kernel's loops are slower than SDPA's on few keys). Measured
-# with bench/attention.py on SmolLM2, the kernel forced at every size (BENCHMARKS.md,
-# 2026-12-03): at 1 and at 2 threads every point of 2048 keys and more (4x512, 8x256,
-# 16x128, 32x64 ...) was 3-31 % faster through the kernel; at 1024 keys the two were within
-# 7 % either way, below that SDPA up to 23 % faster.
-PAGED_MIN_KEYS = 2048
 
 
 def mark_dims(args: tuple[torch.Tensor, ...], dynamic_dims: tuple[tuple[int, ...], ...]) -> None:
@@ -369,41 +309,41 @@ def check_full_precision(kv: PagedKVCache | None, backend: str) -> None:
         )
 
 
-# The paged backend's hand-written decode kernels, by plan: one signature (q, k_cache, v_cache,
-# tables, first_pos, context_lens, scale, window), every batch size.
-HAND_WRITTEN = {
-    "triton": triton_paged.paged_decode,  # CUDA (workers/backends/cuda/triton_paged.py)
-    "cpp": cpu_paged.paged_decode,  # CPU fp32 (workers/backends/cpu/paged.py)
-}
+# A hand-written decode kernel: (q, k_cache, v_cache, tables, first_pos, context_lens, scale,
+# window) -> [B, Hq, D], every batch size.
+DecodeKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, "int | None"],
+    torch.Tensor,
+]
 
 
 class PagedDecodeAttention(PagedAttention):
-    """The paged backend: decodes attend through their block tables in one kernel per layer,
-    which reads each block of the step's tables once and copies nothing. Which kernel:
+    """Decodes attend through their block tables in one kernel per layer, which reads each block
+    of the step's tables once and copies nothing: a backend's hand-written kernel
+    (``decode_kernel``, e.g. the CPU backend's C++ one or the CUDA backend's Triton one) where it
+    has one for the step, else inductor's compilation of ``_paged_decode``, and a decode batch
+    of fewer than ``min_keys`` keys gathers instead (faster there). Prompt spans run as in
+    ``PagedAttention`` unless a subclass brings a prompt kernel."""
 
-    - CPU, fp32 cache: the hand-written C++ one of ``cpu_paged`` (split over the keys, online
-      softmax), at every size, where it builds (``cpu_kernel``);
-    - CUDA, where Triton is importable: the hand-written one of ``triton_paged`` (split over the
-      keys, tensor cores), at every size;
-    - otherwise inductor's compilation of ``_paged_decode``, and a decode batch of fewer than
-      ``min_keys`` keys gathers instead (faster there).
-
-    Prefill chunks on CPU fp32 run ``cpu_prefill``'s kernel (``cpu_prefill_kernel``): a fresh
-    prompt over its own rows of the step's K/V, a chunk after cached context over its cache slots
-    in place. Elsewhere they run as in the sdpa backend (a fresh prompt reads no cache, a chunk
-    after cached context gathers its own blocks for one SDPA call with many queries)."""
-
-    cpu_prefill_kernel = True
-    min_keys = PAGED_MIN_KEYS  # tests set 0 to run the inductor kernel at every size
-    cpu_kernel = True  # tests set False to run the inductor kernel on CPU fp32 too
-
-    def __init__(self, kv: PagedKVCache | None, meta: AttentionMetadata, scale: float):
+    def __init__(
+        self,
+        kv: PagedKVCache | None,
+        meta: AttentionMetadata,
+        scale: float,
+        ops: Ops | None = None,
+        min_keys: int = PAGED_MIN_KEYS,
+    ):
         check_full_precision(kv, "paged")
-        super().__init__(kv, meta, scale)
-        # Decided on the first layer, for the step: "triton" or "cpp" (a HAND_WRITTEN kernel),
-        # inductor's kernel's padded (tables, firsts, lens), or "gather" when the step's decodes are
-        # too few keys for it (min_keys)
-        self._plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | str | None = None
+        super().__init__(kv, meta, scale, ops)
+        self.min_keys = min_keys
+        # Decided on the first layer, for the step: a hand-written kernel, inductor's kernel's
+        # padded (tables, firsts, lens), or "gather" when the step's decodes are too few keys
+        # for it (min_keys)
+        self._plan: DecodeKernel | tuple[torch.Tensor, torch.Tensor, torch.Tensor] | str | None = None
+
+    def decode_kernel(self, q: torch.Tensor, k_cache: torch.Tensor) -> DecodeKernel | None:
+        """A backend's own decode kernel for this step's queries and cache, or None."""
+        return None
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         meta, cache = self.meta, self.cache
@@ -411,23 +351,20 @@ class PagedDecodeAttention(PagedAttention):
             tables, lens, firsts = meta.decode_block_tables, meta.decode_context_lens, meta.decode_first_pos
             if tables is None or lens is None or firsts is None:
                 raise ValueError("a step with decodes needs their block tables, context and first positions")
-            if q.device.type == "cuda" and triton_paged.available():
-                self._plan = "triton"
-            elif self.cpu_kernel and cpu_paged_usable(q, cache.layers[layer][0]):
-                self._plan = "cpp"
+            kernel = self.decode_kernel(q, cache.layers[layer][0])
+            if kernel is not None:
+                self._plan = kernel
             elif tables.numel() * cache.block_size < self.min_keys:
                 self._plan = "gather"
                 if meta.decode_mask is None:
                     meta.decode_mask = decode_mask(tables, lens, firsts, cache.block_size, meta.sliding_window)
             else:
                 self._plan = _pad_decode_rows(tables, firsts, lens)
-        if isinstance(self._plan, str) and self._plan in HAND_WRITTEN:
+        if callable(self._plan):
             layer_cache = cache.layers[layer]
             tables, firsts, lens = meta.decode_block_tables, meta.decode_first_pos, meta.decode_context_lens
             assert tables is not None and firsts is not None and lens is not None
-            return HAND_WRITTEN[self._plan](
-                q, layer_cache[0], layer_cache[1], tables, firsts, lens, self.scale, meta.sliding_window
-            )
+            return self._plan(q, layer_cache[0], layer_cache[1], tables, firsts, lens, self.scale, meta.sliding_window)
         if isinstance(self._plan, str):
             return super()._decode(layer, q)
         tables, firsts, lens = self._plan
@@ -456,32 +393,11 @@ def _pad_decode_rows(
     return tables, firsts, lens
 
 
-def cpu_paged_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether this step's decodes run ``cpu_paged``'s kernel: a CPU fp32 cache of a shape it
-    takes, and the kernel built for that shape."""
-    if not cpu_paged.supports(q, k_cache):
-        return False
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    return cpu_paged.available(block_size, num_kv_heads, q.shape[1] // num_kv_heads, head_dim)
-
-
-def warm_up_paged_decode(
-    kv: PagedKVCache, scale: float, num_q_heads: int, window: int | None, cpu_kernel: bool | None = None
-) -> None:
-    """Build the kernels the paged backend will run now, not in a request: on CPU fp32
-    ``cpu_prefill``'s prompt kernel and ``cpu_paged``'s decode kernel (C++, ~10 s each on a cold
-    inductor cache, then from its disk cache), else the inductor graph: 3 rows of 5 blocks
-    (distinct sizes, so that dynamo's duck shaping does not tie batch and blocks to one symbol);
-    what it reads is void. ``cpu_kernel``: as ``PagedDecodeAttention.cpu_kernel`` unless given."""
+def warm_up_paged_decode(kv: PagedKVCache, scale: float, num_q_heads: int, window: int | None) -> None:
+    """Compile inductor's paged decode now, not in a request: 3 rows of 5 blocks (distinct
+    sizes, so that dynamo's duck shaping does not tie batch and blocks to one symbol); what it
+    reads is void."""
     dev = kv.layers[0].device
-    probe = torch.zeros(1, num_q_heads, kv.head_dim, dtype=kv.dtype, device=dev)
-    if PagedDecodeAttention.cpu_prefill_kernel and not kv.quantized:
-        flat = kv.flat(0)
-        cpu_prefill.takes(probe, flat[0], flat[1])  # builds the kernel for this shape where it runs
-    if cpu_kernel is None:
-        cpu_kernel = PagedDecodeAttention.cpu_kernel
-    if cpu_kernel and cpu_paged_usable(probe, kv.layers[0][0]):
-        return
     with torch.inference_mode():  # steps run in it: their tensors are inference tensors (guarded)
         meta = AttentionMetadata(
             write=None,
@@ -491,8 +407,7 @@ def warm_up_paged_decode(
             decode_first_pos=torch.zeros(3, dtype=torch.long, device=dev),
             sliding_window=window,
         )
-        attn = PagedDecodeAttention(kv, meta, scale)
-        attn.min_keys, attn.cpu_kernel = 0, False
+        attn = PagedDecodeAttention(kv, meta, scale, min_keys=0)
         attn._decode(0, torch.zeros(3, num_q_heads, kv.head_dim, dtype=kv.dtype, device=dev))
 
 
@@ -610,8 +525,8 @@ def _flex_paged(
         seq_lengths=(q.shape[2], k.shape[2]),
     )
     # CUDA: the Triton kernel's key tile must divide the mask's key block, our cache block (16
-    # tokens by default; its tiles are 64-128 wide and refuse to build otherwise: H200, torch
-    # 2.11, 2026-12-04). The CPU template tiles on its own.
+    # tokens by default; its default tiles are 64-128 wide and refuse to build otherwise). The
+    # CPU template tiles on its own.
     options: FlexKernelOptions | None = None
     if q.device.type == "cuda" and block_size < 128:
         options = {"BLOCK_N": block_size}
@@ -640,9 +555,9 @@ class FlexPagedAttention(PagedAttention):
     """The flex backend: decodes and chunks after cached context attend over the physical cache
     through block masks (module docstring); nothing goes through ``PagedKVCache.gather``."""
 
-    def __init__(self, kv: PagedKVCache | None, meta: AttentionMetadata, scale: float):
+    def __init__(self, kv: PagedKVCache | None, meta: AttentionMetadata, scale: float, ops: Ops | None = None):
         check_full_precision(kv, "flex")
-        super().__init__(kv, meta, scale)
+        super().__init__(kv, meta, scale, ops)
         self._decode_mask: FlexMask | None = None  # built on the first layer, shared by the rest
         self._span_masks: dict[int, FlexMask] = {}
 

@@ -21,12 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.backends.cpu import fused as cpu_fused
-from workers.layers.paged_attention import PagedAttention
+from workers.backends.base import Ops
 from workers.models.config import ModelConfig, RopeConfig
 from workers.models.parallel import (
     ColumnParallelLinear,
-    FusedPackedLinear,
     ParallelLMHead,
     RowParallelLinear,
     TPGroup,
@@ -34,36 +32,23 @@ from workers.models.parallel import (
 )
 
 if TYPE_CHECKING:
-    from workers.backends.cpu.lean_decode import LeanDecode
+    from workers.backends.base import FastDecode, FusedLinear
+    from workers.layers.paged_attention import PagedAttention
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, ops: Ops) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # One op, bit for bit transformers' arithmetic in fp32 (checked against LlamaRMSNorm in
-            # tests/unit/test_engine_parity.py): eager runs two norms a layer, and each of the six
-            # small ops below costs a dispatch. On CPU, cpu_fused's kernel (the first layer's
-            # input norm, q/k norms; the others come with their residual add: add_forward).
-            if cpu_fused.norm_takes(x, self.weight):
-                return cpu_fused.add_rms_norm(x, None, self.weight, self.eps)[1]
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)  # transformers' rounding: to the input's dtype, then the weight
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x + residual, norm(x + residual))``: the decoder's residual add and the norm after it,
-        on CPU fp32 in one pass of ``cpu_fused``'s kernel (bit for bit ``F.rms_norm`` after the add)."""
-        if cpu_fused.norm_takes(x, self.weight, residual):
-            return cpu_fused.add_rms_norm(x, residual, self.weight, self.eps)
-        h = x + residual
-        return h, self(h)
+        """``(x + residual, norm(x + residual))``: the decoder's residual add and the norm after it."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -107,26 +92,14 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
 
-def apply_rotary(rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
-    return rotate(rope, q), rotate(rope, k)
-
-
-def rotate(rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding of ``x`` ``[T, heads, D]`` (transformers' arithmetic; on CPU
-    fp32 one pass of ``cpu_fused``'s kernel, bit for bit the same)."""
-    cos, sin = rope
-    if cpu_fused.rotary_takes(x, cos, sin):
-        return cpu_fused.rotary(x, cos, sin)
-    return cpu_fused.eager_rotary(x, cos, sin)
-
-
 class Attention(nn.Module):
-    # q/k/v read the same input: prepack_linears packs them as one (``fused``, CPU fp32)
+    # q/k/v read the same input: a backend may multiply them as one (``fused``)
     fused_inputs = ("q_proj", "k_proj", "v_proj")
 
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, ops: Ops) -> None:
         super().__init__()
         self.layer = layer
+        self.ops = ops
         d, hidden = cfg.head_dim, cfg.hidden_size
         kv_heads = tp.kv_heads(cfg.num_kv_heads)  # the KV heads this rank's query heads use
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads // tp.world_size, len(kv_heads), d
@@ -137,9 +110,9 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * d, hidden, cfg.o_bias, tp)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:  # per head_dim: the same weights on every rank, applied to its heads
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.fused: FusedPackedLinear | None = None
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, ops)
+        self.fused: FusedLinear | None = None
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], attn: PagedAttention) -> torch.Tensor:
         tokens, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
@@ -153,72 +126,82 @@ class Attention(nn.Module):
             v = self.v_proj(x).view(tokens, hkv, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
         if heads is not None and not self.qk_norm:
             # one rotation for q's and k's adjacent heads: the same elementwise arithmetic, half the ops
-            q, k = rotate(rope, heads[:, : hq + hkv]).split([hq, hkv], dim=1)
+            q, k = self.ops.rotary(heads[:, : hq + hkv], cos, sin).split([hq, hkv], dim=1)
         else:
-            q, k = apply_rotary(rope, q, k)
+            q, k = self.ops.rotary(q, cos, sin), self.ops.rotary(k, cos, sin)
         o = attn.forward(self.layer, q, k, v)
         return self.o_proj(o.reshape(tokens, -1))
 
 
 class MLP(nn.Module):
-    fused_inputs = ("gate_proj", "up_proj")  # packed as one by prepack_linears (CPU fp32)
+    fused_inputs = ("gate_proj", "up_proj")  # a backend may multiply them as one (``fused``)
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, ops: Ops) -> None:
         super().__init__()
+        self.ops = ops
         hidden, inner = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = ColumnParallelLinear(hidden, inner, cfg.mlp_bias, tp)
         self.up_proj = ColumnParallelLinear(hidden, inner, cfg.mlp_bias, tp)
         self.down_proj = RowParallelLinear(inner, hidden, cfg.mlp_bias, tp)
-        self.fused: FusedPackedLinear | None = None
+        self.fused: FusedLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and self.fused.applies(x):
-            gate_up = self.fused(x)
-            if cpu_fused.swiglu_takes(gate_up):  # CPU fp32, a few rows: one call, aten's bits
-                return self.down_proj(cpu_fused.swiglu(gate_up))
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(self.ops.swiglu(self.fused(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, ops: Ops) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer, tp)
-        self.mlp = MLP(cfg, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # No forward of its own: LlamaForCausalLM.forward runs x + attn(norm(x)), then
-        # x + mlp(norm(x)), joining each residual add to the norm that follows it.
+        self.self_attn = Attention(cfg, layer, tp, ops)
+        self.mlp = MLP(cfg, tp, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        normed: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn: PagedAttention,
+        norm_after: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x + attn(norm(x))``, then ``+ mlp(norm(...))``, given ``normed = input_layernorm(x)``;
+        returns the new residual stream and ``norm_after`` of it (the next layer's input norm,
+        or the final norm after the last), so each residual add joins the norm after it."""
+        x, normed = self.post_attention_layernorm.add_forward(x, self.self_attn(normed, rope, attn))
+        return norm_after.add_forward(x, self.mlp(normed))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup, ops: Ops) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, ops) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
 
 
 class LlamaForCausalLM(nn.Module):
     """One class for the whole family; the config switches qkv bias, q/k norm and tying.
-    ``tp``: this rank's shard of a tensor-parallel model (default: the whole model)."""
+    ``tp``: this rank's shard of a tensor-parallel model (default: the whole model); ``ops``:
+    the backend's elementwise ops (default: the reference's)."""
 
-    # Batches of up to this many rows multiply with F.linear though the linears are packed
-    # (prepack_linears, choose_plain_rows: set by load_model)
-    plain_linear_rows = 0
-    # CPU fp32 decode steps as one loop of kernel calls (workers/backends/cpu/lean_decode.py; set by
-    # load_model where it applies)
-    lean_decode: LeanDecode | None = None
+    # A backend's whole-step decode path, where it has one (set by load_model)
+    fast_decode: FastDecode | None = None
 
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, max_positions: int | None = None, tp: TPGroup | None = None, ops: Ops | None = None
+    ) -> None:
         super().__init__()
         self.config = cfg
         self.tp = tp or TPGroup()
-        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings, self.tp)
+        self.ops = ops or Ops()
+        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings, self.tp, self.ops)
         if not cfg.tie_word_embeddings:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.tp)
 
@@ -228,20 +211,16 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``."""
-        lean = self.lean_decode
-        if lean is not None and not torch.compiler.is_compiling() and lean.takes(input_ids, attn):
-            return lean.run(input_ids, positions, attn)  # the same calls, bit for bit, without the modules
+        fast = self.fast_decode
+        if fast is not None and not torch.compiler.is_compiling() and fast.takes(input_ids, attn):
+            return fast.run(input_ids, positions, attn)  # the same result, without the modules
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb.tables(positions, x.dtype)
         layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
-        # each layer: x + attn(norm(x)), then x + mlp(norm(x)), with each residual add joined to
-        # the norm after it (the next layer's input norm; the final norm after the last): one
-        # kernel call each on CPU fp32 (RMSNorm.add_forward)
         norms_after = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
         normed = layers[0].input_layernorm(x)
         for layer, after in zip(layers, norms_after, strict=True):
-            x, normed = layer.post_attention_layernorm.add_forward(x, layer.self_attn(normed, rope, attn))
-            x, normed = after.add_forward(x, layer.mlp(normed))
+            x, normed = layer(x, normed, rope, attn, after)
         return normed
 
     @property

@@ -14,25 +14,18 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from workers.backends.cpu import fused as cpu_fused
 from workers.models.config import ModelConfig
-from workers.backends.cpu.lean_decode import LeanDecode
 from workers.models.llama import LlamaForCausalLM
-from workers.models.parallel import (
-    Shard,
-    TPGroup,
-    choose_plain_rows,
-    describe_amx,
-    describe_coded,
-    prepack_linears,
-    small_op_name,
-    wide_op_name,
-)
+from workers.models.parallel import Shard, TPGroup
+
+if TYPE_CHECKING:
+    from workers.backends.base import Backend
 
 logger = logging.getLogger(__name__)
 
@@ -66,27 +59,21 @@ def load_model(
     model_dir: str | Path,
     device: str | torch.device = "cpu",
     dtype: str | None = None,
+    tp: TPGroup | None = None,
+    backend: Backend | None = None,
+    *,
     max_positions: int | None = None,
     progress: bool = True,
-    tp: TPGroup | None = None,
-    prepack: bool = False,
-    plain_rows: int | None = None,
-    coded: bool = True,
-    amx: bool = True,
 ) -> LlamaForCausalLM:
-    """The model (``tp``: this rank's shard of it) with its weights from ``model_dir``.
-    ``prepack``: on a CPU, fp32 linears get a oneDNN copy of their weights (``prepack_linears``),
-    and inputs of up to ``plain_rows`` rows multiply with the plain weights (the CPU row kernel,
-    else ``F.linear``; None: measured on this CPU at the current thread count,
-    ``choose_plain_rows``); ``coded``: the row kernel holds weights that code exactly as one byte
-    a weight (``cpu_linear.code``); ``amx``: wider batches on coded weights multiply on AMX's
-    tiles where the CPU has them (``cpu_amx``), not oneDNN."""
+    """The model (``tp``: this rank's shard of it) with its weights from ``model_dir``, computing
+    through ``backend`` (its ops, its prepared linears, its fast decode path; None: the reference's
+    plain torch)."""
     model_dir = Path(model_dir)
     device = torch.device(device)
     cfg = ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(cfg, device, dtype)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions, tp)
+        model = LlamaForCausalLM(cfg, max_positions, tp, backend.ops if backend is not None else None)
     model = model.to(torch_dtype).to_empty(device=device)
     model.model.rotary_emb.build(device)  # fp32 tables, computed for real on the device
 
@@ -151,37 +138,7 @@ def load_model(
         device,
         torch_dtype,
     )
-    if prepack and (packed := prepack_linears(model, coded=coded, amx=amx)):
-        logger.info("prepacked %d linear weights for oneDNN (CPU fp32)", packed)
-        if coded_line := describe_coded(model):
-            logger.info("%s", coded_line)
-        if amx_line := describe_amx(model):
-            logger.info("%s", amx_line)
-        rows, timings = choose_plain_rows(model, plain_rows)
-        model.plain_linear_rows = rows
-        small_op, wide_op = small_op_name(), wide_op_name(model)
-        measured = ", ".join(
-            f"{t.rows} row(s): {small_op} {t.plain_s * 1e3:.1f} ms, {wide_op} {t.packed_s * 1e3:.1f} ms"
-            + (
-                f" (faster at best, but by less than {t.margin:.0%})"
-                if t.plain_s < t.packed_s and not t.plain_wins
-                else f" (won {t.plain_rounds_won} of {t.rounds} rounds)"
-            )
-            for t in timings
-        )
-        logger.info(
-            "batches of up to %d rows multiply with %s, larger ones with %s (%s)",
-            rows,
-            small_op,
-            wide_op,
-            f"measured on {torch.get_num_threads()} threads: {measured}" if timings else "as configured",
-        )
-    if device.type == "cpu" and torch_dtype == torch.float32 and (fused_line := cpu_fused.describe()):
-        logger.info("%s", fused_line)  # the self-checks run here, at load, not in the first request
-    if prepack and (lean := LeanDecode.for_model(model)) is not None and lean.max_rows > 0:
-        model.lean_decode = lean
-        logger.info(
-            "decode steps of up to %d rows run as one loop of kernel calls, not through the modules (lean decode)",
-            lean.max_rows,
-        )
+    if backend is not None:
+        backend.prepare_model(model, torch_dtype)
+        model.fast_decode = backend.fast_decode(model)
     return model.eval()

@@ -1,10 +1,10 @@
 """A decode step on CPU fp32 as one loop of kernel calls, without the module tree in between.
 
-Why: on 2 cores a SmolLM2 decode step at batch 8 spent a third of its main thread outside any
-kernel (``perf``, BENCHMARKS.md, eighth session): Python and aten's dispatch walking 30 layers
-of modules (8,000 Python calls and 2,000 aten ops a step: views, ``empty``, ``split``,
-``contiguous``, the checks each wrapper makes before it calls its kernel), while the second
-OpenMP thread spun, waiting for the next parallel region. Every kernel of the step is already
+Why: a small model's decode step spends much of its main thread outside any kernel, in Python
+and aten's dispatch walking the layers' modules (thousands of Python calls and aten ops a step:
+views, ``empty``, ``split``, ``contiguous``, the checks each wrapper makes before it calls its
+kernel), while the other OpenMP threads spin, waiting for the next parallel region
+(docs/decisions/0008-lean-decode.md). Every kernel of the step is already
 one call (the panel kernel's linears, ``cpu_fused``'s norm, rotary, KV write and SwiGLU,
 ``cpu_paged``'s attention); what is left between them is bookkeeping that is the same for every
 layer and every step.
@@ -26,7 +26,7 @@ rotation is elementwise: the same bits), so the attention kernel reads q without
 many rows as every linear sends to the panel kernel (``plain_rows``; wider decode batches go to
 AMX tiles or oneDNN through the modules), a full-precision fp32 cache read by ``cpu_paged``'s
 kernel, one rank, no q/k norm, and every ``cpu_fused`` kernel usable here. Everything else, and
-``enabled = False`` (the benchmarks' baseline), runs the modules.
+``CPUOptions(lean_decode=False)`` (the benchmarks' baseline), runs the modules.
 """
 
 from __future__ import annotations
@@ -37,18 +37,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from workers.backends.base import FastDecode
 from workers.backends.cpu import fused as cpu_fused
-from workers.backends.cpu import panels as cpu_linear
 from workers.backends.cpu import paged as cpu_paged
-from workers.layers.paged_attention import PagedAttention, PagedDecodeAttention, cpu_paged_usable
+from workers.backends.cpu import panels as cpu_linear
+from workers.backends.cpu.attention import CPUPagedAttention, decode_kernel_usable
 
 if TYPE_CHECKING:
     from workers.layers.kv_cache import PagedKVCache
+    from workers.layers.paged_attention import PagedAttention
     from workers.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
 
 logger = logging.getLogger(__name__)
-
-enabled = True  # False: decode steps run the modules (bench/lean_decode.py's baseline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +108,7 @@ class _CacheViews:
     paged_kernel: Any
 
 
-class LeanDecode:
+class LeanDecode(FastDecode):
     """The decode step of one ``LlamaForCausalLM`` as a flat sequence of kernel calls (module
     docstring); built by ``for_model``."""
 
@@ -150,12 +150,10 @@ class LeanDecode:
         rows = input_ids.shape[0]
         kv = attn.kv
         return (
-            enabled
-            and cpu_fused.enabled
-            and 0 < rows <= self.max_rows
+            0 < rows <= self.max_rows
             and rows * self.inner < cpu_fused.SWIGLU_MAX_ELEMENTS
-            and type(attn) is PagedDecodeAttention
-            and attn.cpu_kernel
+            and isinstance(attn, CPUPagedAttention)
+            and attn.decode_kernel_on
             and not meta.prefills
             and meta.num_decodes == rows
             and meta.write is not None
@@ -175,7 +173,7 @@ class LeanDecode:
             return views
         probe = torch.empty(1, self.num_heads, self.head_dim)
         first = kv.layers[0]
-        if first.dtype != torch.float32 or first.device.type != "cpu" or not cpu_paged_usable(probe, first[0]):
+        if first.dtype != torch.float32 or first.device.type != "cpu" or not decode_kernel_usable(probe, first[0]):
             return None
         _, block_size, num_kv_heads, head_dim = first[0].shape
         kernel = cpu_paged._kernel(block_size, num_kv_heads, self.num_heads // num_kv_heads, head_dim)
@@ -290,7 +288,7 @@ def _layers(model: LlamaForCausalLM) -> tuple[list[_Layer], list[Any]] | None:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.fused is None or mlp.fused is None:
             return None
-        sources = [attn.fused, attn.o_proj, mlp.fused, mlp.down_proj]
+        sources = [attn.fused, attn.o_proj.impl, mlp.fused, mlp.down_proj.impl]
         packed.extend(sources)
         units = [_Linear.of(u) for u in sources]
         if any(u is None for u in units):

@@ -1,0 +1,32 @@
+"""The reference backend: plain torch ops and gather + SDPA attention, on any device.
+
+It is the specification every other backend is checked against (``tests/unit/test_conformance.py``):
+transformers' order of operations, ``F.linear`` on the checkpoint's weights, and attention that
+gathers the blocks a step reads into a padded copy for ``scaled_dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from workers.backends.base import AttentionFactory, Backend
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    attention_kinds = ("sdpa",)
+
+    def attention(self, kind: str) -> AttentionFactory:
+        from workers.layers.paged_attention import PagedAttention
+
+        return functools.partial(PagedAttention, ops=self.ops)
+
+    def kv_blocks(self, bytes_per_block: int) -> int:
+        if self.device.type == "cuda":
+            from workers.backends.cuda.backend import cuda_kv_blocks
+
+            return cuda_kv_blocks(self.device, self.config.gpu_memory_utilization, bytes_per_block)
+        return super().kv_blocks(bytes_per_block)
+
+    def describe(self) -> str:
+        return f"reference backend on {self.device} (plain torch, gather + SDPA)"

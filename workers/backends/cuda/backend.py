@@ -1,0 +1,80 @@
+"""The CUDA backend: attention and memory facts for NVIDIA GPUs.
+
+- Attention: "sdpa" (default) gathers the blocks a step reads for SDPA, and decodes through
+  flash-attn's paged kernel where it is installed and takes the cache (``flash_attn_usable``);
+  "paged" decodes through the block tables with the hand-written Triton kernel
+  (``triton_paged.py``) where Triton is importable, else inductor's compiled kernel; "flex"
+  FlexAttention over the cache.
+- Elementwise ops and linears: the reference's (plain torch; cuBLAS under ``F.linear``).
+- Memory: ``gpu_memory_utilization`` of the device less what is in use after loading.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+from workers.backends.base import AttentionFactory, Backend
+from workers.layers.paged_attention import DecodeKernel, PagedDecodeAttention
+
+if TYPE_CHECKING:
+    from workers.layers.kv_cache import PagedKVCache
+
+
+class TritonPagedAttention(PagedDecodeAttention):
+    """The paged attention with the Triton decode kernel where Triton is importable."""
+
+    def decode_kernel(self, q: torch.Tensor, k_cache: torch.Tensor) -> DecodeKernel | None:
+        from workers.backends.cuda import triton_paged
+
+        if q.device.type == "cuda" and triton_paged.available():
+            return triton_paged.paged_decode
+        return None
+
+
+def cuda_kv_blocks(device: torch.device, utilization: float, bytes_per_block: int) -> int:
+    """KV blocks that ``utilization`` of the device holds beside what is in use now."""
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    budget = int(total * utilization) - used
+    if budget < bytes_per_block:
+        raise RuntimeError(
+            f"no GPU memory left for the KV cache: {used / 2**30:.1f} GiB of {total / 2**30:.1f} GiB "
+            f"in use after loading; raise gpu_memory_utilization or use a smaller model"
+        )
+    return budget // bytes_per_block
+
+
+class CUDABackend(Backend):
+    name = "cuda"
+    attention_kinds = ("sdpa", "paged", "flex")
+
+    def attention(self, kind: str) -> AttentionFactory:
+        from workers.layers.paged_attention import FlexPagedAttention, PagedAttention
+
+        if kind == "paged":
+            return functools.partial(TritonPagedAttention, ops=self.ops)
+        if kind == "flex":
+            return functools.partial(FlexPagedAttention, ops=self.ops)
+        return functools.partial(PagedAttention, ops=self.ops)
+
+    def warm_up_attention(
+        self, kind: str, kv: PagedKVCache, scale: float, num_q_heads: int, window: int | None
+    ) -> None:
+        from workers.layers.paged_attention import warm_up_flex, warm_up_paged_decode
+
+        if kind == "flex":
+            warm_up_flex(kv, scale, num_q_heads, window)
+        elif kind == "paged":
+            from workers.backends.cuda import triton_paged
+
+            if not triton_paged.available():
+                warm_up_paged_decode(kv, scale, num_q_heads, window)
+
+    def kv_blocks(self, bytes_per_block: int) -> int:
+        return cuda_kv_blocks(self.device, self.config.gpu_memory_utilization, bytes_per_block)
+
+    def describe(self) -> str:
+        return f"cuda backend on {torch.cuda.get_device_name(self.device)} ({self.device})"
