@@ -270,7 +270,7 @@ def check_roofline(
             row("8B decode", f"build {name}", f"FAILED: {type(e).__name__}: {e}"[:300])
             continue
         if runner.attention_backend == "sdpa":
-            backend = "flash-attn paged" if runner.use_flash_attn else "SDPA over gathered blocks"
+            backend = "flash-attn paged" if "Flash" in repr(runner._attention) else "SDPA over gathered blocks"
         else:
             backend = f"{runner.attention_backend} attention"
         if name != "eager":

@@ -50,9 +50,9 @@ _REDIS_START_ATTEMPTS = 3  # an auto-picked port can be taken between the probe 
 # Niceness of the workers a started Ray runs (its raylet's `worker_niceness`; Ray's default is 15).
 # At 15 every replica, the engines' OpenMP threads included, yields the CPU to whatever of Ray's
 # own daemons (GCS, raylet, dashboard, log monitor) wakes at 0, and a step waits on its slowest
-# thread. On 2 cores, three paired runs of a colocated SmolLM2 replica (BENCHMARKS.md, 2026-12-04):
-# at 0, 1.06-1.41x the output tok/s at concurrency 1 of the same server at 15, and 0.89-0.99x at
-# concurrency 8 (within that VM's run-to-run spread). The cluster YAMLs set the same with
+# thread. An engine should not yield to Ray's daemons: at 0 a small engine served single requests
+# faster, and wide batches within the run-to-run spread
+# (docs/decisions/0014-idle-cpu-and-rays-floor.md). The cluster YAMLs set the same with
 # RAY_worker_niceness=0 on `ray start`.
 RAY_WORKER_NICENESS = 0
 # Serve's own periodic work, at rates a host that also runs the engines can afford. Serve reads
@@ -61,9 +61,8 @@ RAY_WORKER_NICENESS = 0
 # same before `ray start`. The controller reconciles every 0.5 s instead of 0.1 s (deploys,
 # scaling and replica deaths are seconds-scale; its loop also asks the GCS for every node's
 # resources each time), and replicas and proxies export their cached metrics every 1 s instead
-# of 0.1 s (Prometheus scrapes every 5 s or more). An idle colocated SmolLM2 server on 2 cores,
-# three paired 30 s windows: Serve's controller and the GCS 6.1-7.2 % of a core with Serve's
-# defaults, 2.9-4.2 % with these (BENCHMARKS.md, 2026-12-04).
+# of 0.1 s (Prometheus scrapes every 5 s or more). That cuts much of what Serve's controller and
+# the GCS take of a core on an idle server (docs/decisions/0014-idle-cpu-and-rays-floor.md).
 SERVE_PERIODS_ENV = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
@@ -75,9 +74,9 @@ SERVE_PERIODS_ENV = {
 # process, for the debug dumps and Ray's event-loop metrics. The raylet's memory-pressure GC check,
 # object manager timer and idle-worker reaper run every 100-200 ms; resource changes reach the
 # GCS within 0.5 s instead of 0.1 s (Serve places replicas on a seconds scale). The OOM killer's
-# memory monitor (250 ms) is left as Ray has it. An idle colocated SmolLM2 server on 2 cores, two
-# paired 30 s windows: 6.76 / 6.83 % of a core with Ray's defaults, 6.26 / 6.20 % with these and
-# the log monitor's below (BENCHMARKS.md, tenth session).
+# memory monitor (250 ms) is left as Ray has it. With the log monitor's setting below these trim
+# an idle server's CPU a little; most of what is left is Ray's per-process floor
+# (docs/decisions/0014-idle-cpu-and-rays-floor.md).
 RAY_IDLE_CONFIG: dict[str, bool | int] = {
     "event_stats": False,  # true
     "raylet_check_gc_period_milliseconds": 1000,  # 100
@@ -195,7 +194,7 @@ class LocalCluster:
         An existing Ray decides for itself (its `ray start` environment), so with `ray_address`
         this is an error.
     ray_dashboard: False starts the local Ray without its dashboard (the head process and its
-        module processes, which poll the cluster while it idles; BENCHMARKS.md, "Idle CPU by process").
+        module processes, which poll the cluster while it idles; docs/decisions/0014-idle-cpu-and-rays-floor.md).
         Ray's metrics agent runs either way, so Prometheus still reads every metric. An existing
         Ray keeps its own.
     """

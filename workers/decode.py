@@ -159,10 +159,10 @@ class DecodeWorker(ColocatedWorker):
     def retire(self) -> int:
         """Serve is stopping this replica: end every stream here with ``DecodeRetiring`` (each
         aborts, which frees its blocks, and the ingress resumes it on another decode replica), and
-        refuse new ones alike. Returns how many streams it ended. Waiting the streams out held
-        the replica's budget slot for the pools' whole drain time (15 s) while a replica of the
-        other pool waited for it: in a benchmark's prompt-heavy third phase prefill's new
-        replicas came up 25 s after the change."""
+        refuse new ones alike. Returns how many streams it ended. Waiting the streams out would
+        hold the replica's budget slot for up to the pools' drain time (15 s) while a replica of
+        the other pool waits for it, so the pool that needs replicas at a load shift would get
+        them late."""
         self.retiring = True
         ended = self.loop.end_streams(self._retiring)
         self.stats.retired_streams += len(ended)
@@ -278,10 +278,10 @@ class DecodeWorker(ColocatedWorker):
         its lease as extended. With no room now the request waits for room here, in arrival
         order, up to ``kv_wait_s``, extending the prefill worker's lease on the prompt's blocks
         while it waits: sequences finish and free blocks within seconds, while recomputing the
-        prompt here costs this worker a prefill, which stalls every sequence it decodes (under
-        the autoscaling benchmark's emulated device a 2048-token prompt makes one decode step
-        last 1.3 s instead of about 60 ms). None: no room by then, the lease could not be kept,
-        or the prompt can never fit (more blocks than this worker has); the caller recomputes."""
+        prompt here costs this worker a prefill, which stalls every sequence it decodes (a long
+        prompt's step lasts many times a decode step). None: no room by then, the lease could
+        not be kept, or the prompt can never fit (more blocks than this worker has); the caller
+        recomputes."""
         if not self._kv_waiters.locked():  # nobody waits: no queue to join
             reservation = await self.loop.call(reserve)
             if reservation is not None or self.kv_wait_s <= 0:

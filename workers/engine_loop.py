@@ -9,10 +9,9 @@ it there: torch's CPU ops parallelise with OpenMP, and libgomp keeps a pool of w
 OS thread that runs a parallel region. An engine loaded on one thread (the replica's
 constructor) and stepped on another leaves two pools; once it manages more threads than the
 process may use CPUs, libgomp stops spinning between parallel regions and its workers sleep and
-wake on each of a step's few hundred ops. Measured on 2 cores (SmolLM2, 2 threads, 60 decoded
-tokens): 3.9 s built on another thread, 2.7 s built on the stepping one, whose workers switched
-context ~10 000 times against ~10. Helper threads that touch tensors (the KV senders and
-receivers) start with ``workers.threads.one_torch_thread`` for the same reason.
+wake on each of a step's few hundred ops, switching context on every one
+(docs/decisions/0012-one-openmp-pool-per-engine.md). Helper threads that touch tensors (the KV
+senders and receivers) start with ``workers.threads.one_torch_thread`` for the same reason.
 
 Lifetime: a request's stream ends when it finishes or is aborted; a consumer that stops
 iterating (client disconnect, cancellation) aborts the request in the engine, which frees its

@@ -2,9 +2,9 @@
 message per engine step for all of that ingress's requests, instead of one Ray streaming item
 per request per token.
 
-Why: every Ray streaming item costs CPU at both ends (``bench/ray_stream.py``: ~0.25 ms to yield,
-~0.4 ms to consume on a 2-core VM), and on a CPU server that CPU comes out of the engine's
-OpenMP threads. At concurrency 8 a step's eight tokens were eight items. vLLM's API server gets
+Why: every Ray streaming item costs CPU at both ends, and on a CPU server that CPU comes out of
+the engine's OpenMP threads; a step's tokens for N requests were N items
+(docs/decisions/0019-output-channel.md). vLLM's API server gets
 one message per step from its engine core; this channel does the same across Ray's processes.
 
 How, per request (``GenerateRequest.output_address`` set by the ingress):

@@ -3,7 +3,7 @@
 torch parallelises CPU ops with OpenMP, and libgomp keeps a pool of worker threads for each OS
 thread that starts a parallel region. Once it manages more threads than the process may use
 CPUs, it stops spinning between parallel regions: its workers sleep and wake on every op, which
-on a 2-core VM cost a 2-thread decode step ~40 % (``workers/engine_loop.py``). So an engine runs
+slows a decode step markedly (docs/decisions/0012-one-openmp-pool-per-engine.md). So an engine runs
 all its CPU work on one thread (it is built on its loop's thread), and helper threads that touch
 tensors start with ``one_torch_thread``.
 """

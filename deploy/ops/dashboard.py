@@ -1,7 +1,7 @@
 """The operator dashboard: one static page served by the ingress at ``/dashboard``.
 
 The page holds no data of its own. On load it draws the ingress's server-side window
-(``GET /v1/cluster/history``: one sample every 2 s over the last 10 minutes, see
+(``GET /v1/cluster/history``: one sample every ``INTERVAL_S`` over the last 10 minutes, see
 ``deploy.ops.status_history``), then every 2 s it polls ``GET /v1/cluster/status`` for the figures
 and ``GET /v1/cluster/history?since=<newest sample>`` for the charts. Everything it loads
 (HTML, JS, CSS) comes from ``deploy/ops/static`` through this app, so it works on a cluster with no

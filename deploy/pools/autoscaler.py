@@ -294,16 +294,15 @@ class PDAutoscaler:
         """Tell the ``count`` decode replicas Serve stops for a scale-down to hand their streams
         over (``Retire`` on each one's control server; the ingress resumes each stream on another
         decode replica, as ``max_migrations`` allows), instead of holding their budget slots while
-        their streams run out or the pools' drain time (15 s) cuts them: a benchmark's prefill
-        replicas, waiting for those slots, came up 25 s after the change. Serve picks which
-        replicas stop; the Serve REST API says which are stopping. A stopping replica is told
-        only once the decode replicas that stay have the free KV blocks its sequences hold
-        within their KV target (``room_to_hand_over``): handing 19 sequences of 512-token
-        outputs to the one replica left (room for 12) made them all wait, and both the
-        output-heavy requests and the prompts behind them missed their targets (a benchmark's
-        phase went from 56 good requests to 18). Filling it to the last free block, 9 streams
-        handed over as 2048-token prompts came back left 7 of those waiting at 96 % KV, and the
-        policy gave the replica back to decode 19 s later."""
+        their streams run out or the pools' drain time (15 s) cuts them, while the other pool's
+        new replicas wait for those slots. Serve picks which replicas stop; the Serve REST API
+        says which are stopping. A stopping replica is told only once the decode replicas that
+        stay have the free KV blocks its sequences hold within their KV target
+        (``room_to_hand_over``): handing more sequences than the replicas left have room for
+        makes them all wait, and both the handed-over requests and the prompts behind them miss
+        their targets; filling the replicas left to their last free block leaves the prompts
+        that come back waiting, and the policy soon gives the replica back to decode
+        (docs/decisions/0022-pd-autoscaler-through-external-scaler.md)."""
         retired: set[str] = set()
         handed = 0  # blocks handed over so far: counted against the room until the watch ends
         # what a scale-down joining the watch (``_watch_retiring``) raises

@@ -43,16 +43,16 @@ The policy, per decision:
   measured while replicas are busy (a prior until then, never below what the pool computes per
   replica). While decode sequences wait for
   blocks and prefill replicas hold half their KV or more for prompts decode has not taken, the
-  queue term is dropped: that queue is decode's (a first benchmark run moved replicas to
-  prefill that way and starved both pools).
+  queue term is dropped: that queue is decode's (counted, it moves replicas to prefill and
+  starves both pools).
 - decode need = the larger of what it holds and what its inflow will hold. Held: replicas x
   max(TPOT / TPOT target, KV usage / KV target), scaled up by waiting / running sequences when
   sequences wait for blocks. Inflow (Little's law): sequences prefill hands over per second x
   (their expected decode tokens x decode's recent TPOT + the measured overhead of a stay: its
   pull, waits for a step) = sequences resident, x the blocks each
   holds (prompt + half its output), over a replica's blocks at the KV target. The held KV alone
-  is a snapshot that lags: in a benchmark's prompt-heavy phase decode read 14 % used, gave a
-  replica to prefill, and 15 s later its one replica was full with 7 sequences waiting. Expected
+  is a snapshot that lags: decode can read little used while prompts are on their way, give a
+  replica to prefill, and soon after be full with sequences waiting. Expected
   decode tokens = the handed-over requests' ``max_tokens`` x the share of their ``max_tokens``
   that finished sequences used (a chat request without ``max_tokens`` asks for all the context).
 - each pool's count follows its need with a dead band (up once need > count + ``up_tolerance``,
@@ -68,18 +68,17 @@ The policy, per decision:
   no replica from one pool to the other: a pool whose need is low keeps its replicas until the
   other pool needs them (``needs_growth``); a move costs a replica's stop and start, and the
   move back when the load shifts again. When the other pool does need them, the shrinking pool
-  hands them over in the same change, not after a cooldown (a 2026-12-02 benchmark run had
-  prefill shrink 3 -> 1 at the start of an output-heavy phase and decode grow 10 s later).
+  hands them over in the same change, not after a cooldown (shrinking first left the budget
+  idle while the growing pool waited out the cooldown).
 - with the budget full, a change moves at most ``move_step`` replicas (default 1) from one pool
   to the other: the needs are snapshots (decode's KV usage reads low until the next few
-  2048-token sequences land), and a benchmark run swung 3:1 -> 1:3 -> 2:2 -> 1:3 -> 3:1 within
-  two minutes, each move a replica stopping and another loading its model. A larger shift takes
+  long sequences land), and unbounded moves swung the split back and forth within minutes, each
+  move a replica stopping and another loading its model. A larger shift takes
   one change per cooldown, unless the growing pool needs at least the count a double step gives
   it (need >= count + 2): then a change moves two.
 - each pool's need is the median of the rounds' needs over ``look_back_s`` (10 s, five rounds):
-  one round's need is a snapshot of a few sequences (decode read 0.4, 2.4, 0.4, 8.4 on
-  consecutive rounds of a prompt-heavy phase as bursts waited for blocks), and each flip
-  restarted the delay below.
+  one round's need is a snapshot of a few sequences (decode's jumps up and down between
+  consecutive rounds as bursts wait for blocks), and each flip would restart the delay below.
 - a proposed change is applied only once it has held for ``upscale_delay_s`` (some pool grows,
   by its own need or by taking budget another pool gives up) or ``downscale_delay_s`` (only
   shrinking), and not while the last change is still landing (replicas starting or stopping) or
@@ -256,12 +255,11 @@ def ttft_need(arrivals_per_s: float, service_s: float, config: PolicyConfig, ser
     and the wait of an M/M/c queue (Erlang C, an exponential tail) scaled by (1 + cv²) / 2 for
     the service times' variability (Allen-Cunneen; ``service_cv2`` = the squared coefficient of
     variation of the prompts' lengths: 0 for equal prompts, whose waits are half an M/M/c's).
-    The keep-up term alone, at 80 % utilization, kept two replicas for a load whose arrivals
-    spent much of the TTFT target waiting: in a benchmark's prompt-heavy phase (1.2 prompts/s
-    of 2048 tokens, 1.28 s each, TTFT target 2 s) 2 replicas run at 77 % and, by this model,
-    40 % of the prompts wait longer than the 0.72 s left to them; 3 replicas bring that to 5 %.
-    When a prompt alone takes the whole target no count meets it; the need is then the load at
-    ``utilization``."""
+    The keep-up term alone, at 80 % utilization, keeps too few replicas when each prompt takes
+    much of the TTFT target: just under that utilization a large share of arrivals wait longer
+    than the target leaves them after their own prefill, and one replica more brings that share
+    down to a few. When a prompt alone takes the whole target no count meets it; the need is
+    then the load at ``utilization``."""
     if arrivals_per_s <= 0 or service_s <= 0:
         return 0.0
     load = arrivals_per_s * service_s
@@ -292,10 +290,9 @@ def ahead_need(s: DecodeSignals, config: PolicyConfig) -> float:
     """Replicas for the KV held ``kv_look_ahead_s`` from now: what running sequences will still
     hold then (``kv_usage_ahead``) plus what the inflow brings in meanwhile and still holds then
     (its steady need x look-ahead / a stay, at most all of it). Either alone reads low while
-    sequences end and others take their place: in a benchmark's steady mix decode's need read
-    0.30 by the KV ahead and 0.46 by the inflow, at 51 % of 2 replicas' KV; it shrank to 1 replica,
-    which at the next change, 67 s later, held 94 % with 8 sequences waiting. (Until the TPOT
-    need stopped over-counting, its 1.12 had kept the second replica.)"""
+    sequences end and others take their place: by either alone, decode under a steady mix read
+    a need of well under one replica while its replicas held half their KV, shrank to one, and
+    that one then ran full with sequences waiting."""
     inflow = inflow_need(s, config)
     if inflow > 0 and s.residency_tpot_s is not None and config.kv_look_ahead_s > 0:
         stay = s.expected_output_tokens * s.residency_tpot_s + s.residency_overhead_s
@@ -308,10 +305,9 @@ def kv_usage_ahead(s: DecodeSignals, config: PolicyConfig) -> float:
     sequences that will have finished by then (tokens they may still produce x TPOT; their
     max_tokens is an upper bound, so this errs toward holding). A change of the split lands
     seconds after it is decided, and a decode replica given up drains its sequences first: the
-    blocks that matter are those still held then. In a benchmark's third phase (prompt-heavy
-    after output-heavy) two decode replicas held 23 sequences of 512-token outputs at 83 % KV,
-    all due to end within 20 s; the held need kept both replicas, and prefill short of one, for
-    35 s of the 75 s phase."""
+    blocks that matter are those still held then. By today's usage alone, decode replicas whose
+    sequences are all about to end keep their replicas through a shift to prompt-heavy load,
+    and prefill stays short of one for much of it."""
     tpot = s.tpot_s if s.tpot_s is not None else s.residency_tpot_s
     if not s.running_left or tpot is None or s.total_blocks <= 0 or config.kv_look_ahead_s <= 0:
         return s.kv_usage
@@ -340,10 +336,9 @@ def tpot_need(s: DecodeSignals, config: PolicyConfig) -> float:
     target. Without a fit (or a fixed part of 0) this is replicas x TPOT / target x (running +
     waiting) / running: TPOT in proportion to the rows, a CPU's matmuls. A step's fixed part
     (weights read once per step on an accelerator, Python overhead) does not shrink with fewer
-    rows: in a benchmark's prompt-heavy phase two decode replicas ran 3 sequences at a TPOT of
-    58 ms (target 100) on an emulated step of 50 ms + 2 ms per 1000 context tokens, and the
-    proportional rule read a need of 1.16 that kept both, while one replica would have run all
-    three at about 62 ms. When the fixed part alone reaches the target no count meets it: the
+    rows: where it dominates the step, the proportional rule reads a need above one replica for
+    a few sequences that one replica would run well within the target, and keeps replicas the
+    other pool needs. When the fixed part alone reaches the target no count meets it: the
     proportional rule's need then (more than the replicas there are)."""
     if s.tpot_s is None or s.running_seqs <= 0:
         return 0.0
@@ -365,11 +360,10 @@ def inflow_need(s: DecodeSignals, config: PolicyConfig) -> float:
     measured overhead of a stay, each holding its prompt and, on average over its stay, half its
     output; at ``kv_usage_target`` of a replica's blocks. It leads the held KV: a 2048-token
     prompt handed over is 128 blocks a replica will hold, before it holds them. The TPOT is the
-    measured one, not the target: a loose target (5 s a token) would size decode for sequences
-    that stay 50x longer than they do. The overhead matters for short outputs: in a benchmark's
-    prompt-heavy phase (16-token outputs) one decode replica read an inflow need of 0.61 from
-    tokens x TPOT while it was full, with two prompts waiting. Until decode has run anything
-    there is no inflow need."""
+    measured one, not the target: a loose target would size decode for sequences that stay far
+    longer than they do. The overhead matters for short outputs: by tokens x TPOT alone a decode
+    replica serving short outputs reads an inflow need under one while it is full, with prompts
+    waiting. Until decode has run anything there is no inflow need."""
     if (
         s.inflow_seqs_per_s <= 0
         or s.expected_output_tokens <= 0
@@ -379,8 +373,8 @@ def inflow_need(s: DecodeSignals, config: PolicyConfig) -> float:
         return 0.0
     # Per sequence: stay x KV tokens held = (o x TPOT + overhead) x (p + o / 2 + a block), for
     # prompt p and output o. Its mean needs E[p o] and E[o²], not E[p] E[o]: in a mix of long
-    # prompts with short outputs and short prompts with long outputs (a benchmark's steady mix,
-    # which 2 decode replicas served) the means' product put decode's need at 2.5 to 10 replicas.
+    # prompts with short outputs and short prompts with long outputs the means' product puts
+    # decode's need at several times the replicas that serve it.
     p, o, bs = s.inflow_prompt_tokens, s.expected_output_tokens, s.block_size
     p_o = p * o if s.inflow_prompt_x_output is None else s.inflow_prompt_x_output
     o_sq = o * o if s.inflow_output_sq is None else s.inflow_output_sq
@@ -427,9 +421,9 @@ def fit_budget(
     (``min(current, wanted)``) unless the other pool is short by ``take_ratio`` (need at least
     that many times its count): from there (from the minimums for a pool that keeps nothing, or
     when ``current`` is None), each next replica to the pool whose need is least covered (need /
-    count), never past what the pool wants. Without the keep, a pool whose need read 0.9 of a
-    replica gave one of its two to a pool 10 % over its own: the needs are estimates, and on a
-    benchmark run the one replica left was full 15 s later."""
+    count), never past what the pool wants. Without the keep, a pool whose need reads just under
+    its count gives a replica to a pool barely over its own: the needs are estimates, and the
+    replicas left to the giving pool can be full soon after."""
     if sum(wanted) <= config.max_total_replicas:
         return wanted
     minimums = (config.prefill.min_replicas, config.decode.min_replicas)
@@ -460,11 +454,10 @@ def move_limit(
     current: tuple[int, int], wanted: tuple[int, int], needs: tuple[float, float], config: PolicyConfig
 ) -> int:
     """``move_step``, doubled when a pool that grows needs at least the count a double step gives
-    it. One replica per change took a benchmark's prefill pool from 1 to 3 in two changes 33 s
-    apart (a replica starting, the cooldown, the upscale delay) while 20k prompt tokens queued,
-    its need reading 6.5 and then 24 replicas. Asking for ``take_ratio`` times that count, a
-    need of 4.49 (18k prompt tokens queued) moved one replica, and the third came up 22 s later,
-    32 s into a 75 s phase."""
+    it. With one replica per change, a prefill pool whose need read many times its count grew
+    one change at a time (each a replica starting, the cooldown, the upscale delay) while
+    prompts queued. Asking for ``take_ratio`` times that count instead, a need well past the
+    count still moved one replica, and the pool reached its size late in the load's phase."""
     step = config.move_step
     for i in (0, 1):
         if wanted[i] > current[i] and needs[i] >= current[i] + 2 * step:
@@ -489,9 +482,8 @@ def decide(
     blind = [name for name, s in (("prefill", prefill), ("decode", decode)) if s.replicas and not s.ready_replicas]
     if blind:
         # nothing read from a pool says nothing about its need: no round for the look-back, no
-        # delay accrued (a benchmark run read neither pool for its first 42 s; the zero needs of
-        # those rounds and a shrink proposal dated from the first of them moved the pools to 1:1
-        # on the first round that read them)
+        # delay accrued (while replicas start, counting those rounds as zero needs dates a shrink
+        # proposal from the first of them, and the first round that reads the pools applies it)
         why = f"no replica of the {' and '.join(blind)} pool answered"
         state = replace(state, pending=None, pending_since=None)
         return Decision(current[0], current[1], False, 0.0, 0.0, state, why)
@@ -562,12 +554,10 @@ def needs_growth(count: int, need: float, bounds: PoolBounds, config: PolicyConf
     """The pool's own need calls for more than ``count`` replicas (past the dead band). With the
     budget full, a change whose only growth is the fill (a pool taking a replica the other gives
     up, which it would keep but does not need) is not made: the replica is held anyway, and a move
-    costs a replica's stop and start, and another when the load shifts back. Two benchmark runs
-    of an output-heavy phase moved prefill's second replica to a decode pool whose need was 1.59,
-    then 1.72, of its 2 (14 s in as the fill's growth waited the upscale delay, 52 s in once it
-    waited the downscale delay); the static 2:2 split served that phase as well, and the prompts
-    that came back found one prefill replica. With budget free, such a change waits the downscale
-    delay, like any shrink."""
+    costs a replica's stop and start, and another when the load shifts back. Made, such a change
+    moved a prefill replica to a decode pool whose need was within its count, served that load
+    no better than the split it had, and left the prompts that came back short of a prefill
+    replica. With budget free, such a change waits the downscale delay, like any shrink."""
     return follow(count, need, bounds, config) > count
 
 
@@ -575,8 +565,8 @@ def held_rise(history: tuple[tuple[float, float, float], ...], now: float, span_
     """Each pool's need that every round of the last ``span_s`` reached: the least need of the
     rounds from the latest one at least ``span_s`` old through now; None while the rounds cover
     less than ``span_s``. The look-back's median follows a rise only once it fills half the window,
-    and the upscale delay then starts: in a benchmark's third phase (prompts back after an
-    output-heavy phase) prefill's move came 14.6 s into the phase, with 20k prompt tokens queued."""
+    and the upscale delay then starts, so by the median alone a pool's growth comes well into a
+    shift of load, with prompts queued meanwhile."""
     old = [r[0] for r in history if now - r[0] >= span_s]
     if span_s <= 0 or not old:
         return None
@@ -586,22 +576,19 @@ def held_rise(history: tuple[tuple[float, float, float], ...], now: float, span_
 
 def look_back(history: tuple[tuple[float, float, float], ...]) -> tuple[float, float]:
     """Each pool's need over the recent rounds: their median. One round's need is a snapshot of
-    a few sequences: on a benchmark's prompt-heavy phase (1.2 prompts/s of 2048 tokens, three of
-    which fill a decode replica's KV) decode's need read 0.4, 2.4, 0.4, 8.4, 1.9, 4.3 on
-    consecutive rounds (a burst of hand-overs waiting for blocks) and prefill's 2 or 3 (its
-    arrivals, counted over a few seconds); each flip restarted the upscale delay and the pools
-    stayed 2:2 for the whole phase. The median drops a lone spike and follows a load that lasts
-    half the window."""
+    a few sequences: under long prompts, a few of which fill a decode replica's KV, decode's need
+    jumps up and down between consecutive rounds (a burst of hand-overs waiting for blocks), and
+    prefill's with its arrivals counted over a few seconds; by the latest round each flip
+    restarted the upscale delay and the pools never moved. The median drops a lone spike and
+    follows a load that lasts half the window."""
     return statistics.median(r[1] for r in history), statistics.median(r[2] for r in history)
 
 
 def _settled(s: PrefillSignals | DecodeSignals) -> bool:
     """The pool's replicas are as last set: Serve's count of them when read (``settled``), else
     those that answered. By the answers alone, a replica too busy to answer a stats call within
-    its deadline read as a change still landing, and restarted a proposal's delay. (In a
-    benchmark's prompt-heavy phase, where answers are slow, the move came 12 s after the need had
-    called for it, three sampled rounds reading "upscale delay"; with Serve's count it came 9 s
-    earlier in the four runs since. Which restart it was, the samples do not say.)"""
+    its deadline read as a change still landing, and restarted a proposal's delay: under
+    prompt-heavy load, where answers are slow, moves came late."""
     return s.settled if s.settled is not None else s.ready_replicas == s.replicas
 
 

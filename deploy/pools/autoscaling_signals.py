@@ -7,9 +7,8 @@ status`` shows) two samples at a time: rates are the counters' deltas over the i
   tokens/s per replica = the prompt tokens the replica's steps computed (the engine's
   ``prefill_tokens_computed``) per second of its model time in them (the engine's ``busy_s``;
   an interval with at least ``MIN_BUSY_S`` of it), smoothed, so
-  an idle pool keeps its last measure. Per second of a busy interval instead, a 2 s read
-  caught one or two 1.28 s prompts: on an emulated device computing 1600 tokens/s the
-  benchmark logged 1174 to 2005.
+  an idle pool keeps its last measure. Per second of a busy interval instead, a read that
+  catches one or two whole prompts swings well above and below the replica's real rate.
 - decode: running and waiting sequences and KV usage as reported; TPOT = the engine's decode
   steps' seconds per token they produced (``decode_token_s`` / ``decode_tokens``), per replica,
   weighted by the mean rows decoding (a replica without those counters: mean running sequences
@@ -49,10 +48,9 @@ SMOOTHING = 0.5  # weight of the newest busy interval in tokens/s per replica
 MIN_BUSY_S = 0.5  # model seconds an interval needs before its tokens / busy seconds count
 INFLOW_SMOOTHING = 0.3  # weight of the newest interval in decode's residency TPOT
 # Weight of the newest interval in the SMOOTHED rates. The policy takes each need's median over
-# its look-back (10 s), which already drops a lone spike; at 0.3 the two smoothings together
-# held a prompt-heavy phase's arrivals under the rate that needs a third prefill replica for
-# 15-25 s of a 75 s phase (a benchmark's rounds: 0.29, 0.52, 0.71, 0.82, 0.95 req/s read 3 s
-# apart for 1.2 arriving).
+# its look-back (10 s), which already drops a lone spike; with a lower weight the two smoothings
+# together held a rise in arrivals under the rate that needs another prefill replica for a
+# large part of a load's phase.
 RATE_SMOOTHING = 0.6
 # Weight of each earlier read in the decode step fit's sums (older reads fade by this factor a
 # read: reads 2 s apart weigh half after about 4 s), and the least the fit needs: steps, and a
@@ -63,10 +61,10 @@ FIT_MIN_ROWS_VAR = 0.2
 FIT_SUMS = ("decode_steps", "decode_tokens", "decode_step_s", "decode_token_s", "decode_rows_sq")
 USED_WINDOW = 30  # reads over which finished sequences' produced / max_tokens is summed
 # Decode's inflow is summed over the reads of the last stay (the expected decode tokens x TPOT +
-# the overhead), within these bounds. Smoothed like prefill's arrivals (about 3 s of memory), a
-# benchmark's output-heavy phase (1.0 request/s of 512 tokens, a 26 s stay) read 1.47 hand-overs/s
-# on a Poisson burst, an inflow need of 2.3 replicas where two served the phase, and prefill gave
-# up the second replica the next phase's prompts needed.
+# the overhead), within these bounds. Smoothed like prefill's arrivals (a few seconds of memory),
+# the inflow of long outputs, whose stay is far longer, follows each Poisson burst: it read an
+# inflow need above the replicas that served the load, and prefill gave up a replica the next
+# prompts needed.
 INFLOW_WINDOW_MIN_S = 6.0
 INFLOW_WINDOW_MAX_S = 60.0
 SHIFT_SIGMAS = 2.0  # a change of the inflow between the window's halves beyond this is a shift
@@ -198,10 +196,9 @@ class SignalReader:
         """The window's newer half handed over sequences, or ``max_tokens``, at a rate more than
         ``SHIFT_SIGMAS`` standard deviations from its older half's (Poisson counts; ``max_tokens``
         a compound Poisson sum, whose variance is its sum of squares): the load changed, and the
-        window's sum lags it by up to a stay. Summed over a stay regardless, a steady mix's
-        inflow read 0.50 hand-overs/s 16.6 s after its load started from idle (about 1.1 arrive),
-        both pools shrank 2:2 -> 1:1 and grew back 11 s later; and a phase after long outputs
-        would read their ``max_tokens`` for a stay."""
+        window's sum lags it by up to a stay. Summed over a stay regardless, a load that starts
+        from idle reads a fraction of what arrives, and both pools shrink only to grow back soon
+        after; and a phase after long outputs would read their ``max_tokens`` for a stay."""
         new = [0.0] * 4  # seconds, hand-overs, max_tokens, max_tokens²
         old = [0.0] * 4
         covered = 0.0
@@ -260,10 +257,10 @@ class SignalReader:
         """Seconds a finished sequence held decode's KV before its first decoded token (its pull,
         a wait for a step), mean over the window; from replicas that do not count it, what it held
         beyond its tokens x the residency TPOT. 0 until a sequence finished and the TPOT is known.
-        The remainder alone folded each token's wait between steps into a per-sequence overhead:
-        in a benchmark, 512-token sequences finishing as 2048-token prompts came back read 1.9 s
-        "a stay", applied to each 16-token output, and that third phase's decode need read 0.9
-        to 1.7 replicas where its first phase, of the same prompts, had read 0.3 to 0.6."""
+        The remainder alone folds each token's wait between steps into a per-sequence overhead:
+        long outputs finishing as a prompt-heavy load returns make every stay's overhead read
+        long, applied then to each short output, and decode's need reads several times what the
+        same prompts needed before."""
         seqs = sum(n for n, *_ in self._stays)
         if not seqs or self._tpot is None:
             return 0.0
@@ -305,8 +302,8 @@ class SignalReader:
             d_busy = self._delta(now, r, "busy_s")
             # the tokens the model computed in that busy time, step by step (a replica that does
             # not report them: the prompts finished in the interval, whose steps may have run in
-            # the interval before; with those, a benchmark run's smoothed rate read 2740 tokens/s
-            # on an emulated device that computes at most 1667)
+            # the interval before; with those, the smoothed rate can read well above what the
+            # device can compute)
             d_computed = self._delta(now, r, "prefill_tokens_computed") if "prefill_tokens_computed" in r else None
             computed_in_busy = d_computed[0] if d_computed is not None else d_prompt[0] - d_cached[0]
             rate = None
@@ -353,8 +350,8 @@ class SignalReader:
             if d_rows is not None and d_row_s is not None and d_rows[0] > 0:
                 # the engine's own: its decode steps' seconds per token they produced, weighted by
                 # the mean rows decoding over the interval (sequences that ran between two reads,
-                # not at them: 16-token outputs live under a second, and the running counts at the
-                # reads gave TPOTs of 100 to 140 ms where an emulated step lasts about 54)
+                # not at them: short outputs live under a second, and the running counts at the
+                # reads gave TPOTs of about twice the step's time)
                 tpot, running = d_row_s[0] / d_rows[0], d_row_s[0] / d_gen[1]
             elif running <= 0:
                 continue

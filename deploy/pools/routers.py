@@ -5,10 +5,9 @@ leading blocks of the prompt each live replica holds and prefers the longest mat
 match is short or that replica's queue is longer than the shortest by more than the imbalance
 threshold; then it falls back to the least loaded replica (shortest queue, ties at random), so
 one hot prefix cannot pile every request onto one replica. Least loaded, not Serve's default
-power-of-two-choices: a prefill pool is a few replicas each busy for a whole prompt (a 2048-token
-prompt for 1.28 s in the autoscaling benchmark), and two random picks of three often both land on
-busy replicas while the third is idle (simulated at 1.2 prompts/s on three replicas, 14 % of the
-prompts waited past 0.6 s with two choices, 8 % with the shortest queue). The routed-but-not-
+power-of-two-choices: a prefill pool is a few replicas each busy for a whole prompt, and two
+random picks of three often both land on busy replicas while the third is idle, so more prompts
+wait past their TTFT budget than with the shortest queue. The routed-but-not-
 completed counts below keep one router from sending a burst to the same replica between two
 stats refreshes. ``prefill_routing: power_of_two`` keeps two random choices (no prefix).
 

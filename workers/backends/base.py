@@ -168,8 +168,9 @@ class Backend(ABC):
         return "sdpa"
 
     @abstractmethod
-    def attention(self, kind: str) -> AttentionFactory:
-        """What makes a step's attention object for ``kind`` (one of ``attention_kinds``)."""
+    def attention(self, kind: str, kv: PagedKVCache, window: int | None) -> AttentionFactory:
+        """What makes a step's attention object for ``kind`` (one of ``attention_kinds``) over
+        ``kv`` with sliding ``window`` (None: full attention)."""
 
     def warm_up_attention(
         self, kind: str, kv: PagedKVCache, scale: float, num_q_heads: int, window: int | None

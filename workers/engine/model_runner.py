@@ -34,7 +34,6 @@ from workers.layers.paged_attention import (
     PagedAttention,
     PrefillSpan,
     decode_mask,
-    flash_attn_usable,
 )
 from workers.models.llama import LlamaForCausalLM
 
@@ -80,7 +79,7 @@ class ModelRunner:
         self.device = kv.layers[0].device
         self.threads = backend.step_threads()  # a step's torch threads by its kind
         self.attention_backend = kind = backend.attention_kind(kv)
-        self._attention = backend.attention(kind)
+        self._attention = backend.attention(kind, kv, sliding_window)
         progress = progress and kind != "sdpa"  # sdpa builds nothing
         if progress:
             logger.info("building the %s attention kernels (once per model shape)", kind)
@@ -89,8 +88,6 @@ class ModelRunner:
         backend.warm_up_attention(kind, kv, model.attention_scale, kv.num_kv_heads * group, sliding_window)
         if progress:
             logger.info("%s attention ready in %.1f s", kind, time.perf_counter() - start)
-        flash = flash_attn_usable(self.device, self.block_size, kv, sliding_window)
-        self.use_flash_attn = backend.name == "cuda" and kind == "sdpa" and flash
         self.compiled = compiled  # decode-only steps of up to its largest bucket run compiled
         if compiled is not None:
             compiled.warm_up(self._scratch_attention, progress)
@@ -210,10 +207,9 @@ class ModelRunner:
         meta.num_decodes = len(tables)
         meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
         meta.decode_context_lens = torch.tensor(context_lens, dtype=torch.long, device=dev)
-        meta.use_flash_attn = self.use_flash_attn
         first_pos = torch.tensor(firsts, dtype=torch.long, device=dev) * bs
         meta.decode_first_pos = first_pos
-        if not self.use_flash_attn and self.attention_backend == "sdpa":
+        if self.attention_backend == "sdpa":
             meta.decode_mask = decode_mask(
                 meta.decode_block_tables, meta.decode_context_lens, first_pos, bs, self.sliding_window
             )

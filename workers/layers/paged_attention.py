@@ -19,10 +19,9 @@ query's window have been freed by the block manager).
 K/V go through ``PagedKVCache``, which quantizes on write and dequantizes on gather for an
 int8/fp8 cache. A quantized cache stores V rotated (``PagedKVCache.rotation``): attention over
 gathered values runs in the rotated basis and its output is rotated back once
-(``unrotate_values``), which is exact up to rounding since the rotation is orthonormal. On CUDA
-with flash-attn installed, a block size it accepts (a multiple of 256), a full-precision cache
-and full attention, the decode batch uses ``flash_attn_with_kvcache`` over the block tables
-instead of gathering.
+(``unrotate_values``), which is exact up to rounding since the rotation is orthonormal. Backends
+subclass ``PagedAttention`` for kernels that read the cache in place (the CPU backend's C++
+kernels, the CUDA backend's Triton and flash-attn ones).
 
 ``attention_backend="flex"`` (``FlexPagedAttention``, full-precision caches only) gathers
 nothing: decodes and chunks after cached context run ``flex_attention`` over the physical
@@ -61,11 +60,6 @@ from workers.layers.kv_cache import KVWritePlan, PagedKVCache
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import FlexKernelOptions
 
-try:  # optional, CUDA only
-    from flash_attn import flash_attn_with_kvcache
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    flash_attn_with_kvcache = None
-
 
 REFERENCE_OPS = Ops()
 
@@ -92,20 +86,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size]
     prefills: list[PrefillSpan] = field(default_factory=list)
     sliding_window: int | None = None  # a key is seen by queries less than this many positions on
-    use_flash_attn: bool = False
     decode_first_pos: torch.Tensor | None = None  # [B] position of each decode table's first key
-
-
-def flash_attn_usable(
-    device: torch.device, block_size: int, kv: PagedKVCache | None = None, sliding_window: int | None = None
-) -> bool:
-    return (
-        flash_attn_with_kvcache is not None
-        and device.type == "cuda"
-        and block_size % 256 == 0
-        and (kv is None or not kv.quantized)
-        and sliding_window is None
-    )
 
 
 def attention_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -215,18 +196,6 @@ class PagedAttention:
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         if tables is None or lens is None:
             raise ValueError("a step with decodes needs their block tables and context lengths")
-        if meta.use_flash_attn:
-            layer_cache = cache.layers[layer]
-            o = flash_attn_with_kvcache(
-                q.unsqueeze(1),
-                layer_cache[0],
-                layer_cache[1],
-                cache_seqlens=lens.to(torch.int32),
-                block_table=tables.to(torch.int32),
-                softmax_scale=self.scale,
-                causal=True,
-            )
-            return o.squeeze(1)
         kv = cache.gather(layer, tables, rotated_values=True).transpose(2, 3)  # [2, B, Hkv, L, D]
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), kv[0], kv[1], attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True

@@ -87,7 +87,7 @@ class CPUBackend(Backend):
         # paged reads the cache in place; a quantized cache is read through the gather path
         return "sdpa" if kv.quantized else "paged"
 
-    def attention(self, kind: str) -> AttentionFactory:
+    def attention(self, kind: str, kv: PagedKVCache, window: int | None) -> AttentionFactory:
         from workers.layers.paged_attention import FlexPagedAttention, PagedAttention
 
         if kind == "paged":

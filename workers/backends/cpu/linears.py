@@ -6,9 +6,10 @@ wide ones; ``prepack_linears`` gives a model's linears these as their ``impl``.
 into the blocked layout its GEMM reads fastest; ``F.linear`` on the plain weight re-lays them
 out on every call. One reorder serves every batch size, and every batch size runs faster for it
 (docs/decisions/0003-onednn-prepacking-and-row-timing.md). The result differs from
-``F.linear``'s in the last bits (another summation order), so the engine's greedy parity with transformers is held by its tests with packing on. Linears that
-read the same input (q/k/v, gate/up) are packed as one ``FusedPackedLinear``: one call per layer
-instead of three and two, bit for bit the separate layers' outputs.
+``F.linear``'s in the last bits (another summation order), so the engine's greedy parity with
+transformers is held by its tests with packing on. Linears that read the same input (q/k/v,
+gate/up) are packed as one ``FusedPackedLinear``: one call per layer instead of three and two,
+bit for bit the separate layers' outputs.
 
 **Small batches on the panel kernel** (``choose_plain_rows``): a decode step multiplies each
 weight by a few rows and only streams the weights, which oneDNN does well below the memory's

@@ -5,8 +5,8 @@ first, raised as such blocks are freed, never past 32 MiB) with a fresh ``mmap``
 on free, and it gives the top of its heap back to the kernel once more than the trim threshold
 is free there. A prefill's activations are MiBs each (8 x 256 tokens: the MLP's input to the
 down projection is 12.5 MB), made and dropped 30 times a step, so either path means the kernel
-faults in and zeroes the same pages again on every layer: a step of 8 x 256 prompt tokens on
-SmolLM2 spent ~12 % of its time there (BENCHMARKS.md, issue 16).
+faults in and zeroes the same pages again on every layer, a sizeable share of a prefill step's
+time (docs/decisions/0013-glibc-malloc-thresholds.md).
 
 ``keep_freed_memory`` sets both thresholds once per process, as vLLM's CPU images get the same
 effect from tcmalloc: blocks up to 32 MiB come from the heap and freed memory stays mapped for

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # With inductor's compiled paged decode, a step whose tables hold fewer keys than this gathers
-# and runs SDPA instead, which is as fast or faster there (docs/decisions/).
+# and runs SDPA instead, which is as fast or faster there (docs/decisions/0001-paged-attention-on-cpu.md).
 PAGED_MIN_KEYS = 2048
 
 

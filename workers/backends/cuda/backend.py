@@ -1,7 +1,7 @@
 """The CUDA backend: attention and memory facts for NVIDIA GPUs.
 
 - Attention: "sdpa" (default) gathers the blocks a step reads for SDPA, and decodes through
-  flash-attn's paged kernel where it is installed and takes the cache (``flash_attn_usable``);
+  flash-attn's paged kernel where it is installed and takes the cache (``FlashDecodeAttention``);
   "paged" decodes through the block tables with the hand-written Triton kernel
   (``triton_paged.py``) where Triton is importable, else inductor's compiled kernel; "flex"
   FlexAttention over the cache.
@@ -17,10 +17,48 @@ from typing import TYPE_CHECKING
 import torch
 
 from workers.backends.base import AttentionFactory, Backend
-from workers.layers.paged_attention import DecodeKernel, PagedDecodeAttention
+from workers.layers.paged_attention import DecodeKernel, PagedAttention, PagedDecodeAttention
 
 if TYPE_CHECKING:
     from workers.layers.kv_cache import PagedKVCache
+
+try:  # optional
+    from flash_attn import flash_attn_with_kvcache
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    flash_attn_with_kvcache = None
+
+
+def flash_attn_usable(kv: PagedKVCache, window: int | None) -> bool:
+    """Whether flash-attn's paged kernel reads ``kv`` for decodes: installed, a block size it
+    accepts (a multiple of 256), a full-precision cache, full attention."""
+    return (
+        flash_attn_with_kvcache is not None
+        and kv.layers[0].device.type == "cuda"
+        and kv.block_size % 256 == 0
+        and not kv.quantized
+        and window is None
+    )
+
+
+class FlashDecodeAttention(PagedAttention):
+    """The sdpa kind with decodes through flash-attn's paged kernel over the block tables."""
+
+    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        meta, layer_cache = self.meta, self.cache.layers[layer]
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        if tables is None or lens is None:
+            raise ValueError("a step with decodes needs their block tables and context lengths")
+        assert flash_attn_with_kvcache is not None
+        o = flash_attn_with_kvcache(
+            q.unsqueeze(1),
+            layer_cache[0],
+            layer_cache[1],
+            cache_seqlens=lens.to(torch.int32),
+            block_table=tables.to(torch.int32),
+            softmax_scale=self.scale,
+            causal=True,
+        )
+        return o.squeeze(1)
 
 
 class TritonPagedAttention(PagedDecodeAttention):
@@ -51,13 +89,15 @@ class CUDABackend(Backend):
     name = "cuda"
     attention_kinds = ("sdpa", "paged", "flex")
 
-    def attention(self, kind: str) -> AttentionFactory:
-        from workers.layers.paged_attention import FlexPagedAttention, PagedAttention
+    def attention(self, kind: str, kv: PagedKVCache, window: int | None) -> AttentionFactory:
+        from workers.layers.paged_attention import FlexPagedAttention
 
         if kind == "paged":
             return functools.partial(TritonPagedAttention, ops=self.ops)
         if kind == "flex":
             return functools.partial(FlexPagedAttention, ops=self.ops)
+        if flash_attn_usable(kv, window):
+            return functools.partial(FlashDecodeAttention, ops=self.ops)
         return functools.partial(PagedAttention, ops=self.ops)
 
     def warm_up_attention(

@@ -3,20 +3,17 @@
 ``paged_decode(q, k_cache, v_cache, tables, first_pos, context_lens, scale, window)`` computes
 what ``paged_attention._paged_decode`` does (one query per row over the blocks of its table,
 causal and within the sliding window, GQA) without a gathered copy. The inductor kernel that
-``_paged_decode`` becomes on CUDA ran an 8B-shaped bf16 step at batch 64 x 2k context in
-69.8 ms against 23.7 ms for gather + SDPA (H200, BENCHMARKS.md "GPU check"): its loops are
-reductions over one key at a time. Here each program holds the G query heads of one KV head as
+``_paged_decode`` becomes on CUDA is far slower than gather + SDPA at wide batches: its loops
+are reductions over one key at a time. Here each program holds the G query heads of one KV head as
 a tile padded to 16 rows, and multiplies it with ``BLOCK_N`` keys at a time on the tensor cores
 (``tl.dot``; fp32 caches in IEEE precision, not TF32), keeping a running max and sum (online
 softmax) in fp32. The keys of a row are split over ``num_splits`` programs so that a small batch
 still fills the GPU; a second kernel combines the splits' partial results (a row of one
 split is normalised and written by the first).
 
-Measured on an H200 (8B-shaped bf16 model, 2k context; BENCHMARKS.md "GPU check", calls 4 and
-5): right in fp32/fp16/bf16. With the combine as torch ops the step took 37.5 / 29.4 ms at batch
-1 / 64 against gather + SDPA's 20.2 / 23.6 (inductor's kernel: 69.8 at 64); with the combine
-kernel, 34.6 / 36.2 against SDPA's 33.6 / 38.0 on a slower host, and level compiled (12.6 vs 13.1,
-21.7 vs 21.7). Level, not faster: ``auto`` keeps SDPA on CUDA.
+It is right in fp32/fp16/bf16 and, with the combine as a kernel, level with gather + SDPA (eager
+and compiled), not faster: ``auto`` keeps SDPA on CUDA
+(docs/decisions/0002-decode-on-cuda-defaults-to-sdpa.md).
 
 Each key tile spans ``BLOCK_N // block_size`` cache blocks, whose ids come from the row's table:
 K and V are read where they lie, each once. A key counts when its table slot is in range, its
