@@ -108,7 +108,7 @@ def test_prefill_threads_as_given_or_left_to_the_pool():
 
 def test_small_batch_threads_only_as_given(tiny_llama, monkeypatch):
     """No default: fewer threads for small decode steps helped on one 2-core VM and hurt on another
-."""
+    (docs/decisions/0011-small-batch-threads-off-by-default.md)."""
     from deploy.ops.cli import build_parser, up_app_args
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
