@@ -44,323 +44,58 @@ for bit, from a quarter of the bytes (SmolLM2: 168 MB a step instead of 538). A 
 one row block makes each panel's weights once, into a per-thread buffer in L2, and runs the fp32
 tile over it. A weight with any group off its grid (a trained fp32 checkpoint) keeps fp32 panels.
 
-Built once per process through inductor's C++ toolchain (``CppPythonBindingsCodeCache``: its
-compiler, flags, OpenMP and vector ISA, and its on-disk cache), as ``cpu_paged`` is; where it
-cannot be built, the small batches keep ``F.linear`` (``available`` says which).
+The kernels are ``csrc/panels.cpp`` and ``csrc/panels_coded.cpp`` (their tiles in ``panels.h``, the
+vector type in ``vector.h``, which ``cpu_prefill``'s kernel shares), built once per machine
+through ``build.py``; where one cannot be built, the small batches keep ``F.linear`` (or the
+fp32 panels) (``available`` and ``coded_available`` say which).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
+from workers.backends.cpu import build as loader
 
 PANEL = 48  # output rows per panel: 3 AVX-512 vectors, 6 AVX2 ones
 GROUP = 32  # k's per step and offset of coded panels (CodedPanels): GGUF's block size
 MAX_ROWS = 64  # the widest batch the kernel takes (oneDNN wins from some width up: timed at load)
 
-# The vector type and its few operations, shared with ``cpu_prefill``'s kernel (``{max_vl}`` is
-# replaced by the widest vector the build may use).
-VECTOR_PRELUDE = r"""
-#include <torch/csrc/inductor/cpp_prefix.h>
-#include <omp.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
-// the widest vector the build may use (16 floats: AVX-512; tests narrow it to cover the others)
-#define MAX_VL {max_vl}
-#if defined(__AVX512F__) && MAX_VL >= 16
-#define VEC_AVX512 1
-constexpr int VL = 16;
-#elif defined(__AVX2__) && defined(__FMA__) && MAX_VL >= 8
-#define VEC_AVX2 1
-constexpr int VL = 8;
-#else
-constexpr int VL = 4;  // plain vector code: what the compiler makes of it (SSE, NEON, ...)
-#endif
-typedef float vf __attribute__((vector_size(VL * 4)));
-
-static inline vf load(const float* p) { vf v; __builtin_memcpy(&v, p, sizeof(vf)); return v; }
-static inline void store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof(vf)); }
-static inline vf bcast(float v) {  // not vf{} + v: adding 0.0 is an instruction under -ffp-contract=off
-#if defined(VEC_AVX512)
-  return (vf)_mm512_set1_ps(v);
-#elif defined(VEC_AVX2)
-  return (vf)_mm256_set1_ps(v);
-#else
-  vf b;
-  for (int i = 0; i < VL; ++i) b[i] = v;
-  return b;
-#endif
-}
-static inline vf fmadd(vf a, vf b, vf c) {  // inductor builds with -ffp-contract=off: fuse explicitly
-#if defined(VEC_AVX512)
-  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(VEC_AVX2)
-  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-  return a * b + c;
-#endif
-}
-
-// f(std::integral_constant<int, C>) for C = c, 1 <= c <= N: a count (of rows, of vectors) as a
-// template argument, so that a tile's accumulators are an array the compiler keeps in registers
-template <int N, class F>
-static inline void with_count(int64_t c, F&& f) {
-  if constexpr (N > 1) {
-    if (c < N) {
-      with_count<N - 1>(c, f);
-      return;
-    }
-  }
-  f(std::integral_constant<int, N>{});
-}
-"""
-
-_PRELUDE = (
-    VECTOR_PRELUDE
-    + r"""
-constexpr int P = {panel};               // panel width (floats)
-constexpr int JV = P / VL;               // vectors across a panel
-constexpr int JB = JV < 3 ? JV : 3;      // vectors per block
-constexpr int MB = VL >= 16 ? 8 : 4;     // input rows per block
-static_assert(JV % JB == 0, "a panel is whole blocks");
-
-// a tile's last step: add the bias, write the columns that exist (cols of JB*VL: the last
-// panel's padding is not written)
-template <int R>
-static inline void finish(vf (&acc)[R][JB], float* __restrict__ out, int64_t ldo, int64_t cols,
-                          const float* __restrict__ bias) {
-  if (bias) {
-    alignas(64) float b[JB * VL] = {};
-    for (int64_t c = 0; c < cols; ++c) b[c] = bias[c];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < JB; ++j) acc[r][j] += load(b + j * VL);
-  }
-  if (cols == JB * VL) {
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < JB; ++j) store(out + r * ldo + j * VL, acc[r][j]);
-  } else {
-    alignas(64) float t[JB * VL];
-    for (int r = 0; r < R; ++r) {
-      for (int j = 0; j < JB; ++j) store(t + j * VL, acc[r][j]);
-      for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = t[c];
-    }
-  }
-}
-
-// f(j0, m0, r, out block, cols, bias block) for each block of panel p: JB vectors of columns at
-// a time, and the rows MB at a time (wider batches: the panel stays in L2)
-template <class F>
-static inline void for_blocks(int64_t p, int64_t M, int64_t N, const float* bias, float* out, F&& f) {
-  for (int64_t j0 = 0; j0 < P; j0 += JB * VL) {
-    const int64_t col0 = p * P + j0;
-    if (col0 >= N) break;
-    const int64_t cols = N - col0 < JB * VL ? N - col0 : JB * VL;
-    for (int64_t m0 = 0; m0 < M; m0 += MB)
-      f(j0, m0, M - m0 < MB ? M - m0 : MB, out + m0 * N + col0, cols, bias ? bias + col0 : nullptr);
-  }
-}
-
-// one k of a tile, the only arithmetic either kernel does on the inputs: each row's x[r][k]
-// (xk: &x[0][k], rows K apart) times the JB weight vectors, added to its accumulators
-template <int R>
-static inline void step(vf (&acc)[R][JB], const float* __restrict__ xk, int64_t K, const vf (&wv)[JB]) {
-  for (int r = 0; r < R; ++r) {
-    const vf xb = bcast(xk[r * K]);
-    for (int j = 0; j < JB; ++j) acc[r][j] = fmadd(xb, wv[j], acc[r][j]);
-  }
-}
-
-// out[m][j0 .. j0 + JB*VL) of rows 0..R-1 from one fp32 panel ([K][P])
-template <int R>
-static inline void tile(const float* __restrict__ x, int64_t K, const float* __restrict__ panel, int64_t j0,
-                        float* __restrict__ out, int64_t ldo, int64_t cols, const float* __restrict__ bias) {
-  vf acc[R][JB] = {};
-  const float* wk = panel + j0;
-  for (int64_t k = 0; k < K; ++k, wk += P) {
-    vf wv[JB];
-    for (int j = 0; j < JB; ++j) wv[j] = load(wk + j * VL);
-    step<R>(acc, x + k, K, wv);
-  }
-  finish<R>(acc, out, ldo, cols, bias);
-}
-"""
-)
-
-_SOURCE = (
-    _PRELUDE
-    + r"""
-// panels: [num_panels][K][P] fp32; the panels one at a time, in order, to whichever thread is
-// free (module docstring)
-extern "C" void kernel(const float* x, const float* panels, const float* bias, float* out,
-                       int64_t M, int64_t N, int64_t K, int64_t has_bias, int64_t threads) {
-  if (!has_bias) bias = nullptr;
-  const int64_t num_panels = (N + P - 1) / P;
-  #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int64_t p = 0; p < num_panels; ++p) {
-    const float* panel = panels + p * K * P;
-    for_blocks(p, M, N, bias, out, [&](int64_t j0, int64_t m0, int64_t r, float* o, int64_t cols, const float* b) {
-      with_count<MB>(r, [&](auto R) { tile<R()>(x + m0 * K, K, panel, j0, o, N, cols, b); });
-    });
-  }
-}
-"""
-)
-
-_CODED_SOURCE = (
-    _PRELUDE
-    + r"""
-#include <vector>
-constexpr int G = {group};  // k's per (step, offset) pair
-
-// VL codes (bytes) as floats
-static inline vf codes(const uint8_t* q) {
-#if defined(VEC_AVX512)
-  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q)));
-#elif defined(VEC_AVX2)
-  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q)));
-#else
-  vf v;
-  for (int i = 0; i < VL; ++i) v[i] = (float)q[i];
-  return v;
-#endif
-}
-
-// Coded panels (CodedPanels): codes [num_panels][K][P] (bytes), scales [num_panels][K / G][2][P]
-// (fp32: each group's step d, then its offset m). A weight is fma(d, code, m), which (d * code
-// exact) is the fp32 weight itself, so the sums are the fp32 panel's, bit for bit.
-
-// one row block of a panel straight from its codes: the weights are made in registers
-template <int R>
-static inline void coded_tile(const float* __restrict__ x, int64_t K, const uint8_t* __restrict__ q,
-                              const float* __restrict__ s, int64_t j0, float* __restrict__ out, int64_t ldo,
-                              int64_t cols, const float* __restrict__ bias) {
-  vf acc[R][JB] = {};
-  const uint8_t* qk = q + j0;
-  const float* sg = s + j0;
-  for (int64_t k0 = 0; k0 < K; k0 += G, sg += 2 * P) {
-    vf d[JB], m[JB];
-    for (int j = 0; j < JB; ++j) d[j] = load(sg + j * VL), m[j] = load(sg + P + j * VL);
-    for (int64_t k = k0; k < k0 + G; ++k, qk += P) {
-      vf wv[JB];
-      for (int j = 0; j < JB; ++j) wv[j] = fmadd(d[j], codes(qk + j * VL), m[j]);
-      step<R>(acc, x + k, K, wv);
-    }
-  }
-  finish<R>(acc, out, ldo, cols, bias);
-}
-
-// a whole panel's fp32 weights ([K][P]), for batches of several row blocks: made once, then
-// read from L2 by each block, as the fp32 panel would be
-static void decode_panel(const uint8_t* __restrict__ q, const float* __restrict__ s, int64_t K,
-                         float* __restrict__ panel) {
-  for (int64_t k0 = 0; k0 < K; k0 += G, s += 2 * P)
-    for (int64_t k = k0; k < k0 + G; ++k)
-      for (int j = 0; j < JV; ++j)
-        store(panel + k * P + j * VL, fmadd(load(s + j * VL), codes(q + k * P + j * VL), load(s + P + j * VL)));
-}
-
-extern "C" void kernel(const float* x, const uint8_t* codes_, const float* scales, const float* bias, float* out,
-                       int64_t M, int64_t N, int64_t K, int64_t has_bias, int64_t threads) {
-  if (!has_bias) bias = nullptr;
-  const int64_t num_panels = (N + P - 1) / P;
-  const bool wide = M > MB;  // several row blocks: each panel's weights made once (decode_panel)
-  #pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> decoded(wide ? K * P : 0);  // this thread's panel
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t p = 0; p < num_panels; ++p) {
-      const uint8_t* q = codes_ + p * K * P;
-      const float* s = scales + p * (K / G) * 2 * P;
-      if (wide) decode_panel(q, s, K, decoded.data());
-      for_blocks(p, M, N, bias, out, [&](int64_t j0, int64_t m0, int64_t r, float* o, int64_t cols, const float* b) {
-        with_count<MB>(r, [&](auto R) {
-          if (wide)
-            tile<R()>(x + m0 * K, K, decoded.data(), j0, o, N, cols, b);
-          else
-            coded_tile<R()>(x + m0 * K, K, q, s, j0, o, N, cols, b);
-        });
-      });
-    }
-  }
-}
-"""
-)
-
-COMMON_ARGTYPES = [  # every kernel's arguments after x and the weights (run_kernel; cpu_amx's too)
-    "const float*",  # bias [N] (read only with has_bias)
-    "float*",  # out [M, N]
-    "int64_t",  # M
-    "int64_t",  # N
-    "int64_t",  # K
-    "int64_t",  # has_bias
-    "int64_t",  # threads
-]
-ARGTYPES = [
-    "const float*",  # x [M, K]
-    "const float*",  # panels [ceil(N / PANEL), K, PANEL]
-    *COMMON_ARGTYPES,
-]
-CODED_ARGTYPES = [
-    "const float*",  # x [M, K]
-    "const uint8_t*",  # codes [ceil(N / PANEL), K, PANEL]
-    "const float*",  # scales [ceil(N / PANEL), K / GROUP, 2, PANEL]
-    *COMMON_ARGTYPES,
-]
-
-
-def _source(source: str, max_vector_floats: int) -> str:
-    return (
-        source.replace("{panel}", str(PANEL)).replace("{max_vl}", str(max_vector_floats)).replace("{group}", str(GROUP))
-    )
-
 
 @functools.cache
 def build(max_vector_floats: int = 16) -> Any:
-    """The kernel compiled for this CPU, using vectors of at most ``max_vector_floats`` floats
-    (16: AVX-512 where the CPU has it; 8: AVX2 + FMA; 4: plain vector code). Below 16 only for
-    the tests, which check each path this CPU can run."""
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-    return CppPythonBindingsCodeCache.load_pybinding(ARGTYPES, _source(_SOURCE, max_vector_floats))
+    """The kernel (``csrc/panels.cpp``) compiled for this CPU, using vectors of at most
+    ``max_vector_floats`` floats (16: AVX-512 where the CPU has it; 8: AVX2 + FMA; 4: plain vector
+    code). Below 16 only for the tests, which check each path this CPU can run."""
+    return loader.kernel("panels", panel=PANEL, max_vl=max_vector_floats)
 
 
 @functools.cache
 def build_coded(max_vector_floats: int = 16) -> Any:
-    """The kernel on coded panels (``CodedPanels``), as ``build``."""
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-    return CppPythonBindingsCodeCache.load_pybinding(CODED_ARGTYPES, _source(_CODED_SOURCE, max_vector_floats))
-
-
-def _builds(builder: Any, what: str) -> bool:
-    try:
-        builder()
-    except Exception as exc:  # noqa: BLE001 - no compiler, an inductor without this API ...
-        logger.warning("the CPU panel kernel %s did not build (%s: %s)", what, type(exc).__name__, exc)
-        return False
-    return True
+    """The kernel on coded panels (``CodedPanels``, ``csrc/panels_coded.cpp``), as ``build``."""
+    return loader.kernel("panels_coded", panel=PANEL, group=GROUP, max_vl=max_vector_floats)
 
 
 @functools.cache
 def available() -> bool:
     """Whether the kernel on fp32 panels builds here (asked once per process; a failure is
     logged and the small batches keep ``F.linear``)."""
-    return _builds(build, "for small batches")
+    return loader.usable("panels")
 
 
 @functools.cache
 def coded_available() -> bool:
     """Whether the kernel on coded panels builds here too (a failure is logged and every weight
     keeps fp32 panels: ``panels_for``)."""
-    return available() and _builds(build_coded, "on coded panels")
+    return available() and loader.usable("panels.coded")
+
+
+# build.py's registry (the lambdas look ``build``/``build_coded`` up when called: tests replace them)
+loader.register("panels", loader.SelfCheck("CPU panel", "F.linear for small batches", lambda: build()))
+loader.register("panels.coded", loader.SelfCheck("coded CPU panel", "fp32 panels", lambda: build_coded()))
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -525,8 +260,8 @@ def kernel_for(panels: Panels) -> tuple[Any, tuple[torch.Tensor, ...]]:
 def run_kernel(
     kernel: Any, x: torch.Tensor, weights: tuple[torch.Tensor, ...], out_features: int, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """Call a kernel that takes ``x``, its ``weights``, then ``COMMON_ARGTYPES`` (this module's
-    and ``cpu_amx``'s), on ``x`` ``[..., K]`` fp32: ``[..., out_features]``."""
+    """Call a kernel that takes ``x``, its ``weights``, then (bias, out, M, N, K, has_bias,
+    threads) (this module's and ``cpu_amx``'s), on ``x`` ``[..., K]`` fp32: ``[..., out_features]``."""
     k = x.shape[-1]
     rows = x.numel() // k
     x2 = x.reshape(rows, k).contiguous()  # a no-op where it already is
