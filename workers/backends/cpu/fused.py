@@ -56,7 +56,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from workers.backends.base import Ops
 from workers.backends.cpu import build as loader
+
+_REFERENCE = Ops()
 
 PARALLEL_ROWS = 64  # batches of at least this many rows split their rows over the threads
 NORM_WIDTHS = (8, 16)  # the vector widths (floats) tried for aten's order of sums
@@ -172,11 +175,10 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out
 
 
-def eager_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Transformers' rotary arithmetic in aten ops, ``x * cos + rotate_half(x) * sin``: what the
-    model runs where ``rotary`` does not, and what ``rotary`` is checked against."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+# The reference's arithmetic in aten ops: what the model runs where a kernel does not, and what
+# each kernel is checked against.
+eager_rotary = _REFERENCE.rotary
+eager_swiglu = _REFERENCE.swiglu
 
 
 def _rotary_check() -> str | None:
@@ -304,12 +306,6 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, inner, dtype=torch.float32)
     build("swiglu")(gate_up, out, rows, inner, gate_up.stride(0))
     return out
-
-
-def eager_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """The model's SwiGLU in aten ops, what ``swiglu`` equals."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
