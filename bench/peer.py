@@ -235,7 +235,13 @@ def offline_env(base: Mapping[str, str]) -> dict[str, str]:
 
 
 def vllm_command(
-    python: Path, model: Path, name: str, port: int, max_model_len: int, enforce_eager: bool = False
+    python: Path,
+    model: Path,
+    name: str,
+    port: int,
+    max_model_len: int,
+    enforce_eager: bool = False,
+    dtype: str = "float32",
 ) -> list[str]:
     cmd = [
         str(python),
@@ -246,7 +252,7 @@ def vllm_command(
         "--served-model-name",
         name,
         "--dtype",
-        "float32",
+        dtype,
         "--host",
         "127.0.0.1",
         "--port",
@@ -271,10 +277,12 @@ def vllm_env(base: Mapping[str, str], cores: int, kv_space_gib: int, bind: str |
     return env
 
 
-def pdserve_command(server: str, model: Path, name: str, port: int, max_model_len: int) -> list[str]:
+def pdserve_command(
+    server: str, model: Path, name: str, port: int, max_model_len: int, dtype: str = "float32"
+) -> list[str]:
     pdserve = Path(sys.executable).parent / "pdserve"
     cmd = [str(pdserve), "up", "--model", str(model), "--served-model-name", name, "--port", str(port)]
-    cmd += ["--dtype", "float32", "--max-model-len", str(max_model_len)]
+    cmd += ["--dtype", dtype, "--max-model-len", str(max_model_len)]
     if server == "colocated":
         return cmd + ["--mode", "colocated", "--colocated", "1"]
     if server == "disagg":
@@ -716,10 +724,10 @@ def run_server(
     model, name, port = Path(opts.model), opts.served_model_name, opts.port
     if server == "vllm":
         assert vllm_python is not None
-        cmd = vllm_command(vllm_python, model, name, port, opts.max_model_len, opts.vllm_enforce_eager)
+        cmd = vllm_command(vllm_python, model, name, port, opts.max_model_len, opts.vllm_enforce_eager, opts.dtype)
         env = vllm_env(os.environ, opts.cores, opts.vllm_kv_space_gib, opts.vllm_threads_bind)
     else:
-        cmd = pdserve_command(server, model, name, port, opts.max_model_len) + list(opts.pdserve_arg)
+        cmd = pdserve_command(server, model, name, port, opts.max_model_len, opts.dtype) + list(opts.pdserve_arg)
         env = dict(os.environ)
     if not port_free(port):
         raise RuntimeError(f"port {port} is taken before {server} starts: stop whatever holds it")
@@ -784,6 +792,34 @@ def machine_line() -> str:
     return f"{platform.machine()} {cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
+def plain_copy(model: Path) -> Path:
+    """``model`` with every floating weight multiplied by ``1 + e`` (``e`` ~ N(0, 2^-14), seeded):
+    the same network to within that noise, but no weight left on a per-32 quantization grid.
+    Written once next to the model (``<name>-plain``)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = model.with_name(model.name + "-plain")
+    if (out / "model.safetensors").is_file():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(model, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    gen = torch.Generator().manual_seed(0)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(model.glob("*.safetensors")):
+        for name, t in load_file(path).items():
+            if t.is_floating_point():
+                t = (t.float() * (1 + torch.randn(t.shape, generator=gen) * 2**-14)).to(t.dtype)
+            tensors[name] = t.contiguous()
+    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    tmp.rename(out)
+    say(f"plain-weights copy of {model.name}: {out}")
+    return out
+
+
 def default_model() -> str:
     from workers.models.source import resolve_model
 
@@ -807,6 +843,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="a local HF directory (default: pdserve pull's SmolLM2)")
+    p.add_argument(
+        "--weights",
+        choices=("model", "plain"),
+        default="model",
+        help="plain: a copy of the model whose fp32 weights are moved off any block-quantized grid (each "
+        "times 1 + a relative 2^-14 of noise), as an ordinary fp32 checkpoint's are; pdserve's coded "
+        "panels then do not apply (default: the model as it is)",
+    )
+    p.add_argument("--dtype", default="float32", help="both servers' --dtype (float32, bfloat16)")
     p.add_argument("--served-model-name", default="SmolLM2-135M-Instruct")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--port", type=int, default=8321)
@@ -845,6 +890,8 @@ def main(argv: list[str] | None = None) -> int:
     if opts.build_only:
         return 0
     opts.model = opts.model or default_model()
+    if opts.weights == "plain":
+        opts.model = str(plain_copy(Path(opts.model)))
     counts = {"random-c1": opts.c1_requests, "random-c8": opts.c8_requests, "prefix-c4": opts.prefix_requests}
     workloads = make_workloads(opts.workloads, opts.model, opts.seed, counts)
     order = list(dict.fromkeys(opts.servers))  # in the order given: --servers disagg colocated vllm reverses it
