@@ -16,6 +16,7 @@ elsewhere they check greedy tokens against transformers.
 
 from __future__ import annotations
 
+import functools
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -167,16 +168,23 @@ class Backend(ABC):
     def default_attention(self, kv: PagedKVCache) -> str:
         return "sdpa"
 
-    @abstractmethod
     def attention(self, kind: str, kv: PagedKVCache, window: int | None) -> AttentionFactory:
         """What makes a step's attention object for ``kind`` (one of ``attention_kinds``) over
-        ``kv`` with sliding ``window`` (None: full attention)."""
+        ``kv`` with sliding ``window`` (None: full attention). Here the kinds every device runs
+        the same way: "flex" (FlexAttention over the cache) and "sdpa" (gather + SDPA, the
+        reference); backends add their own."""
+        from workers.layers.paged_attention import FlexPagedAttention, PagedAttention
+
+        return functools.partial(FlexPagedAttention if kind == "flex" else PagedAttention, ops=self.ops)
 
     def warm_up_attention(
         self, kind: str, kv: PagedKVCache, scale: float, num_q_heads: int, window: int | None
     ) -> None:
         """Build or compile what ``kind`` runs now, not in the first request."""
-        return None
+        if kind == "flex":
+            from workers.layers.paged_attention import warm_up_flex
+
+            warm_up_flex(kv, scale, num_q_heads, window)
 
     # -------------------------------------------------------------- what the engine asks
     def prepare_process(self) -> None:

@@ -88,36 +88,30 @@ class CPUBackend(Backend):
         return "sdpa" if kv.quantized else "paged"
 
     def attention(self, kind: str, kv: PagedKVCache, window: int | None) -> AttentionFactory:
-        from workers.layers.paged_attention import FlexPagedAttention, PagedAttention
+        if kind != "paged":
+            return super().attention(kind, kv, window)
+        from workers.backends.cpu.attention import CPUPagedAttention
 
-        if kind == "paged":
-            from workers.backends.cpu.attention import CPUPagedAttention
-
-            opts = self.options
-            return functools.partial(
-                CPUPagedAttention,
-                ops=self.ops,
-                min_keys=opts.paged_min_keys,
-                decode_kernel_on=opts.decode_kernel,
-                prompt_kernel_on=opts.prompt_kernel,
-            )
-        if kind == "flex":
-            return functools.partial(FlexPagedAttention, ops=self.ops)
-        return functools.partial(PagedAttention, ops=self.ops)
+        opts = self.options
+        return functools.partial(
+            CPUPagedAttention,
+            ops=self.ops,
+            min_keys=opts.paged_min_keys,
+            decode_kernel_on=opts.decode_kernel,
+            prompt_kernel_on=opts.prompt_kernel,
+        )
 
     def warm_up_attention(
         self, kind: str, kv: PagedKVCache, scale: float, num_q_heads: int, window: int | None
     ) -> None:
-        from workers.layers.paged_attention import warm_up_flex, warm_up_paged_decode
+        if kind != "paged":
+            super().warm_up_attention(kind, kv, scale, num_q_heads, window)
+            return
+        from workers.backends.cpu.attention import warm_up
+        from workers.layers.paged_attention import warm_up_paged_decode
 
-        if kind == "flex":
-            warm_up_flex(kv, scale, num_q_heads, window)
-        elif kind == "paged":
-            from workers.backends.cpu.attention import warm_up
-
-            kernel = warm_up(kv, num_q_heads, self.options.prompt_kernel) and self.options.decode_kernel
-            if not kernel:
-                warm_up_paged_decode(kv, scale, num_q_heads, window)
+        if not (warm_up(kv, num_q_heads, self.options.prompt_kernel) and self.options.decode_kernel):
+            warm_up_paged_decode(kv, scale, num_q_heads, window)  # inductor's kernel runs instead
 
     def prepare_process(self) -> None:
         keep_freed_memory()

@@ -90,28 +90,23 @@ class CUDABackend(Backend):
     attention_kinds = ("sdpa", "paged", "flex")
 
     def attention(self, kind: str, kv: PagedKVCache, window: int | None) -> AttentionFactory:
-        from workers.layers.paged_attention import FlexPagedAttention
-
         if kind == "paged":
             return functools.partial(TritonPagedAttention, ops=self.ops)
-        if kind == "flex":
-            return functools.partial(FlexPagedAttention, ops=self.ops)
-        if flash_attn_usable(kv, window):
+        if kind == "sdpa" and flash_attn_usable(kv, window):
             return functools.partial(FlashDecodeAttention, ops=self.ops)
-        return functools.partial(PagedAttention, ops=self.ops)
+        return super().attention(kind, kv, window)
 
     def warm_up_attention(
         self, kind: str, kv: PagedKVCache, scale: float, num_q_heads: int, window: int | None
     ) -> None:
-        from workers.layers.paged_attention import warm_up_flex, warm_up_paged_decode
+        from workers.backends.cuda import triton_paged
 
-        if kind == "flex":
-            warm_up_flex(kv, scale, num_q_heads, window)
-        elif kind == "paged":
-            from workers.backends.cuda import triton_paged
+        if kind == "paged" and not triton_paged.available():
+            from workers.layers.paged_attention import warm_up_paged_decode
 
-            if not triton_paged.available():
-                warm_up_paged_decode(kv, scale, num_q_heads, window)
+            warm_up_paged_decode(kv, scale, num_q_heads, window)  # inductor's kernel runs instead
+        else:
+            super().warm_up_attention(kind, kv, scale, num_q_heads, window)
 
     def kv_blocks(self, bytes_per_block: int) -> int:
         return cuda_kv_blocks(self.device, self.config.gpu_memory_utilization, bytes_per_block)

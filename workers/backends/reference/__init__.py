@@ -7,23 +7,12 @@ gathers the blocks a step reads into a padded copy for ``scaled_dot_product_atte
 
 from __future__ import annotations
 
-import functools
-from typing import TYPE_CHECKING
-
-from workers.backends.base import AttentionFactory, Backend
-
-if TYPE_CHECKING:
-    from workers.layers.kv_cache import PagedKVCache
+from workers.backends.base import Backend
 
 
 class ReferenceBackend(Backend):
     name = "reference"
     attention_kinds = ("sdpa",)
-
-    def attention(self, kind: str, kv: PagedKVCache, window: int | None) -> AttentionFactory:
-        from workers.layers.paged_attention import PagedAttention
-
-        return functools.partial(PagedAttention, ops=self.ops)
 
     def kv_blocks(self, bytes_per_block: int) -> int:
         if self.device.type == "cuda":
