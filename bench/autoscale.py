@@ -43,7 +43,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.compare import bench_model  # noqa: E402
-from bench.serve import COMPLETIONS, RequestResult, send_request  # noqa: E402
+from deploy.ops.loadgen import COMPLETIONS, RequestResult, send_request  # noqa: E402
 
 APP = "bench"
 EMULATED_DEVICE = (0.05, 0.0006, 0.000002)  # s per step, per prefill token, per decode context token

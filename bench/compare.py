@@ -23,8 +23,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.models import MODEL_HELP, bench_model_dir  # noqa: E402
-from bench.serve import BenchConfig, format_result, run_benchmark  # noqa: E402
-from bench.workloads import WorkloadSpec  # noqa: E402
+from deploy.ops.loadgen import BenchConfig, WorkloadSpec, format_result, run_benchmark  # noqa: E402
 
 
 def bench_model(path: Path) -> Path:

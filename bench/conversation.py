@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.models import MODEL_HELP, bench_model_dir  # noqa: E402
-from bench.workloads import PromptMaker  # noqa: E402
+from deploy.ops.loadgen.workloads import PromptMaker  # noqa: E402
 
 TURNS = 4
 

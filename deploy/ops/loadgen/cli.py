@@ -2,7 +2,7 @@
 ``vllm bench serve``: streams requests, measures TTFT / TPOT / ITL / end-to-end latency, prints
 vLLM's result block, plus the prompt-cache hit rate the server reports in ``usage``.
 
-The command line of ``pdserve bench`` (and ``python bench/serve.py``).
+The command line of ``pdserve bench`` (and ``python bench/serve.py``, its script form).
 """
 
 from __future__ import annotations
