@@ -66,7 +66,7 @@ def step_attention(engine: LLMEngine, kind: type[PagedAttention], tables, lens) 
     positions = [n - 1 for n in lens]
     write = kv.write_plan([t[p // bs] for t, p in zip(tables, positions)], [p % bs for p in positions], dev)
     meta = AttentionMetadata(write=write, sliding_window=runner.sliding_window)
-    runner._fill_decode_metadata(meta, lens, [0] * len(lens), tables)  # the sdpa mask too (others ignore it)
+    runner._fill_decode_metadata(meta, lens, [0] * len(lens), tables)
     return kind(kv, meta, engine.model.attention_scale)
 
 

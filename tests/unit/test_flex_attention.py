@@ -73,7 +73,7 @@ def _decode_step(
     kv: PagedKVCache, attention: type[PagedAttention], tables: list[list[int]], lens: list[int], mask: bool = True
 ):
     """One decode step's attention over every layer; returns the outputs of each layer. Without
-    ``mask`` the step carries no SDPA mask (as the runner leaves it for backends but sdpa)."""
+    ``mask`` the step carries no SDPA mask (the gather path then makes its own, as in serving)."""
     heads = kv.num_kv_heads * 2
     bs = kv.block_size
     width = max(len(t) for t in tables)

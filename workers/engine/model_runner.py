@@ -33,7 +33,6 @@ from workers.layers.paged_attention import (
     AttentionMetadata,
     PagedAttention,
     PrefillSpan,
-    decode_mask,
 )
 from workers.models.llama import LlamaForCausalLM
 
@@ -207,12 +206,7 @@ class ModelRunner:
         meta.num_decodes = len(tables)
         meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
         meta.decode_context_lens = torch.tensor(context_lens, dtype=torch.long, device=dev)
-        first_pos = torch.tensor(firsts, dtype=torch.long, device=dev) * bs
-        meta.decode_first_pos = first_pos
-        if self.attention_backend == "sdpa":
-            meta.decode_mask = decode_mask(
-                meta.decode_block_tables, meta.decode_context_lens, first_pos, bs, self.sliding_window
-            )
+        meta.decode_first_pos = torch.tensor(firsts, dtype=torch.long, device=dev) * bs
 
     @torch.inference_mode()
     def forward_without_cache(self, token_ids: list[int]) -> torch.Tensor:

@@ -83,7 +83,7 @@ class AttentionMetadata:
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] (padded with block 0)
     decode_context_lens: torch.Tensor | None = None  # [B]
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size]
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size]; the gather path makes it
     prefills: list[PrefillSpan] = field(default_factory=list)
     sliding_window: int | None = None  # a key is seen by queries less than this many positions on
     decode_first_pos: torch.Tensor | None = None  # [B] position of each decode table's first key
@@ -193,9 +193,11 @@ class PagedAttention:
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         meta, cache = self.meta, self.cache
-        tables, lens = meta.decode_block_tables, meta.decode_context_lens
-        if tables is None or lens is None:
-            raise ValueError("a step with decodes needs their block tables and context lengths")
+        tables, lens, firsts = meta.decode_block_tables, meta.decode_context_lens, meta.decode_first_pos
+        if tables is None or lens is None or firsts is None:
+            raise ValueError("a step with decodes needs their block tables, context and first positions")
+        if meta.decode_mask is None:  # built on the first layer, shared by the rest
+            meta.decode_mask = decode_mask(tables, lens, firsts, cache.block_size, meta.sliding_window)
         kv = cache.gather(layer, tables, rotated_values=True).transpose(2, 3)  # [2, B, Hkv, L, D]
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), kv[0], kv[1], attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
@@ -324,9 +326,7 @@ class PagedDecodeAttention(PagedAttention):
             if kernel is not None:
                 self._plan = kernel
             elif tables.numel() * cache.block_size < self.min_keys:
-                self._plan = "gather"
-                if meta.decode_mask is None:
-                    meta.decode_mask = decode_mask(tables, lens, firsts, cache.block_size, meta.sliding_window)
+                self._plan = "gather"  # PagedAttention's path, its mask made there
             else:
                 self._plan = _pad_decode_rows(tables, firsts, lens)
         if callable(self._plan):
