@@ -137,7 +137,7 @@ class StepThreads:
 AttentionFactory = Callable[["PagedKVCache | None", "AttentionMetadata", float], "PagedAttention"]
 
 
-class Backend(ABC):
+class Backend:
     """One device's implementation of everything under the model (module docstring)."""
 
     name: ClassVar[str]
@@ -213,7 +213,12 @@ class Backend(ABC):
 
     def kv_blocks(self, bytes_per_block: int) -> int:
         """KV blocks of ``bytes_per_block`` that this device's budget holds (after the weights
-        are loaded): ``kv_cache_memory_gib`` of host memory, at least one block."""
+        are loaded): on a GPU ``gpu_memory_utilization`` of it beside what is in use, elsewhere
+        ``kv_cache_memory_gib`` of host memory (at least one block)."""
+        if self.device.type == "cuda":
+            from workers.backends.cuda.backend import cuda_kv_blocks
+
+            return cuda_kv_blocks(self.device, self.config.gpu_memory_utilization, bytes_per_block)
         return max(1, int(self.config.kv_cache_memory_gib * 2**30) // bytes_per_block)
 
     def describe(self) -> str:

@@ -108,8 +108,5 @@ class CUDABackend(Backend):
         else:
             super().warm_up_attention(kind, kv, scale, num_q_heads, window)
 
-    def kv_blocks(self, bytes_per_block: int) -> int:
-        return cuda_kv_blocks(self.device, self.config.gpu_memory_utilization, bytes_per_block)
-
     def describe(self) -> str:
         return f"cuda backend on {torch.cuda.get_device_name(self.device)} ({self.device})"

@@ -14,12 +14,5 @@ class ReferenceBackend(Backend):
     name = "reference"
     attention_kinds = ("sdpa",)
 
-    def kv_blocks(self, bytes_per_block: int) -> int:
-        if self.device.type == "cuda":
-            from workers.backends.cuda.backend import cuda_kv_blocks
-
-            return cuda_kv_blocks(self.device, self.config.gpu_memory_utilization, bytes_per_block)
-        return super().kv_blocks(bytes_per_block)
-
     def describe(self) -> str:
         return f"reference backend on {self.device} (plain torch, gather + SDPA)"
