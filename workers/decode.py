@@ -96,6 +96,7 @@ class ColocatedWorker:
     async def generate_local(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         rid = request.request_id
         params = worker_params(request)
+        await self.loop.compile_grammar(params)
         self.stats.requests += 1
         self.stats.prompt_tokens += len(request.prompt_token_ids)
         async for output in self.loop.generate(
@@ -192,6 +193,11 @@ class DecodeWorker(ColocatedWorker):
             return
         prompt = list(request.prompt_token_ids)
         params = worker_params(request)
+        try:
+            await self.loop.compile_grammar(params)
+        except BaseException:
+            self._release_remote(handle)
+            raise
         outputs = self.loop.attach(rid)
         finished = False
         self.stats.requests += 1

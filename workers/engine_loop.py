@@ -65,6 +65,12 @@ class EngineLoop:
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""
         return await asyncio.wrap_future(self.call_future(fn))
 
+    async def compile_grammar(self, params) -> None:
+        """Compile a constrained request's grammar on a helper thread (the step loop goes on),
+        before the request is added; a spec that is no grammar raises GrammarError here."""
+        if params.structured is not None:
+            await asyncio.to_thread(self.engine.compile_grammar, params)
+
     def call_future(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future:
         if self._error is not None or self._stopped.is_set():
             raise EngineDeadError(f"engine loop is stopped: {self._error!r}")

@@ -97,6 +97,7 @@ class PrefillWorker:
         needs_decode = params.max_tokens > 1
         first_only = replace(params, max_tokens=1, stop=(), detokenize=False)
         rid = request.request_id
+        await self.loop.compile_grammar(params)
         self.stats.received += 1
         self.stats.received_prompt_tokens += len(request.prompt_token_ids)
         self.stats.received_prompt_tokens_sq += len(request.prompt_token_ids) ** 2

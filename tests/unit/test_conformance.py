@@ -90,6 +90,33 @@ def test_cpu_ops_equal_the_reference_bit_for_bit(tiny_model_dirs, arch):
         assert torch.equal(flat_cpu, flat_ref)
 
 
+def test_the_cpu_token_bitmask_equals_the_reference():
+    """Structured outputs' mask (one bit a token, int32 words): the CPU kernel skips the words
+    that allow everything and writes runs where they allow nothing; the result is the
+    reference's, with rows left out untouched and padding past the vocabulary masked."""
+    cpu, ref = CPUOps(), Ops()
+    gen = torch.Generator().manual_seed(3)
+    for vocab, width in ((49152, 49152), (1000, 1024), (37, 37)):
+        words = (vocab + 31) // 32
+        bitmask = torch.randint(-(2**31), 2**31 - 1, (6, words), dtype=torch.int32, generator=gen)
+        bitmask[1] = -1  # every token allowed
+        bitmask[2] = 0  # none
+        bitmask[3, : words // 2] = 0
+        for rows in ([0, 1, 2, 3, 4, 5], [2, 4], [5]):
+            logits = torch.randn(6, width, generator=gen)
+            mine, theirs = logits.clone(), logits.clone()
+            cpu.apply_token_bitmask(mine, bitmask, rows, vocab)
+            ref.apply_token_bitmask(theirs, bitmask, rows, vocab)
+            assert torch.equal(mine, theirs)
+            untouched = [r for r in range(6) if r not in rows]
+            assert torch.equal(mine[untouched], logits[untouched])
+            allowed = (mine[rows, :vocab] > float("-inf")).sum().item()
+            bits = sum(bin(w & 0xFFFFFFFF).count("1") for r in rows for w in bitmask[r].tolist())
+            assert allowed == bits - sum(  # bits set past the vocabulary in the last word
+                bin((bitmask[r, -1].item() & 0xFFFFFFFF) >> (vocab - 32 * (words - 1))).count("1") for r in rows
+            )
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_cpu_engine_gives_the_reference_engines_logprobs_bit_for_bit(tiny_model_dirs, arch):
     """The same linears and attention, the CPU backend's ops: prompt and decode logprobs equal

@@ -78,6 +78,20 @@ class Ops:
         """Each row's first maximal index, ``[N]`` int64 on the CPU."""
         return logits.argmax(dim=-1).cpu()
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab: int) -> None:
+        """Structured outputs' mask, in place: ``logits[r, t] = -inf`` for each row ``r`` of
+        ``rows`` where bit ``t % 32`` of ``bitmask[r, t // 32]`` (int32, on the CPU) is clear,
+        and for every ``t >= vocab`` (padding past the grammar's vocabulary)."""
+        index = torch.tensor(rows, device=logits.device)
+        words = bitmask[torch.tensor(rows)].to(logits.device)
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        width = min(logits.shape[1], vocab)
+        banned = ((words[:, :, None] >> shifts) & 1).eq(0).flatten(1)[:, :width]
+        block = logits[index]
+        block[:, :width].masked_fill_(banned, float("-inf"))
+        block[:, width:] = float("-inf")
+        logits[index] = block
+
 
 class LinearImpl(Protocol):
     """A backend's implementation of one linear layer's product (``ParallelLinear.impl``)."""

@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -29,11 +30,13 @@ from workers.engine.assemble import assemble, plan_context
 from workers.engine.block_manager import NULL_BLOCK, BlockManager, CachedPrefix, first_window_block
 from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer, find_stop_cut
+from workers.engine.logits_processors import apply_logits_processors
 from workers.engine.sampler import sample
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import FinishReason, RequestStatus, Sequence, TokenLogprob
 from workers.engine.stats import EngineStats
+from workers.engine.structured import GrammarMatcherError, StructuredOutputs
 from workers.engine.tensor_parallel import TensorParallelWorkers, rank_device
 from workers.models.parallel import TPGroup
 
@@ -163,6 +166,23 @@ class LLMEngine:
         self._failures: list[RequestFailed] = []  # requests failed in a step (take_failures)
         self._default_generator = torch.Generator(self.device).manual_seed(cfg.seed)
         self._ids = itertools.count()
+        self._structured: StructuredOutputs | None = None  # made by the first constrained request
+        self._structured_lock = threading.Lock()
+
+    @property
+    def structured_outputs(self) -> StructuredOutputs:
+        """The grammars of constrained requests; thread-safe, so a worker can compile a
+        request's grammar off the engine thread first (``compile_grammar``)."""
+        with self._structured_lock:
+            if self._structured is None:
+                self._structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+            return self._structured
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile ``params``' grammar, if it has one (any thread): ``add_request`` then finds
+        it compiled. Raises GrammarError (a ValueError) for a spec that is not a grammar."""
+        if params.structured is not None:
+            self.structured_outputs.compile(params.structured)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -410,6 +430,8 @@ class LLMEngine:
             generator=generator,
             output_token_ids=[] if first_token_id is None else [first_token_id],
         )
+        if params.structured is not None:
+            seq.grammar = self.structured_outputs.matcher(params.structured, seq.generated_token_ids)
         return seq
 
     def _start_detokenizer(self, seq: Sequence) -> None:
@@ -461,7 +483,7 @@ class LLMEngine:
             return []
         seqs = [item.seq for item in sampled]
         try:
-            tokens, logprobs = sample(logits, seqs, self.backend.ops.argmax)
+            tokens, logprobs = self._sample(logits, seqs)
         except Exception:  # noqa: BLE001 - find the request(s) it was, fail those, keep the rest
             seqs, tokens, logprobs = self._sample_each(logits, seqs)
         outputs = []
@@ -472,7 +494,14 @@ class LLMEngine:
                 seq.first_token_time = now
             if logprob is not None:
                 seq.logprobs.append(logprob)
-            new_text, reason = self._check_stop(seq, token)
+            complete = False
+            if seq.grammar is not None:
+                try:
+                    complete = StructuredOutputs.accept(seq, token)
+                except GrammarMatcherError as exc:
+                    self._fail(seq, "grammar", exc)
+                    continue
+            new_text, reason = self._check_stop(seq, token, complete)
             if reason is not None:
                 self.scheduler.finish(seq, reason)  # -> FINISHED, or HELD_FOR_DECODE with its blocks
             outputs.append(self._output(seq, [token], new_text))
@@ -509,37 +538,55 @@ class LLMEngine:
         return failures
 
     # -------------------------------------------------------------- internal
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
+        """Sample each row after the controls and grammars that change its logits (logprobs
+        stay the model's own, as vLLM and OpenAI report them)."""
+        constrained = self._structured is not None and any(seq.grammar is not None for seq in seqs)
+        if constrained or any(seq.params.processes_logits for seq in seqs):
+            raw = logits
+            # a copy: the raw logits stay for logprobs, and for a retry row by row should this raise
+            logits = apply_logits_processors(logits.clone(), seqs)
+            if constrained:
+                assert self._structured is not None
+                self._structured.apply(logits, seqs, self.backend.ops)
+            return sample(logits, seqs, self.backend.ops.argmax, raw_logits=raw)
+        return sample(logits, seqs, self.backend.ops.argmax)
+
     def _sample_each(self, logits: torch.Tensor, seqs: list[Sequence]):
         """The batch's sampling raised: sample each row alone; a row that raises again fails
         its request (aborted, reported by ``take_failures``) and the others keep their tokens."""
         kept, tokens, logprobs = [], [], []
         for i, seq in enumerate(seqs):
             try:
-                (token,), (logprob,) = sample(logits[i : i + 1], [seq], self.backend.ops.argmax)
+                (token,), (logprob,) = self._sample(logits[i : i + 1], [seq])
             except Exception as exc:  # noqa: BLE001 - this request's failure, not the engine's
-                logger.warning("request %s: sampling failed, the request fails: %r", seq.request_id, exc)
-                self.abort(seq.request_id)
-                self._failures.append(RequestFailed(seq.request_id, exc))
+                self._fail(seq, "sampling", exc)
                 continue
             kept.append(seq)
             tokens.append(token)
             logprobs.append(logprob)
         return kept, tokens, logprobs
 
+    def _fail(self, seq: Sequence, what: str, exc: BaseException) -> None:
+        logger.warning("request %s: %s failed, the request fails: %r", seq.request_id, what, exc)
+        self.abort(seq.request_id)
+        self._failures.append(RequestFailed(seq.request_id, exc))
+
     def _drop_out_of_window(self, seq: Sequence, next_query_pos: int) -> None:
         if self.sliding_window is not None:
             first = first_window_block(next_query_pos, self.sliding_window, self.config.block_size)
             self.block_manager.drop_blocks_before(seq, first)
 
-    def _check_stop(self, seq: Sequence, token: int) -> tuple[str, FinishReason | None]:
+    def _check_stop(self, seq: Sequence, token: int, grammar_complete: bool = False) -> tuple[str, FinishReason | None]:
         """Update the text after ``token``; return the new stable text and why generation
-        stops here (None: it goes on)."""
+        stops here (None: it goes on). ``grammar_complete``: the request's grammar allows
+        nothing more."""
         params = seq.params
         detok = self._detokenizers.get(seq.request_id)
         new_text = detok.add(token) if detok else ""
         reason = None
         cut_at_stop_string = False
-        if token in seq.eos_token_ids or token in params.stop_token_ids:
+        if token in seq.eos_token_ids or token in params.stop_token_ids or grammar_complete:
             reason = FinishReason.STOP
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH

@@ -20,10 +20,14 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(
-    logits: torch.Tensor, seqs: list[Sequence], argmax: Callable[[torch.Tensor], torch.Tensor] = _argmax
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    argmax: Callable[[torch.Tensor], torch.Tensor] = _argmax,
+    raw_logits: torch.Tensor | None = None,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token per row of ``logits`` ([N, V], fp32) for the matching sequence; ``argmax``: the
-    backend's (each row's first maximal index, on the CPU)."""
+    backend's (each row's first maximal index, on the CPU). ``raw_logits``: the model's before
+    penalties and grammars changed ``logits``, which logprobs report (default: ``logits``)."""
     tokens = torch.empty(len(seqs), dtype=torch.long)
     greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]
     if len(greedy_rows) == len(seqs):
@@ -45,7 +49,8 @@ def sample(
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)
     want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     if want:
-        log_probs = torch.log_softmax(logits[torch.tensor(want, device=logits.device)], dim=-1).cpu()
+        source = logits if raw_logits is None else raw_logits
+        log_probs = torch.log_softmax(source[torch.tensor(want, device=source.device)], dim=-1).cpu()
         for row, i in enumerate(want):
             n = seqs[i].params.logprobs
             top: tuple[tuple[int, float], ...] = ()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -51,6 +52,9 @@ class Sequence:
     cache_salt: str | None = None
     eos_token_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = None
+    # With ``params.structured``: its grammar's matcher (workers/engine/structured.py), advanced
+    # over every generated token.
+    grammar: Any = None
 
     output_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(init=False)
@@ -105,6 +109,14 @@ class Sequence:
         if start > done:  # positions before this step's were not computed here (a cache hit)
             return range(0)
         return range(done, min(end, self.num_prompt_tokens - 1))
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """Every token generated for this request, those of a stream resumed here included
+        (they end the prompt: ``params.output_position_offset`` of them)."""
+        offset = self.params.output_position_offset
+        earlier = self.prompt_token_ids[len(self.prompt_token_ids) - offset :] if offset else []
+        return earlier + self.output_token_ids
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -70,6 +70,12 @@ class CPUOps(Ops):
             return fused.argmax(logits)
         return super().argmax(logits)
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab: int) -> None:
+        if fused.bitmask_takes(logits, bitmask):
+            fused.apply_token_bitmask(logits, bitmask, rows, vocab)
+            return
+        super().apply_token_bitmask(logits, bitmask, rows, vocab)
+
 
 class CPUBackend(Backend):
     name = "cpu"

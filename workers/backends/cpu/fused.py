@@ -68,7 +68,7 @@ NORM_WIDTHS = (8, 16)  # the vector widths (floats) tried for aten's order of su
 SWIGLU_MAX_ELEMENTS = 32768
 NORM_MIN = 64  # narrower rows keep F.rms_norm (aten sums rows shorter than a vector another way)
 
-KERNELS = ("norm", "rotary", "argmax", "kv_write", "swiglu")  # csrc/fused_<name>.cpp
+KERNELS = ("norm", "rotary", "argmax", "kv_write", "swiglu", "bitmask")  # csrc/fused_<name>.cpp
 _PARAMS = {"norm": {"parallel_rows": PARALLEL_ROWS}, "rotary": {"parallel_rows": PARALLEL_ROWS}}
 
 
@@ -259,6 +259,59 @@ def argmax_takes(logits: torch.Tensor) -> bool:
     )
 
 
+# ------------------------------------------------------------------------------ token bitmask
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab: int) -> None:
+    """``Ops.apply_token_bitmask`` for CPU fp32 ``logits`` ``[N, V]`` (rows contiguous) and an
+    int32 ``bitmask`` ``[>= N, words]`` (contiguous); skips the words that allow every token."""
+    index = torch.tensor(rows, dtype=torch.long)
+    build("bitmask")(
+        logits,
+        bitmask,
+        index,
+        len(rows),
+        logits.shape[1],
+        vocab,
+        logits.stride(0),
+        bitmask.shape[1],
+        torch.get_num_threads(),
+    )
+
+
+def _bitmask_check() -> str | None:
+    gen = torch.Generator().manual_seed(0)
+    for vocab, width in ((49152, 49152), (100, 128), (33, 33)):
+        words = (vocab + 31) // 32
+        for fill in ("random", "ones", "zeros"):
+            bitmask = torch.randint(-(2**31), 2**31 - 1, (5, words), dtype=torch.int32, generator=gen)
+            if fill != "random":
+                bitmask[1:3] = -1 if fill == "ones" else 0
+            for rows in ([0, 1, 2, 3, 4], [1, 3]):
+                logits = torch.randn(5, width, generator=gen)
+                expected = logits.clone()
+                _REFERENCE.apply_token_bitmask(expected, bitmask, rows, vocab)
+                apply_token_bitmask(logits, bitmask, rows, vocab)
+                if not torch.equal(logits, expected):
+                    return f"a {fill} mask over {vocab} tokens differs from the reference"
+    return None
+
+
+@functools.cache
+def bitmask_usable() -> bool:
+    """Whether the bitmask kernel builds here and masks as the reference does."""
+    return loader.usable("fused.bitmask")
+
+
+def bitmask_takes(logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
+    return (
+        _cpu_fp32(logits)
+        and logits.dim() == 2
+        and logits.stride(1) == 1
+        and bitmask.dtype == torch.int32
+        and bitmask.is_contiguous()
+        and bitmask_usable()
+    )
+
+
 # ---------------------------------------------------------------------------------- KV write
 def kv_write(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """``cache[0, slots] = k`` and ``cache[1, slots] = v`` in one call, for an fp32 layer cache
@@ -383,6 +436,10 @@ loader.register(
     "fused.argmax", loader.SelfCheck("argmax", "aten's argmax", lambda: build("argmax"), lambda: _argmax_check())
 )
 loader.register("fused.kv_write", loader.SelfCheck("KV write", "index_copy_", lambda: build("kv_write")))
+loader.register(
+    "fused.bitmask",
+    loader.SelfCheck("token bitmask", "the reference mask", lambda: build("bitmask"), lambda: _bitmask_check()),
+)
 loader.register(
     "fused.swiglu",
     loader.SelfCheck("fused SwiGLU", "aten's silu and mul", lambda: build("swiglu"), lambda: _swiglu_check()),
