@@ -77,7 +77,7 @@ def _param_of(loc: tuple) -> str | None:
     if not parts:
         return None
     # "messages.0.content" names the field; drop pydantic's union-member labels like "str"
-    keep = [p for p in parts if not (p[0].islower() and ("[" in p or p in ("str", "int", "list", "constrained-str")))]
+    keep = [p for p in parts if not (p[:1].islower() and ("[" in p or p in ("str", "int", "list", "constrained-str")))]
     return ".".join(keep or parts[:1])
 
 

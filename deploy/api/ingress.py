@@ -26,6 +26,7 @@ from deploy.api.openai_protocol import ChatCompletionRequest, CompletionRequest,
 from deploy.api.output import ChoiceAssembler
 from deploy.api.request_stats import RequestStats
 from deploy.api.responses import ResponseBuilder
+from deploy.api.tools import ToolPlan, chat_template_inputs, choose_parser, new_stream_parser, plan_tools
 from deploy.args import PDServeArgs
 from deploy.ops.cluster_status import PoolReader, autoscaling_status, extend_status, index_status, start_history
 from deploy.ops.dashboard import install_dashboard
@@ -34,6 +35,7 @@ from deploy.pools.worker_calls import PoolReadiness, WorkerCalls
 from deploy.replica_logging import route_to_serve
 from kvstore.hashing import hash_prompt_blocks
 from workers.engine.config import EngineConfig
+from workers.engine.logits_processors import bad_words_token_ids
 from workers.models.config import ModelConfig
 from workers.models.gguf import describe_model
 from workers.protocol import GenerateRequest
@@ -68,6 +70,7 @@ class OpenAIIngress:
         self.model_key = self.args.model_key or EngineConfig(model_dir=self.args.model).resolved_model_key
         self.max_model_len = self.args.max_model_len or self.model_config.max_position_embeddings
         self.model_weights = describe_model(self.args.model)  # "RANDOM weights ..." for test models
+        self.tool_parser = choose_parser(self.tokenizer)  # the model family's own tool-call format
         self.index = None
         if self.args.redis_url:
             from kvstore import IndexConfig, PrefixIndex
@@ -212,30 +215,63 @@ class OpenAIIngress:
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = list(prompt)
-        return await self._serve(body, prompt_ids, body.max_tokens, body.logprobs, chat=False, raw=raw)
+        controls = self._controls(body, self._structured(body))
+        return await self._serve(
+            body, prompt_ids, body.max_tokens, body.logprobs, chat=False, raw=raw, controls=controls
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request):
         self._check_model(body.model)
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in body.messages]
+        plan = plan_tools(body.tools, cast(Any, body.tool_choice), body.parallel_tool_calls)
+        structured = self._structured(body)
+        if plan is not None and plan.constraint is not None:
+            if structured is not None:
+                raise RequestError(
+                    f"tool_choice {plan.mode!r} constrains the output; it cannot be combined with another "
+                    "output constraint (response_format, structured_outputs, guided_*)",
+                    "tool_choice",
+                )
+            structured = plan.constraint
+        messages = [
+            {
+                **m.model_dump(exclude_none=True),
+                "role": m.role if m.role != "developer" else "system",
+                "content": m.text(),
+            }
+            for m in body.messages
+        ]
+        with_tools = plan is not None or any("tool_calls" in m or m["role"] == "tool" for m in messages)
+        template_messages, template_tools = chat_template_inputs(self.tokenizer, messages, plan)
         try:
             # tokenize=False: the rendered text (Hugging Face's type names every form it returns)
             text = cast(
                 str,
                 self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
+                    template_messages,
+                    tools=cast(Any, template_tools),
+                    add_generation_prompt=body.add_generation_prompt,
+                    tokenize=False,
                 ),
             )
         except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
             raise RequestError(f"messages do not fit the model's chat template: {exc}", "messages") from exc
         stitched, turn = None, None
-        if self.conversations is not None:
+        if self.conversations is not None and not with_tools:  # tool turns are not text the cache can match
             stitched = await self.conversations.prompt_ids(messages, text, body.cache_salt)
             turn = ConversationTurn(text, body.cache_salt)
         prompt_ids = stitched.token_ids if stitched else self.tokenizer.encode(text, add_special_tokens=False)
         top = body.top_logprobs or 0
         return await self._serve(
-            body, prompt_ids, body.requested_max_tokens, top if body.logprobs else None, chat=True, raw=raw, turn=turn
+            body,
+            prompt_ids,
+            body.requested_max_tokens,
+            top if body.logprobs else None,
+            chat=True,
+            raw=raw,
+            turn=turn,
+            controls=self._controls(body, structured),
+            tools=plan,
         )
 
     # --------------------------------------------------------------- internals
@@ -248,7 +284,36 @@ class OpenAIIngress:
                 code="model_not_found",
             )
 
-    def _sampling(self, body, max_tokens: int, logprobs: int | None, choice: int) -> dict[str, Any]:
+    @staticmethod
+    def _structured(body) -> tuple[str, str] | None:
+        found = body.constraint()  # a RequestError names the parameter of a bad or second one
+        return None if found is None else (found[1], found[2])
+
+    def _controls(self, body, structured: tuple[str, str] | None) -> dict[str, Any]:
+        """The request's logits controls and constraint as ``SamplingParams`` fields (the same
+        for every choice); token ids are checked against the vocabulary here."""
+        limit = getattr(body, "requested_max_tokens", body.max_tokens)
+        if limit is not None and body.min_tokens > limit:
+            raise RequestError(f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({limit})", "min_tokens")
+        vocab = self.model_config.vocab_size
+        bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
+        outside = [t for t in bias if t >= vocab]
+        if outside:
+            raise RequestError(
+                f"logit_bias names token ids outside the vocabulary [0, {vocab}): {outside[:5]}", "logit_bias"
+            )
+        controls: dict[str, Any] = {
+            "min_tokens": body.min_tokens,
+            "frequency_penalty": body.frequency_penalty,
+            "presence_penalty": body.presence_penalty,
+            "repetition_penalty": body.repetition_penalty,
+            "logit_bias": tuple(bias.items()),
+            "bad_words_ids": bad_words_token_ids(self.tokenizer, body.bad_words) if body.bad_words else (),
+            "structured": structured,
+        }
+        return controls
+
+    def _sampling(self, body, max_tokens: int, logprobs: int | None, choice: int, controls: dict) -> dict[str, Any]:
         seed = None if body.seed is None else body.seed + choice
         return {
             "max_tokens": max_tokens,
@@ -260,6 +325,7 @@ class OpenAIIngress:
             "stop_token_ids": tuple(body.stop_token_ids or ()),
             "ignore_eos": body.ignore_eos,
             "logprobs": logprobs,
+            **controls,
         }
 
     async def _serve(
@@ -271,6 +337,8 @@ class OpenAIIngress:
         chat: bool,
         raw: Request,
         turn: ConversationTurn | None = None,
+        controls: dict[str, Any] | None = None,
+        tools: ToolPlan | None = None,
     ):
         if self.readiness.stopping:
             raise RequestError(
@@ -294,7 +362,7 @@ class OpenAIIngress:
             GenerateRequest(
                 f"{request_id}-{i}",
                 tuple(prompt_ids),
-                self._sampling(body, max_tokens, logprobs, i),
+                self._sampling(body, max_tokens, logprobs, i, controls or {}),
                 body.cache_salt,
                 hashes,
                 arrival,
@@ -303,7 +371,12 @@ class OpenAIIngress:
         ]
         assemblers = [
             ChoiceAssembler(
-                self.tokenizer, prompt_ids, tuple(body.stop), body.include_stop_str_in_output, body.skip_special_tokens
+                self.tokenizer,
+                prompt_ids,
+                tuple(body.stop),
+                body.include_stop_str_in_output,
+                body.skip_special_tokens,
+                tools=None if tools is None else new_stream_parser(tools, self.tool_parser),
             )
             for _ in range(body.n)
         ]
@@ -407,7 +480,7 @@ class OpenAIIngress:
                         logger.warning("request %s choice %d failed: %s", builder.request_id, index, item)
                     yield builder.sse(builder.error_event(item))
                     return
-                elif item.text or item.finish_reason or item.logprobs:
+                elif item.text or item.finish_reason or item.logprobs or item.tool_calls:
                     yield builder.sse(builder.chunk(index, item, assemblers[index]))
             if include_usage:
                 yield builder.sse(builder.usage_chunk(assemblers))

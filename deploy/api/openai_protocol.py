@@ -6,6 +6,7 @@ Validation errors carry the offending parameter so the ingress can answer 400 wi
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -38,15 +39,54 @@ def error_body(message: str, error_type: str, param: str | None = None, code: st
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON following a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema", and only then')
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` extension: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+
+# Fields OpenAI's server accepts that change nothing here (pdserve keeps no stored completions,
+# has one service tier, and generates text only); anything else unknown is a 400 naming it.
+NO_OP_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "modalities")
 
 
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's extensions)."""
 
-    model_config = ConfigDict(extra="ignore", str_max_length=1_000_000)
+    model_config = ConfigDict(extra="forbid", str_max_length=1_000_000)
 
     model: str = Field(min_length=1, description="served model id (GET /v1/models)")
     max_tokens: int | None = Field(default=None, ge=1, description="tokens to generate at most")
@@ -67,8 +107,25 @@ class SamplingFields(BaseModel):
     cache_salt: str | None = Field(
         default=None, min_length=1, max_length=256, description="separates this tenant's prefix cache from others'"
     )
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=1024)
+    min_tokens: int = Field(default=0, ge=0)
+    bad_words: list[str] | None = Field(default=None, max_length=64)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # the no-op fields (NO_OP_FIELDS) besides user
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    prompt_cache_key: str | None = Field(default=None, max_length=256)
+    modalities: list[Literal["text"]] | None = None
     return_timing: bool = Field(default=False, description="pdserve: per-request timing in usage")
     max_model_len: int | None = Field(
         default=None,
@@ -87,12 +144,77 @@ class SamplingFields(BaseModel):
             raise ValueError("stop strings must not be empty")
         return stops
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_penalties(cls, v):
-        if v != 0.0:
-            raise ValueError("penalties are not supported; leave it at 0")
+    def _logit_bias(cls, v):
+        for token, bias in (v or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"keys are token ids; {token!r} is not one")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias {bias} of token {token} is outside [-100, 100]")
         return v
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, v):
+        if v:
+            raise ValueError("stored completions are not supported; leave store false")
+        return v
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, v):
+        if v and any(not w.strip() for w in v):
+            raise ValueError("bad words must not be empty")
+        return v
+
+    def constraint(self) -> tuple[str, str, str] | None:
+        """The request's output constraint as (param, kind, spec), or None. More than one is a
+        RequestError naming the second; so is a spec that is not a grammar."""
+        found: list[tuple[str, str, str]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", "json_object", ""))
+        elif rf is not None and rf.json_schema is not None:
+            found.append(("response_format", "json_schema", json.dumps(rf.json_schema.schema_)))
+        so = self.structured_outputs
+        if so is not None:
+            given = [
+                (k, v)
+                for k, v in (
+                    ("json_schema", so.json_),
+                    ("regex", so.regex),
+                    ("choice", so.choice),
+                    ("grammar", so.grammar),
+                    ("json_object", so.json_object or None),
+                    ("structural_tag", so.structural_tag),
+                )
+                if v is not None
+            ]
+            if len(given) != 1:
+                raise RequestError("structured_outputs takes exactly one constraint", "structured_outputs")
+            found.append(("structured_outputs", given[0][0], _spec_text(given[0][1])))
+        for param, kind in (
+            ("guided_json", "json_schema"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            value = getattr(self, param)
+            if value is not None:
+                found.append((param, kind, _spec_text(value)))
+        if len(found) > 1:
+            raise RequestError(f"{found[1][0]} conflicts with {found[0][0]}: give one output constraint", found[1][0])
+        if not found:
+            return None
+        param, kind, spec = found[0]
+        from workers.engine.structured import GrammarError, check_spec
+
+        try:
+            check_spec(kind, "" if kind == "json_object" else spec)
+        except GrammarError as exc:
+            raise RequestError(f"{param} is not a grammar pdserve can follow: {exc}", param) from exc
+        return found[0]
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -107,6 +229,13 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported (pdserve returns every choice it generates)")
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -139,16 +268,35 @@ class CompletionRequest(SamplingFields):
         return v
 
 
+def _spec_text(value: Any) -> str:
+    """A constraint's spec as the engine takes it: JSON for schemas and choices, else the text."""
+    if isinstance(value, str):
+        return value
+    if value is True:
+        return ""
+    return json.dumps(value)
+
+
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = Field(default=None, max_length=256)
+    # assistant messages: the calls it made (deploy/api/tools.py validates them); tool messages:
+    # which call this result answers
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = Field(default=None, max_length=256)
+    # what the SDK sends back of an earlier response's message: harmless when empty
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -164,6 +312,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    # deploy/api/tools.py validates these (plan_tools), naming the parameter
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):

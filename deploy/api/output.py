@@ -5,7 +5,9 @@ logprobs entries."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from deploy.api.tools import StreamingToolParser, finish_reason_with_tools
 from workers.engine.detokenizer import IncrementalDetokenizer, TokenDecoder, find_stop_cut
 from workers.protocol import TokenLogprobs
 
@@ -16,6 +18,7 @@ class ChoiceDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprobs]
     finish_reason: str | None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # streaming delta entries
 
 
 @dataclass
@@ -31,6 +34,10 @@ class ChoiceAssembler:
     stopped_by_string: bool = False  # the text ends at a stop string, maybe mid-token
     timing: dict = field(default_factory=dict)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # A chat request with tools: the choice's tool-call parser (deploy/api/tools.py), fed the
+    # text as it is released; what it passes on is the message's content, the rest its calls.
+    tools: StreamingToolParser | None = None
+    content: str = ""  # with tools: the text released as content
     _emitted: int = 0  # characters of detok.text already sent
 
     def __post_init__(self) -> None:
@@ -71,4 +78,20 @@ class ChoiceAssembler:
         self._emitted = max(self._emitted, end)
         new_logprobs = list(logprobs or ())[: len(new_ids)]
         self.logprobs.extend(new_logprobs)
-        return ChoiceDelta(delta, new_ids, new_logprobs, self.finish_reason)
+        if self.tools is None:
+            return ChoiceDelta(delta, new_ids, new_logprobs, self.finish_reason)
+        released = self.tools.feed(delta)
+        calls = list(released.calls)
+        content = released.content
+        if self.finish_reason is not None:
+            rest = self.tools.finish()
+            content += rest.content
+            calls += rest.calls
+            self.finish_reason = finish_reason_with_tools(self.finish_reason, self.tools)
+        self.content += content
+        return ChoiceDelta(content, new_ids, new_logprobs, self.finish_reason, calls)
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]]:
+        """The message's ``tool_calls`` entries (none without tools)."""
+        return list(self.tools.tool_calls) if self.tools is not None else []

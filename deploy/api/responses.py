@@ -80,10 +80,16 @@ class ResponseBuilder:
             self._text_offset = 0
             entries = a.logprobs
             if self.chat:
+                message: dict[str, Any] = {"role": "assistant", "content": a.text}
+                if a.tools is not None:
+                    calls = a.tool_calls
+                    message = {"role": "assistant", "content": (a.content or None) if calls else a.content}
+                    if calls:
+                        message["tool_calls"] = calls
                 choices.append(
                     {
                         "index": index,
-                        "message": {"role": "assistant", "content": a.text},
+                        "message": message,
                         "logprobs": self._logprobs(entries),
                         "finish_reason": a.finish_reason,
                     }
@@ -116,9 +122,12 @@ class ResponseBuilder:
     def chunk(self, index: int, delta: ChoiceDelta, assembler: ChoiceAssembler) -> dict:
         logprobs = self._logprobs(delta.logprobs)
         if self.chat:
+            content: dict[str, Any] = {"content": delta.text} if delta.text else {}
+            if delta.tool_calls:
+                content["tool_calls"] = delta.tool_calls
             body = {
                 "index": index,
-                "delta": {"content": delta.text} if delta.text else {},
+                "delta": content,
                 "logprobs": logprobs,
                 "finish_reason": delta.finish_reason,
             }

@@ -87,7 +87,7 @@ def bounded(body: Any, use_served_model: bool) -> Any:
     body = dict(body)
     if use_served_model:  # and leave unsupported extensions neutral: more bodies reach the workers
         body["model"] = MODEL
-        for key in ("presence_penalty", "frequency_penalty", "echo", "suffix"):
+        for key in ("echo", "suffix"):
             body.pop(key, None)
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_GEN_TOKENS  # absent/null means "up to the context": too long here
@@ -328,7 +328,63 @@ BAD_INPUTS = [
     ("seed_too_big", COMPLETIONS, {"json": _completion(seed=2**64)}, 400, "seed", None, "seed"),
     ("stop_empty_string", COMPLETIONS, {"json": _completion(stop=[""])}, 400, "stop", None, "stop"),
     ("stop_too_many", COMPLETIONS, {"json": _completion(stop=[f"s{i}" for i in range(17)])}, 400, "stop", None, "stop"),
-    ("penalty_nonzero", CHAT, {"json": _chat(presence_penalty=0.5)}, 400, "presence_penalty", None, "penalt"),
+    ("penalty_out_of_range", CHAT, {"json": _chat(presence_penalty=2.5)}, 400, "presence_penalty", None, "2"),
+    ("unknown_field", CHAT, {"json": _chat(frobnicate=1)}, 400, "frobnicate", None, "Extra inputs"),
+    (
+        "schema_not_a_grammar",
+        CHAT,
+        {
+            "json": _chat(
+                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no"}}}
+            )
+        },
+        400,
+        "response_format",
+        None,
+        "Unsupported type",
+    ),
+    ("regex_not_a_grammar", COMPLETIONS, {"json": _completion(guided_regex="[a-")}, 400, "guided_regex", None, "regex"),
+    (
+        "two_constraints",
+        CHAT,
+        {"json": _chat(response_format={"type": "json_object"}, guided_choice=["a", "b"])},
+        400,
+        "guided_choice",
+        None,
+        "conflicts",
+    ),
+    (
+        "tool_choice_unknown_function",
+        CHAT,
+        {
+            "json": _chat(
+                tools=[{"type": "function", "function": {"name": "f"}}],
+                tool_choice={"type": "function", "function": {"name": "g"}},
+            )
+        },
+        400,
+        "tool_choice",
+        None,
+        "g",
+    ),
+    (
+        "logit_bias_outside_vocab",
+        COMPLETIONS,
+        {"json": _completion(logit_bias={"10000000": 1})},
+        400,
+        "logit_bias",
+        None,
+        "vocabulary",
+    ),
+    (
+        "min_tokens_over_max",
+        COMPLETIONS,
+        {"json": _completion(min_tokens=9, max_tokens=3)},
+        400,
+        "min_tokens",
+        None,
+        "min_tokens",
+    ),
     ("echo_unsupported", COMPLETIONS, {"json": _completion(echo=True)}, 400, "echo", None, "echo"),
     ("user_too_long", COMPLETIONS, {"json": _completion(user="u" * 300)}, 400, "user", None, "user"),
     (
