@@ -145,6 +145,46 @@ def test_a_killed_decode_replica_is_invisible_to_a_whole_answer(two_decode_app):
     assert_migrated_once(base, before)
 
 
+# Output the grammar forces to be long enough for the kill to land mid-stream (five words of
+# 4-12 characters), whatever the tiny model's random weights prefer.
+WORDS = {
+    "type": "object",
+    "properties": {
+        "words": {
+            "type": "array",
+            "items": {"type": "string", "minLength": 4, "maxLength": 12},
+            "minItems": 5,
+            "maxItems": 5,
+        },
+        "count": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["words", "count"],
+}
+
+
+def test_a_constrained_stream_survives_a_killed_decode_replica(two_decode_app):
+    """The grammar's state is the tokens generated so far: the decode replica that resumes the
+    stream rebuilds it from prompt + tokens sent, and the answer is the uninterrupted one, valid."""
+    base = two_decode_app
+    prompt = random_prompts((30,), seed=93)[0]
+    constrained = body(
+        prompt, True, response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": WORDS}}
+    )
+    reference, _, _ = streamed(base, constrained)
+    before = status(base)["routing"]["migrations"]
+
+    def kill_at_fifth(count: int) -> None:
+        if count == 5:
+            kill_busy_decode_replica(base)
+
+    text, _, usage = streamed(base, constrained, on_event=kill_at_fifth)
+    assert text == reference
+    value = json.loads(text)
+    assert len(value["words"]) == 5 and all(4 <= len(w) <= 12 for w in value["words"])
+    assert usage["completion_tokens"] < NEW_TOKENS  # the grammar ended it, not max_tokens
+    assert_migrated_once(base, before)
+
+
 def retire_busy_decode_replica(base: str) -> tuple[str, int]:
     """Send ``Retire`` (what the autoscaler sends a decode replica Serve is stopping) to the
     decode replica running a sequence now, at its control address in the worker directory."""

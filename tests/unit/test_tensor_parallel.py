@@ -6,6 +6,7 @@ with an error naming it; close() leaves no process behind."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -134,6 +135,27 @@ def test_prompt_logprobs_match_one_rank(tiny_llama):
             assert x is not None and y is not None
             assert x.token_id == y.token_id and [t for t, _ in x.top] == [t for t, _ in y.top]
             assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+
+
+def test_constrained_output_and_controls_match_one_rank(tiny_llama):
+    """Grammars and logits controls run on rank 0's gathered logits: a JSON-schema request and
+    a penalized one give one rank's tokens."""
+    schema = {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3}},
+        "required": ["tags"],
+    }
+    params = [
+        SamplingParams(max_tokens=48, temperature=0.0, structured=("json_schema", json.dumps(schema))),
+        SamplingParams(max_tokens=12, temperature=0.0, frequency_penalty=1.0, logit_bias=((7, 3.0),), min_tokens=12),
+    ]
+    prompts = random_prompts((20, 33), seed=8)
+    single = make_engine(tiny_llama).generate(prompts, params)
+    with tp_engine(tiny_llama, 2) as engine:
+        outs = engine.generate(prompts, params)
+        engine.check_idle()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in single]
+    assert outs[0].finish_reason == "stop" and isinstance(json.loads(outs[0].text)["tags"], list)
 
 
 def test_dead_worker_fails_the_engine_clearly(tiny_llama):
