@@ -232,6 +232,14 @@ class PDServeArgs(BaseModel):
     decode: PoolArgs = Field(default_factory=PoolArgs)
     colocated: PoolArgs = Field(default_factory=PoolArgs)
     ingress_replicas: int = Field(default=1, ge=1)
+    cluster_autoscales: bool = Field(
+        default=False,
+        description="the Ray cluster adds nodes on demand (ray up's autoscaler): build_app does not refuse "
+        "a layout larger than the nodes there are now",
+    )
+    ingress_num_cpus: float = Field(
+        default=1.0, ge=0, description="Ray's CPU share per ingress replica (pdserve up sizes it to fit its machine)"
+    )
     device: str = Field(default="auto", description="auto (cuda when the replica has a GPU), cpu, cuda")
     dtype: str | None = Field(default=None, description="auto, float32, bfloat16, float16")
     block_size: int = Field(default=16, description="tokens per KV block; must match across pools")
@@ -326,12 +334,19 @@ class PDServeArgs(BaseModel):
     api_keys: tuple[str, ...] = Field(default=(), description="accepted Bearer keys; empty: no auth")
     max_request_bytes: int = Field(default=1 << 20, ge=1024, description="larger bodies get 413")
     request_timeout_s: float = Field(default=600.0, gt=0)
+    step_timeout_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="a worker replica whose engine has been inside one step (a kernel, a collective) "
+        "this long reports unhealthy, so Serve replaces it and its streams resume elsewhere; 0: never",
+    )
     log_level: str = "INFO"
     fault_injection: dict[str, float] = Field(
         default_factory=dict,
         description="testing only: prefill_delay_s (sleep before each prefill), send_stall_s (stall before "
-        "each KV send), step_delay_s (sleep after each engine step that runs sequences) to exercise "
-        "replica deaths and transfer deadlines",
+        "each KV send), step_delay_s (sleep after each engine step that runs sequences), step_hang_s "
+        "(the first step that runs sequences in one decode or colocated replica of the app hangs this "
+        "long, once per app) to exercise replica deaths, transfer deadlines and health checks",
     )
 
     @field_validator("block_size")
@@ -366,12 +381,9 @@ class PDServeArgs(BaseModel):
     def _cross_field(self) -> PDServeArgs:
         if self.mode is Mode.DISAGGREGATED and self.transport == "nccl" and self.decode.num_gpus == 0:
             raise ValueError("transport nccl needs GPU replicas: set decode.num_gpus and prefill.num_gpus")
-        if (
-            self.device == "cuda"
-            and self.mode is Mode.DISAGGREGATED
-            and (self.prefill.num_gpus == 0 or self.decode.num_gpus == 0)
-        ):
-            raise ValueError("device cuda needs num_gpus > 0 on both the prefill and decode pools")
+        from deploy.placement import YAML, check_devices
+
+        check_devices(self, YAML)  # a CUDA engine in a replica Ray gives no GPU
         if self.max_model_len and self.num_kv_blocks and self.max_model_len > self.num_kv_blocks * self.block_size:
             raise ValueError(
                 f"max_model_len {self.max_model_len} does not fit in num_kv_blocks {self.num_kv_blocks} "

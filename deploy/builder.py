@@ -115,6 +115,7 @@ def make_app(args: dict[str, Any] | PDServeArgs, access_log: bool | None = None)
     check_ray_version()  # an untested Ray fails here, saying what to install
     parsed = args if isinstance(args, PDServeArgs) else PDServeArgs.model_validate(args)
     check_redis_url_for_cluster(parsed.redis_url)  # a loopback Redis on a multi-node cluster fails here
+    check_cluster_fit(parsed)  # more GPUs or CPUs than the cluster has fails here
     logs = serve_logging(parsed.log_level, access_log)
     if parsed.model_key is None:  # derived here, once: every replica and router gets the same key
         parsed = parsed.model_copy(update={"model_key": EngineConfig(model_dir=parsed.model).resolved_model_key})
@@ -128,6 +129,7 @@ def make_app(args: dict[str, Any] | PDServeArgs, access_log: bool | None = None)
     }
     ingress = _deployment(OpenAIIngress).options(
         num_replicas=parsed.ingress_replicas,
+        ray_actor_options={"num_cpus": parsed.ingress_num_cpus},
         logging_config=logs,
         graceful_shutdown_timeout_s=INGRESS_DRAIN_S,
         graceful_shutdown_wait_loop_s=DRAIN_CHECK_S,
@@ -163,8 +165,26 @@ def make_app(args: dict[str, Any] | PDServeArgs, access_log: bool | None = None)
     autoscaler_logs = LoggingConfig(
         log_level="DEBUG" if logs.log_level == "DEBUG" else "INFO", enable_access_log=logs.enable_access_log
     )
-    autoscaler = _deployment(PDAutoscaler).options(logging_config=autoscaler_logs).bind(raw)
+    # a control loop that sleeps between decisions: no CPU share of its own, as Serve's controller
+    autoscaler = (
+        _deployment(PDAutoscaler).options(logging_config=autoscaler_logs, ray_actor_options={"num_cpus": 0}).bind(raw)
+    )
     return ingress.bind(raw, prefill=prefill, decode=decode, autoscaler=autoscaler)
+
+
+def check_cluster_fit(args: PDServeArgs) -> None:
+    """In a Ray that is running (``serve deploy``, ``serve run``, ``pdserve up``): the pools' GPUs
+    and CPU shares fit what the cluster has, unless it adds nodes on demand
+    (``cluster_autoscales``: Ray's autoscaler, ``ray up``)."""
+    import ray
+
+    from deploy.placement import YAML, Capacity, check_cpus, check_gpus
+
+    if args.cluster_autoscales or not ray.is_initialized():
+        return
+    capacity = Capacity.ray_cluster()
+    check_gpus(args, capacity, YAML)
+    check_cpus(args, capacity, YAML, args.ingress_num_cpus)
 
 
 def needs_external_scaler(args: dict[str, Any] | PDServeArgs) -> bool:

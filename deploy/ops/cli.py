@@ -377,9 +377,19 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         "API; an existing cluster keeps its own)",
     )
     parser.add_argument("--transport", default="auto", choices=POOL_TRANSPORTS)
-    parser.add_argument("--gpus-per-replica", type=float, default=0.0)
     parser.add_argument(
-        "--cpus-per-replica", type=float, default=0.5, help="Ray's scheduling share per engine replica (default 0.5)"
+        "--gpus-per-replica",
+        type=float,
+        default=None,
+        help="GPUs per engine rank (default: 1 where the machine or cluster has GPUs and --device is auto or "
+        "cuda, else 0; a fraction shares a GPU, e.g. 0.5 for a prefill and a decode replica on one GPU)",
+    )
+    parser.add_argument(
+        "--cpus-per-replica",
+        type=float,
+        default=None,
+        help="Ray's scheduling share per engine rank (default 0.5; on a machine pdserve up starts Ray on, "
+        "the shares are lowered to fit when the layout asks for more than its cores)",
     )
     parser.add_argument(
         "--compile",
@@ -472,6 +482,13 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         "pool (default: twice the pool's starting replicas)",
     )
     parser.add_argument("--api-key", action="append", default=[], help="accepted Bearer key (repeatable)")
+    parser.add_argument(
+        "--step-timeout-s",
+        type=float,
+        default=300.0,
+        help="a replica whose engine has been inside one step this long (a hung kernel or collective) "
+        "reports unhealthy: Serve replaces it and its streams resume elsewhere (default 300; 0: never)",
+    )
     parser.add_argument(
         "--log-level",
         choices=("DEBUG", "INFO", "WARNING"),
@@ -577,21 +594,75 @@ def _probe_url(host: str, port: int) -> str:
     return f"http://{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{port}"
 
 
-def _wait_until_serving(app_name: str, targets: dict[str, int], probe: str, stop, announced: set[str]) -> bool:
+# A deployment Serve has not placed for this long after it first said so is reported and stopped
+# (Serve says so after 30 s of waiting, and then waits forever).
+UNSCHEDULABLE_S = 60.0
+
+
+class SchedulingWatch:
+    """Deployments whose replicas Ray cannot place: ``see`` each status message; it returns a line
+    to print the first time a deployment waits, and ``expired`` names the first one that has
+    waited longer than ``bound_s`` since."""
+
+    def __init__(self, bound_s: float = UNSCHEDULABLE_S) -> None:
+        self.bound_s = bound_s
+        self.waiting_since: dict[str, float] = {}
+
+    def see(self, name: str, message: str, now: float) -> str | None:
+        if "to be scheduled" not in (message or ""):
+            self.waiting_since.pop(name, None)
+            return None
+        if name in self.waiting_since:
+            return None
+        self.waiting_since[name] = now
+        return f"{name}: Ray cannot place its replicas yet: {message}"
+
+    def expired(self, now: float) -> str | None:
+        for name, since in self.waiting_since.items():
+            if now - since > self.bound_s:
+                return name
+        return None
+
+
+def _wait_until_serving(
+    app_name: str,
+    targets: dict[str, int],
+    probe: str,
+    stop,
+    announced: set[str],
+    unschedulable_s: float = UNSCHEDULABLE_S,
+) -> bool:
     """Print each deployment's replicas as they come up (adding it to ``announced``), then return
     True once ``/health`` answers 200 (every pool has a replica the ingress reaches: requests can
-    be served). False when the deployment failed (said on stderr) or a stop was asked for first."""
+    be served). False when the deployment failed (said on stderr), a deployment stayed
+    unschedulable ``unschedulable_s`` past Serve's first word of it, or a stop was asked for."""
+    import time
+
     import httpx
     from ray import serve
     from ray.serve.schema import ReplicaState
 
     last_health: str | None = None
+    watch = SchedulingWatch(unschedulable_s)
     with httpx.Client(timeout=2.0) as client:
         while not stop.is_set():
             app = serve.status().applications.get(app_name)
             if app is not None:
                 if app.status == "DEPLOY_FAILED":
                     print(f"pdserve: deploying failed: {app.message}", file=sys.stderr, flush=True)
+                    return False
+                now = time.monotonic()
+                for name, overview in app.deployments.items():
+                    if line := watch.see(name, overview.message, now):
+                        _say(line)
+                if (stuck := watch.expired(now)) is not None:
+                    print(
+                        f"pdserve: the {stuck} deployment could not be scheduled within {unschedulable_s:g} s "
+                        f"of Serve's first report: {app.deployments[stuck].message} Stopping; change the layout "
+                        "(fewer replicas or ranks, smaller --cpus-per-replica/--gpus-per-replica) or add nodes.",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     return False
                 for name, want in targets.items():
                     deployment = app.deployments.get(name)
@@ -665,10 +736,15 @@ def _run_up(args: argparse.Namespace) -> int:
     signals.install()  # before anything slow: a Ctrl-C while starting stops in order too
     model = resolve_model_arg(args.model)
     _say(f"model resolved: {model}")
-    try:  # the flags' own errors before anything starts
-        up_app_args(args, model, args.redis_url)
-    except ValueError as exc:  # pydantic's ValidationError is one
-        print(f"pdserve up: {exc}", file=sys.stderr)
+    try:  # the flags' own errors, and a layout this machine cannot hold, before anything starts
+        if args.ray_address:
+            up_app_args(args, model, args.redis_url)
+        else:
+            from deploy.placement import Capacity
+
+            up_layout(args, model, args.redis_url, Capacity.this_machine(), own_machine=True)
+    except ValueError as exc:  # pydantic's ValidationError and LayoutError are ones
+        print(f"pdserve up: {_reason(exc)}", file=sys.stderr)
         return 2
     try:
         local = LocalCluster(
@@ -793,17 +869,43 @@ def _queue_autoscaling(args: argparse.Namespace, start: int) -> dict[str, int] |
     return {"min_replicas": 1, "max_replicas": most, "initial_replicas": start}
 
 
-def up_app_args(args: argparse.Namespace, model: str, redis_url: str | None):
-    """``pdserve up``'s flags as the application's arguments (``PDServeArgs``)."""
+DEFAULT_CPUS_PER_REPLICA = 0.5
+
+
+def _gpus_per_replica(args: argparse.Namespace, gpus_there: float) -> float:
+    """``--gpus-per-replica``, else a GPU a rank where there are GPUs and the engine may use CUDA."""
+    if args.gpus_per_replica is not None:
+        return args.gpus_per_replica
+    return 1.0 if gpus_there > 0 and args.device in ("auto", "cuda") else 0.0
+
+
+def up_layout(args: argparse.Namespace, model: str, redis_url: str | None, capacity, own_machine: bool):
+    """``up_app_args`` placed on ``capacity`` (``deploy/placement.py``): GPUs a rank where there are
+    GPUs, CPU shares that fit a machine ``pdserve up`` runs Ray on, or a LayoutError naming the
+    flags to change."""
+    from deploy.placement import CLI, plan_layout
+
+    app_args = up_app_args(args, model, redis_url, capacity.gpus)
+    return plan_layout(app_args, capacity, CLI, own_machine=own_machine, shares_given=args.cpus_per_replica is not None)
+
+
+def up_app_args(args: argparse.Namespace, model: str, redis_url: str | None, gpus_there: float = 0.0):
+    """``pdserve up``'s flags as the application's arguments (``PDServeArgs``); ``gpus_there``:
+    the GPUs of the machine or cluster (``--gpus-per-replica``'s default follows them)."""
     from deploy.args import AutoscalingArgs, PDServeArgs, PoolArgs
 
     if args.max_replicas is not None and args.autoscaling is None:
         raise ValueError("--max-replicas sizes --autoscaling: give --autoscaling pd or queue with it")
     if args.mode == "colocated" and (args.prefill_tp is not None or args.decode_tp is not None):
         raise ValueError("--prefill-tp/--decode-tp size the disaggregated pools: use --tp in colocated mode")
+    if args.device == "cuda" and _gpus_per_replica(args, gpus_there) == 0:
+        raise ValueError(
+            "--device cuda needs a GPU in every replica: set --gpus-per-replica (1 for a GPU a rank, a fraction "
+            "to share one)" + ("" if gpus_there else "; this machine has no GPU Ray can give")
+        )
     pool = {
-        "num_cpus": args.cpus_per_replica,
-        "num_gpus": args.gpus_per_replica,
+        "num_cpus": DEFAULT_CPUS_PER_REPLICA if args.cpus_per_replica is None else args.cpus_per_replica,
+        "num_gpus": _gpus_per_replica(args, gpus_there),
         "num_threads": _threads_per_replica(args),
         "prefill_threads": _prefill_threads_per_replica(args),
         "small_batch_threads": args.small_batch_threads,
@@ -841,8 +943,30 @@ def up_app_args(args: argparse.Namespace, model: str, redis_url: str | None):
         redis_url=redis_url,
         transport=args.transport,
         api_keys=tuple(args.api_key),
+        step_timeout_s=args.step_timeout_s,
         log_level=args.log_level,
     )
+
+
+def _reason(exc: ValueError) -> str:
+    """A refusal's message: pydantic's errors without their framing (type, input, URL)."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        return "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+    return str(exc)
+
+
+def _layout_line(app_args) -> str:
+    """Each deployment's replicas and Ray shares, as placed."""
+    from deploy.placement import active_pools
+
+    parts = [f"ingress x{app_args.ingress_replicas} ({app_args.ingress_num_cpus:g} CPU)"]
+    for name, pool in active_pools(app_args).items():
+        rank = f"{pool.num_cpus:g} CPU" + (f", {pool.num_gpus:g} GPU" if pool.num_gpus else "")
+        tp = f" x {pool.tensor_parallel_size} ranks" if pool.tensor_parallel_size > 1 else ""
+        parts.append(f"{name} x{pool.replicas}{tp} ({rank} a rank)")
+    return "; ".join(parts)
 
 
 def _deploy_and_serve(args: argparse.Namespace, model: str, local, signals: _StopSignals, debug: bool) -> int:
@@ -851,10 +975,17 @@ def _deploy_and_serve(args: argparse.Namespace, model: str, local, signals: _Sto
     from ray import serve
 
     from deploy.builder import make_app, needs_external_scaler, serve_logging
+    from deploy.placement import Capacity
 
     if not debug:  # Serve's driver-side INFO ("Started Serve in namespace", ...): our lines say it
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    app_args = up_app_args(args, model, local.redis_url)
+    capacity = Capacity.this_machine() if local.started_ray else Capacity.ray_cluster()
+    try:
+        app_args = up_layout(args, model, local.redis_url, capacity, own_machine=local.started_ray)
+    except ValueError as exc:  # a joined cluster too small for the layout
+        print(f"pdserve up: {_reason(exc)}", file=sys.stderr)
+        return 2
+    _say(f"layout: {_layout_line(app_args)}")
     access_log = True if args.access_log else None
     url = f"http://{args.host}:{args.port}"
     probe = _probe_url(args.host, args.port)
