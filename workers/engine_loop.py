@@ -13,6 +13,11 @@ wake on each of a step's few hundred ops, switching context on every one
 (docs/decisions/0012-one-openmp-pool-per-engine.md). Helper threads that touch tensors (the KV
 senders and receivers) start with ``workers.threads.one_torch_thread`` for the same reason.
 
+A step that never returns (a hung CUDA kernel or NCCL collective) is seen from outside the thread:
+``stalled_for`` says how long the engine thread has been inside the current step (with the
+observer that follows it), and the replica's health check reports a step over its bound
+(``step_timeout_s``, deploy/pools/servers.py) so that Serve replaces the replica.
+
 Lifetime: a request's stream ends when it finishes or is aborted; a consumer that stops
 iterating (client disconnect, cancellation) aborts the request in the engine, which frees its
 blocks. ``shutdown`` stops the thread; streams still open end with ``EngineDeadError``.
@@ -25,6 +30,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -55,6 +61,9 @@ class EngineLoop:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
         self._error: BaseException | None = None
+        # time.monotonic() when the engine thread entered the current step; None between steps.
+        # Written by the engine thread only, read by any (a reference store is atomic in CPython).
+        self._step_started: float | None = None
         built: concurrent.futures.Future[LLMEngine] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._main, args=(engine, built), name="engine-loop", daemon=True)
         self._thread.start()
@@ -134,6 +143,13 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
 
+    def stalled_for(self) -> float:
+        """Seconds the engine thread has been inside the current step: ``engine.step()``, the
+        delivery of its outputs and the observer after it. 0.0 while idle, between steps and
+        while it runs commands. Any thread may ask (the health check does)."""
+        started = self._step_started
+        return 0.0 if started is None else max(0.0, time.monotonic() - started)
+
     # ----------------------------------------------------------- engine thread
     def _main(self, engine: LLMEngine | Callable[[], LLMEngine], built: concurrent.futures.Future) -> None:
         if not isinstance(engine, LLMEngine):
@@ -160,11 +176,15 @@ class EngineLoop:
                         self._observe()  # after commands (events, load) or the last idle look
                         idle_observed = not ran
                     continue
-                items: list[tuple[str, RequestOutput | BaseException]] = [(o.request_id, o) for o in engine.step()]
-                # a request that failed (the loop goes on) gets its failure after any output
-                items += [(failure.request_id, failure) for failure in engine.take_failures()]
-                self._deliver(items)
-                self._observe()
+                self._step_started = time.monotonic()
+                try:
+                    items: list[tuple[str, RequestOutput | BaseException]] = [(o.request_id, o) for o in engine.step()]
+                    # a request that failed (the loop goes on) gets its failure after any output
+                    items += [(failure.request_id, failure) for failure in engine.take_failures()]
+                    self._deliver(items)
+                    self._observe()
+                finally:
+                    self._step_started = None
                 idle_observed = False
         except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish
             logger.exception("engine loop died")

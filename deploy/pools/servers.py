@@ -21,6 +21,7 @@ from ray import serve
 
 from deploy.args import PDServeArgs, PoolArgs
 from deploy.ops.metrics import WorkerMetrics
+from deploy.pools.directory import NAMESPACE as KV_NAMESPACE
 from deploy.pools.directory import Registration
 from deploy.pools.routers import LINK_FAILURE_WINDOW_S
 from deploy.replica_logging import route_to_serve
@@ -69,6 +70,24 @@ def transfer_config(args: PDServeArgs) -> TransferConfig:
     )
 
 
+def step_health_problem(role: str, worker_id: str, stalled_s: float, timeout_s: float) -> str | None:
+    """What a replica's health check reports when its engine has been inside one step (a hung
+    CUDA kernel, an NCCL collective that never completes, ...) for more than ``timeout_s``
+    (``step_timeout_s``; 0 disables the check); None while it is fine."""
+    if timeout_s <= 0 or stalled_s <= timeout_s:
+        return None
+    return (
+        f"{role} replica {worker_id}: its engine has been inside one step for {stalled_s:.1f}s, over "
+        f"step_timeout_s {timeout_s:g}s (a hung kernel or collective?)"
+    )
+
+
+def step_hang_key(app_name: str) -> bytes:
+    """Testing only: the key (Ray's internal KV, namespace ``pdserve``) by which one replica of
+    application ``app_name`` claims the injected step hang (fault_injection ``step_hang_s``)."""
+    return f"faults::step_hang::{app_name}".encode()
+
+
 class _WorkerServer:
     """What every pool's replica shares: engine construction, index publishing, stats."""
 
@@ -82,6 +101,14 @@ class _WorkerServer:
         self.node_ip = ray.util.get_node_ip_address()  # what status shows and the KVHandle advertises
         self.device = resolve_device(self.args.device)
         pool = getattr(self.args, self.role)
+        # The GPUs Ray gave this replica (it sets CUDA_VISIBLE_DEVICES to them): a CUDA engine
+        # without one would share another replica's device, so it does not start.
+        self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        if self.device == "cuda" and not self.gpu_ids:
+            raise RuntimeError(
+                f"{self.role} replica {self.worker_id}: a CUDA engine, but Ray gave this replica no GPU: "
+                f"set {self.role}.num_gpus (pdserve up --gpus-per-replica)"
+            )
         self.torch_threads = set_engine_threads(pool)
         self.prefill_threads = pool.prefill_threads if self.device == "cpu" else None
         self.small_batch_threads = pool.small_batch_threads if self.device == "cpu" else None
@@ -102,6 +129,8 @@ class _WorkerServer:
         self.publisher: IndexPublisher | None = None
         self.outputs = OutputSender(self.worker_id)  # to the ingress replicas' output sinks
         self.metrics = WorkerMetrics(self.worker_id, self.role, self.args.model_name)
+        self._stall_reported = False  # the health check has logged the current hung step
+        self._step_hang_tried = False  # fault injection step_hang_s: this process tried its claim
         # tensor_parallel_size > 1: ranks 1..N-1 are Ray actors in this replica's placement group
         # (Serve's placement_group_bundles, deploy/builder.py), each with the same torch threads.
         # The engine is built on the thread that will step it: one OpenMP pool per process
@@ -123,11 +152,12 @@ class _WorkerServer:
             "num_waiting": 0,
         }
         logger.info(
-            "%s replica %s ready: %d KV blocks on %s%s",
+            "%s replica %s ready: %d KV blocks on %s%s%s",
             self.role,
             self.worker_id,
             engine.num_kv_blocks,
             self.device,
+            f" (GPU {','.join(self.gpu_ids)})" if self.gpu_ids else "",
             f", {summary}" if (summary := engine.backend.linears_summary()) else "",
         )
         return self.loop
@@ -171,6 +201,9 @@ class _WorkerServer:
         state = engine.stats()
         if state.num_running and (delay := self.args.fault_injection.get("step_delay_s")):
             time.sleep(delay)  # testing only: a slow engine, so a test can act while sequences run
+        if state.num_running and (hang := self.args.fault_injection.get("step_hang_s")) and self._claim_step_hang():
+            logger.warning("%s replica %s: fault injection: this step hangs for %gs", self.role, self.worker_id, hang)
+            time.sleep(hang)  # testing only: a step that does not return (a hung kernel or collective)
         self._load = {
             "free_blocks": state.num_free_blocks,
             "total_blocks": state.num_blocks,
@@ -187,6 +220,27 @@ class _WorkerServer:
             if events:
                 self.publisher.submit(events)
             self.publisher.set_load(state.num_free_blocks, state.num_running, self._load["num_waiting"])
+
+    def _claim_step_hang(self) -> bool:
+        """Testing only (fault_injection ``step_hang_s``): whether this step is the one that hangs.
+        A replica that decodes (decode or colocated; never prefill, so a request's prefill runs,
+        a migrated stream's too) asks once, at its first step that runs sequences; the first
+        replica of the application to ask claims the hang in Ray's internal KV, and the others
+        run normally: the decode replica a hung replica's streams move to, and the replica Serve
+        starts in its place, do not hang in turn. Once per application for the life of the Ray
+        cluster: a test deletes ``step_hang_key(app)`` before it deploys."""
+        if self.role == "prefill" or self._step_hang_tried:
+            return False
+        self._step_hang_tried = True
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        key = step_hang_key(serve.get_replica_context().app_name)
+        try:
+            existed = _internal_kv_put(key, self.worker_id.encode(), overwrite=False, namespace=KV_NAMESPACE)
+        except Exception:  # noqa: BLE001 - a fault that cannot be injected is no failure
+            logger.warning("%s replica %s: step_hang_s not claimed", self.role, self.worker_id, exc_info=True)
+            return False
+        return not existed  # it existed: another replica has the hang
 
     async def record_routing_stats(self) -> dict:  # async: Serve runs a sync one on a new thread each second
         return dict(self._load)
@@ -205,6 +259,7 @@ class _WorkerServer:
             "worker_id": self.worker_id,
             "role": self.role,
             "device": self.device,
+            "gpu_ids": self.gpu_ids,
             "node_ip": self.node_ip,
             "torch_threads": self.torch_threads,
             "prefill_threads": self.prefill_threads,
@@ -217,10 +272,24 @@ class _WorkerServer:
         }
 
     def check_health(self) -> None:
-        if not self.worker.loop.alive:
+        """Serve calls this every ``health_check_period_s``; a raise (three in a row) makes it
+        replace the replica, and the ingress resumes the decode streams that were on it on
+        another decode replica, as for a replica that died (deploy/pools/worker_calls.py)."""
+        loop = self.worker.loop
+        if not loop.alive:
             raise RuntimeError(f"{self.role} replica {self.worker_id}: engine loop is dead")
         if self.engine.tensor_parallel is not None:
             self.engine.tensor_parallel.check()  # a dead rank fails the replica: Serve replaces it
+        # A step that does not return (a hung kernel or collective) leaves the thread alive and
+        # every request here waiting: it fails the replica once it has run step_timeout_s.
+        problem = step_health_problem(self.role, self.worker_id, loop.stalled_for(), self.args.step_timeout_s)
+        if problem is None:
+            self._stall_reported = False
+            return
+        if not self._stall_reported:  # one line per hung step, not one per health check
+            self._stall_reported = True
+            logger.warning("%s: reporting unhealthy, Serve will replace the replica", problem)
+        raise RuntimeError(problem)
 
     async def __del__(self) -> None:
         """Serve's graceful stop, after the replica stopped taking calls and its in-flight ones
