@@ -333,6 +333,13 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="GPU: the fraction of each GPU a replica plans its memory in (weights, activations, staging, "
+        "reserves, then KV; default 0.9; replicas sharing a GPU split it, e.g. 0.45 each)",
+    )
+    parser.add_argument(
         "--max-model-len",
         type=_positive_int,
         default=None,
@@ -930,6 +937,7 @@ def up_app_args(args: argparse.Namespace, model: str, redis_url: str | None, gpu
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_gib=args.kv_cache_memory_gib,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         conversation_reuse=not args.no_conversation_reuse,

@@ -30,7 +30,11 @@ CLUSTER_YAMLS = sorted((REPO_ROOT / "cluster").glob("*.yaml"))
 # serves the CPU pools of `pdserve testbed serve-config` and is checked at the end of this file.
 TESTBED_YAML = REPO_ROOT / "cluster" / "testbed.yaml"
 GPU_CLUSTER_YAMLS = [p for p in CLUSTER_YAMLS if p != TESTBED_YAML]
-SERVE_YAMLS = [REPO_ROOT / "deploy" / "serve.dev.yaml", REPO_ROOT / "deploy" / "serve.gpu.yaml"]
+SERVE_YAMLS = [
+    REPO_ROOT / "deploy" / "serve.dev.yaml",
+    REPO_ROOT / "deploy" / "serve.gpu.yaml",
+    REPO_ROOT / "deploy" / "serve.gpu-node.yaml",
+]
 RAY_GCS_PORT = 6379
 POOLS = ("prefill", "decode")
 
@@ -207,6 +211,24 @@ def test_serve_gpu_yaml_pins_one_gpu_per_replica_to_its_pool(tiny_model_dir: str
     assert (args.prefill.num_gpus, args.decode.num_gpus) == (1, 1)
     assert args.prefill.resources == {"prefill": 1} and args.decode.resources == {"decode": 1}
     assert (args.dtype, args.transport, args.device) == ("bfloat16", "auto", "cuda")
+
+
+@pytest.mark.parametrize("name", ["aws.yaml", "gcp.yaml"])
+def test_serve_gpu_node_yaml_puts_both_pools_on_one_8_gpu_node_type(name: str, tiny_model_dir: str) -> None:
+    """Both pools ask for the `pd` resource of the 8-GPU node type, a GPU a replica, and all
+    their replicas fit one such node (deploy/placement.py's GPU count on that node)."""
+    from deploy.placement import YAML, Capacity, check_gpus
+
+    app = _pdserve_app(_load(REPO_ROOT / "deploy" / "serve.gpu-node.yaml"))
+    args = PDServeArgs.model_validate({**app["args"], "model": tiny_model_dir})
+    assert args.prefill.resources == args.decode.resources == {"pd": 1}
+    nodes = _node_resources(_load(REPO_ROOT / "cluster" / name))
+    (node,) = [have for have in nodes.values() if have.get("pd")]
+    assert node["pd"] == node["GPU"] == 8
+    assert args.prefill.replicas + args.decode.replicas == node["pd"]
+    check_gpus(args, Capacity(node["CPU"], node["GPU"], None, f"a {name} gpu8 node"), YAML)
+    cpus = args.prefill.replicas * args.prefill.num_cpus + args.decode.replicas * args.decode.num_cpus
+    assert cpus <= node["CPU"]
 
 
 # -- the testbed (cluster/testbed/: hosts as network namespaces on this machine) ----------------
