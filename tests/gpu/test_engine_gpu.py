@@ -49,7 +49,9 @@ def test_fp32_cuda_is_exact(tiny_model_dirs):
     for arch in ("llama", "qwen2", "qwen3"):
         model_dir = tiny_model_dirs[arch]
         prompts = random_prompts()
-        engine = LLMEngine(model_dir, device="cuda", dtype="float32", num_kv_blocks=512, load_progress=False)
+        # the KV cache sized by the engine's memory plan (a profile step), as a replica sizes it
+        engine = LLMEngine(model_dir, device="cuda", dtype="float32", gpu_memory_utilization=0.05, load_progress=False)
+        assert engine.num_kv_blocks > 0
         outs = engine.generate(prompts, GREEDY)
         assert [o.token_ids for o in outs] == hf_outputs(model_dir, prompts, torch.float32), arch
         engine.block_manager.check_idle()
@@ -92,7 +94,7 @@ def test_attention_backends_on_cuda(tiny_llama):
 def test_bf16_cuda_match_rate(tiny_model_dirs):
     model_dir = tiny_model_dirs["llama"]
     prompts = random_prompts(lengths=tuple(range(8, 300, 18)), seed=11)
-    engine = LLMEngine(model_dir, device="cuda", dtype="bfloat16", num_kv_blocks=1024, load_progress=False)
+    engine = LLMEngine(model_dir, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.05, load_progress=False)
     ours = [o.token_ids for o in engine.generate(prompts, GREEDY)]
     ref = hf_outputs(model_dir, prompts, torch.bfloat16)
     full = sum(a == b for a, b in zip(ours, ref)) / len(prompts)

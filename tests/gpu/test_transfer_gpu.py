@@ -25,21 +25,22 @@ pytestmark = [
 ]
 
 
-# (prefill device, decode device, transport AUTO must pick)
+# (prefill's GPU, decode's GPU, transport AUTO must pick). Each peer sees only its own GPU, as
+# Ray runs replicas (CUDA_VISIBLE_DEVICES set to it, the engine on cuda:0).
 CASES = {
-    "nccl_two_gpus": ("cuda:0", "cuda:1", "nccl"),
-    "gloo_staged_one_gpu": ("cuda:0", "cuda:0", "gloo_staged"),
+    "nccl_two_gpus": ("0", "1", "nccl"),
+    "gloo_staged_one_gpu": ("0", "0", "gloo_staged"),
 }
 
 
 @pytest.fixture(params=list(CASES))
 def gpu_peers(request):
-    prefill_device, decode_device, transport = CASES[request.param]
-    if max(int(prefill_device[-1]), int(decode_device[-1])) >= torch.cuda.device_count():
-        pytest.skip(f"{request.param} needs {int(decode_device[-1]) + 1} GPUs")
-    prefill = start_peer("prefill", f"gpu-prefill-{request.param}", 1, device=prefill_device)
-    decode = start_peer("decode", f"gpu-decode-{request.param}", 2, device=decode_device)
-    doomed = start_peer("prefill", f"gpu-doomed-{request.param}", 4, device=prefill_device)
+    prefill_gpu, decode_gpu, transport = CASES[request.param]
+    if max(int(prefill_gpu), int(decode_gpu)) >= torch.cuda.device_count():
+        pytest.skip(f"{request.param} needs {max(int(prefill_gpu), int(decode_gpu)) + 1} GPUs")
+    prefill = start_peer("prefill", f"gpu-prefill-{request.param}", 1, device="cuda:0", visible=prefill_gpu)
+    decode = start_peer("decode", f"gpu-decode-{request.param}", 2, device="cuda:0", visible=decode_gpu)
+    doomed = start_peer("prefill", f"gpu-doomed-{request.param}", 4, device="cuda:0", visible=prefill_gpu)
     for peer in (prefill, doomed):
         await_address(peer, timeout_s=120)
     yield prefill, decode, doomed, transport

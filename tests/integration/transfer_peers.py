@@ -170,14 +170,28 @@ class Peer:
             self.process.join(5)
 
 
-def start_peer(role: str, worker_id: str, seed: int, config: dict | None = None, device: str = "cpu") -> Peer:
+def start_peer(
+    role: str, worker_id: str, seed: int, config: dict | None = None, device: str = "cpu", visible: str | None = None
+) -> Peer:
+    """``visible``: the peer's CUDA_VISIBLE_DEVICES (each peer then sees only its own GPUs, as Ray
+    runs replicas); None: the parent's."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     target = prefill_main if role == "prefill" else decode_main
     process = ctx.Process(
         target=target, args=(child, worker_id, seed, config or {}, device), name=worker_id, daemon=True
     )
-    process.start()
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible  # a spawned child starts with this environment
+    try:
+        process.start()
+    finally:
+        if visible is not None:
+            if before is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = before
     child.close()
     return Peer(worker_id, process, parent)
 
