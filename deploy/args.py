@@ -249,7 +249,23 @@ class PDServeArgs(BaseModel):
     )
     num_kv_blocks: int | None = Field(default=None, ge=1, description="KV blocks per replica (default: from memory)")
     kv_cache_memory_gib: float = Field(default=1.0, gt=0, description="CPU replicas: KV cache size")
-    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0, le=1, description="GPU: each rank's share of its device (weights, a step, reserves, KV)"
+    )
+    kv_transfer_slots: int = Field(
+        default=2,
+        ge=0,
+        description="GPU, disaggregated pools: KV transfers in flight at once whose device staging copies each "
+        "replica's memory plan reserves, each a whole max_model_len sequence (colocated replicas reserve none)",
+    )
+    communicator_memory_mib: int = Field(
+        default=256, ge=0, description="GPU: device memory the memory plan reserves per NCCL pair group"
+    )
+    cuda_graph_memory_gib: float | None = Field(
+        default=None,
+        ge=0,
+        description="GPU with enforce_eager false: memory reserved for the decode CUDA graphs (default: estimated)",
+    )
     max_num_batched_tokens: int = Field(default=2048, ge=16)
     max_num_seqs: int = Field(default=128, ge=1)
     max_model_len: int | None = Field(default=None, ge=2)
@@ -468,6 +484,20 @@ class PDServeArgs(BaseModel):
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).name
 
+    def transfer_peers(self, role: str) -> int:
+        """NCCL pair groups one rank of a ``role`` replica may hold: the other pool's most replicas,
+        times the ranks of each that share its KV heads; none colocated or over gloo."""
+        if role not in ("prefill", "decode") or self.transport not in ("auto", "nccl"):
+            return 0
+        other = "decode" if role == "prefill" else "prefill"
+        pool = getattr(self, other)
+        if self.autoscaling is not None:
+            most = self.autoscaling_bounds(other)[1]
+        else:
+            most = int((pool.autoscaling_config or {}).get("max_replicas", pool.replicas))
+        own_tp = getattr(self, role).tensor_parallel_size
+        return most * max(1, pool.tensor_parallel_size // own_tp)
+
     def engine_kwargs(self, device: str, role: str = "colocated") -> dict[str, Any]:
         """Keyword arguments for ``LLMEngine`` on a replica of pool ``role`` whose device is resolved."""
         from workers.backends.cpu.options import CPUOptions
@@ -500,6 +530,10 @@ class PDServeArgs(BaseModel):
             model_key=self.model_key,
             tensor_parallel_size=pool.tensor_parallel_size,
             emulated_step_s=self.emulated_step_s,
+            kv_transfer_slots=self.kv_transfer_slots if role in ("prefill", "decode") else 0,
+            kv_transfer_peers=self.transfer_peers(role),
+            communicator_memory_mib=self.communicator_memory_mib,
+            cuda_graph_memory_gib=self.cuda_graph_memory_gib,
         )
 
 

@@ -24,6 +24,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
+    return value
+
+
 def _add_tiny_model_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "tiny-model",
@@ -272,6 +279,50 @@ def _add_kv_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         help="tensor-parallel size: GPUs per replica, each with --gpu-mem (default 1); a second table "
         "compares every size the model's heads allow",
     )
+    # The engine's memory plan (workers/engine/memory_plan.py), with estimates where a replica measures
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=2048,
+        help="tokens of one engine step (default 2048): the largest step's activations come out of the KV budget",
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=_positive_int, default=128, help="sequences in one engine step (default 128)"
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=None,
+        help="longest sequence a replica accepts (default: --context); one must fit or a replica refuses to start",
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="decode steps run compiled: reserve the decode CUDA graphs' memory"
+    )
+    parser.add_argument(
+        "--kv-transfer-slots",
+        type=_non_negative_int,
+        default=0,
+        help="KV transfers in flight whose device staging copies are reserved, each a whole --max-model-len "
+        "sequence (default 0; pdserve up gives disaggregated pools 2)",
+    )
+    parser.add_argument(
+        "--kv-transfer-peers",
+        type=_non_negative_int,
+        default=0,
+        help="replicas of the other pool one replica pairs with: an NCCL pair group each (default 0)",
+    )
+    parser.add_argument(
+        "--communicator-memory-mib",
+        type=_non_negative_int,
+        default=256,
+        help="device memory per NCCL communicator (default 256, an estimate)",
+    )
+    parser.add_argument(
+        "--cuda-graph-memory-gib",
+        type=float,
+        default=None,
+        help="with --compile: memory for the decode CUDA graphs (default: estimated from the model)",
+    )
     parser.set_defaults(handler=_run_kv_plan)
 
 
@@ -293,6 +344,14 @@ def _run_kv_plan(args: argparse.Namespace) -> int:
             args.block_size,
             args.gpu_memory_utilization,
             tensor_parallel_size=tp,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            enforce_eager=not args.compile,
+            kv_transfer_slots=args.kv_transfer_slots,
+            kv_transfer_peers=args.kv_transfer_peers,
+            communicator_memory_mib=args.communicator_memory_mib,
+            cuda_graph_memory_gib=args.cuda_graph_memory_gib,
         )
 
     try:
@@ -421,6 +480,19 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--max-num-seqs", type=_positive_int, default=128, help="sequences in one engine step (default 128)"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=2048,
+        help="tokens of one engine step (default 2048; longer prompts are chunked)",
+    )
+    parser.add_argument(
+        "--kv-transfer-slots",
+        type=_non_negative_int,
+        default=2,
+        help="GPU, disaggregated: KV transfers in flight whose staging copies each replica reserves, each a "
+        "whole --max-model-len sequence (default 2)",
     )
     parser.add_argument(
         "--threads-per-replica",
@@ -948,6 +1020,8 @@ def up_app_args(args: argparse.Namespace, model: str, redis_url: str | None, gpu
         backend=args.backend,
         attention_backend=args.attention_backend,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_transfer_slots=args.kv_transfer_slots,
         redis_url=redis_url,
         transport=args.transport,
         api_keys=tuple(args.api_key),

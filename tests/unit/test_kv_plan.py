@@ -42,14 +42,38 @@ def test_llama3_8b_figures(llama3_8b):
     auto = plan_kv(model, gpu_mem_gib=80, context=8192, concurrency=64)
     assert auto.bytes_per_token == 131072 and auto.model_dtype == "bfloat16"
     assert auto.weight_bytes == model.num_params * 2 and 8.0e9 < model.num_params < 8.1e9
-    assert auto.kv_budget_bytes == int(80 * 2**30 * 0.9) - auto.weight_bytes
+    # the engine's memory plan with estimates: 90 % of the GPU less the weights (with the rotary
+    # tables loading builds) and the largest step's activations; no reserves (eager, no transfers)
+    memory = auto.memory
+    assert memory is not None and memory.budget_bytes == int(80 * 2**30 * 0.9)
+    assert memory.weight_bytes == auto.weight_bytes + 2 * 8192 * 128 * 4
+    assert auto.kv_budget_bytes == memory.budget_bytes - memory.weight_bytes - memory.activation_bytes
     assert auto.num_blocks == auto.kv_budget_bytes // (16 * 131072)
     assert auto.blocks_per_sequence == 512 and auto.max_concurrency == auto.num_blocks // 512
     assert not auto.fits and auto.replicas_needed == 2
     int8 = plan_kv(model, 80, 8192, 64, kv_cache_dtype="int8")
     # one byte per element plus a scale row per 16-token block: 17/32 of bf16
     assert int8.bytes_per_block * 32 == auto.bytes_per_block * 17
-    assert int8.max_concurrency >= 1.8 * auto.max_concurrency and int8.fits
+    assert int8.fits and int8.max_concurrency > auto.max_concurrency
+    # per byte of budget int8 holds 32/17 of the tokens, but its gather dequantizes through fp32:
+    # the largest step's activations take more of the GPU than bf16's
+    assert int8.memory is not None and int8.memory.activation_bytes > memory.activation_bytes
+
+
+def test_reserves_come_out_of_the_kv_budget(llama3_8b, capsys):
+    model = ModelConfig.from_dir(llama3_8b)
+    base = plan_kv(model, 80, 8192, 64)
+    reserved = plan_kv(model, 80, 8192, 64, kv_transfer_slots=2, kv_transfer_peers=3, enforce_eager=False)
+    memory = reserved.memory
+    assert memory is not None and base.memory is not None
+    assert memory.staging_bytes == 2 * 512 * 2 * 2**20  # two whole 8192-token sequences in flight
+    assert memory.communicator_bytes == 3 * 256 * 2**20 and memory.graph_bytes > 0
+    spent = memory.staging_bytes + memory.communicator_bytes + memory.graph_bytes
+    assert reserved.kv_budget_bytes == base.kv_budget_bytes - spent
+    assert main(["kv-plan", "--model", llama3_8b, "--gpu-mem", "80", "--context", "8192", "--concurrency", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "steps of 2048 tokens over 128 sequences at context 8192" in out
+    assert "  memory plan (estimate, a GPU of 80 GiB): 0.90 x 80.00 GiB = 72.00 GiB - weights 14.97 GiB - " in out
 
 
 def test_plan_matches_what_the_engine_allocates(tiny_llama):

@@ -3,7 +3,8 @@
 The model (``workers/models/llama.py``) computes through a backend's ``Ops`` (the elementwise
 ops) and the attention object the backend makes for each step; the engine asks the backend how
 to prepare the linears, whether a fast decode path exists, which torch threads a step runs on
-and how much memory the KV cache may take. Nothing above this layer names a device kernel.
+and how its device's memory is measured for the KV cache's plan. Nothing above this layer
+names a device kernel.
 
 Lifetime: a backend is chosen once per engine (``workers.backends.select``) and logged once; it
 is immutable afterwards. Its ``Ops`` are shared by every module of the model and hold no state
@@ -30,9 +31,9 @@ if TYPE_CHECKING:
     from torch import nn
 
     from workers.engine.config import EngineConfig
+    from workers.engine.memory_plan import MemoryProbe
     from workers.layers.kv_cache import PagedKVCache
     from workers.layers.paged_attention import AttentionMetadata, PagedAttention
-    from workers.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -225,26 +226,17 @@ class Backend:
     def step_threads(self) -> StepThreads:
         return StepThreads()
 
-    def kv_blocks(self, bytes_per_block: int) -> int:
-        """KV blocks of ``bytes_per_block`` that this device's budget holds (after the weights
-        are loaded): on a GPU ``gpu_memory_utilization`` of it beside what is in use, elsewhere
-        ``kv_cache_memory_gib`` of host memory (at least one block)."""
+    def memory_probe(self) -> MemoryProbe | None:
+        """How the engine's memory plan measures this device (workers/engine/memory_plan.py): on
+        a GPU through its allocator and driver (a profile run sizes the KV cache from
+        ``gpu_memory_utilization``); None elsewhere: the KV cache gets ``kv_cache_memory_gib`` of
+        host memory, nothing profiled."""
         if self.device.type == "cuda":
-            from workers.backends.cuda.backend import cuda_kv_blocks
+            from workers.backends.cuda.backend import CUDAMemoryProbe
 
-            return cuda_kv_blocks(self.device, self.config.gpu_memory_utilization, bytes_per_block)
-        return max(1, int(self.config.kv_cache_memory_gib * 2**30) // bytes_per_block)
+            return CUDAMemoryProbe(self.device)
+        return None
 
     def describe(self) -> str:
         """The one line logged when the engine chooses this backend."""
         return f"{self.name} backend on {self.device}"
-
-
-def plan_num_blocks(backend: Backend, model: ModelConfig, dtype: torch.dtype) -> int:
-    """KV blocks to allocate: as configured, else what the backend's memory budget holds."""
-    from workers.layers.kv_cache import bytes_per_block
-
-    config = backend.config
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    return backend.kv_blocks(bytes_per_block(model, config.block_size, config.kv_cache_dtype, dtype))

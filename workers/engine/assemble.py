@@ -5,6 +5,12 @@ Rank 0 (``LLMEngine``) and each tensor-parallel worker rank (``tensor_parallel.r
 count any rank can hold, so block ids mean the same everywhere) and who settles the context
 plan (``settle``: rank 0 computes it from the block count and tells the workers, who wait for
 it). The collectives inside happen in the same order on every rank.
+
+Unless ``num_kv_blocks`` is set, every rank plans its memory (``workers/engine/memory_plan.py``):
+on a GPU from a profile run of the largest step after the weights load (each rank runs the same
+step, so the model's collectives match), elsewhere against ``kv_cache_memory_gib``. The ranks
+agree on the fewest blocks; rank 0 logs the plan in one line, and a plan that cannot hold one
+sequence is refused on every rank.
 """
 
 from __future__ import annotations
@@ -16,9 +22,17 @@ from dataclasses import dataclass
 import torch
 
 from workers import backends
-from workers.backends.base import Backend, plan_num_blocks
+from workers.backends.base import Backend
 from workers.engine.compiled import CompiledDecode
 from workers.engine.config import EngineConfig
+from workers.engine.memory_plan import (
+    MemoryPlan,
+    MemorySettings,
+    budget_usage,
+    plan_memory,
+    profile_memory,
+    start_profile,
+)
 from workers.engine.model_runner import ModelRunner
 from workers.layers.kv_cache import PagedKVCache
 from workers.models.config import ModelConfig
@@ -70,6 +84,7 @@ class EngineParts:
     kv: PagedKVCache
     plan: ContextPlan
     runner: ModelRunner
+    memory: MemoryPlan | None = None  # None: num_kv_blocks was given
 
 
 def choose_backend(config: EngineConfig, device: torch.device, log: bool = True) -> Backend:
@@ -96,15 +111,33 @@ def assemble(
     model_config = ModelConfig.from_dir(config.model_dir)
     dtype = resolve_dtype(model_config, device, config.dtype)
     max_len = config.max_model_len or model_config.max_position_embeddings
+    probe = backend.memory_probe() if config.num_kv_blocks is None else None
+    start = start_profile(probe) if probe is not None else None  # before this replica allocates
     model = load_model(
         config.model_dir, device, config.dtype, tp, backend, max_positions=max_len, progress=config.load_progress
     )
     rank_config = rank_model_config(model_config, tp)  # this rank's KV heads: what its cache holds
-    num_blocks = agree_num_blocks(plan_num_blocks(backend, rank_config, dtype))
+    memory: MemoryPlan | None = None
+    if config.num_kv_blocks is not None:
+        num_blocks = agree_num_blocks(config.num_kv_blocks)
+    else:
+        if probe is not None and start is not None:
+            usage, _ = profile_memory(config, model, backend, rank_config, dtype, device, probe, start, rank0)
+        else:
+            usage = budget_usage(config.kv_cache_memory_gib)
+        settings = MemorySettings.from_config(config, device)
+        memory = plan_memory(settings, rank_config, dtype, usage, str(device))
+        num_blocks = agree_num_blocks(memory.num_blocks)
+        memory = memory.agreed(num_blocks)
+        if rank0:
+            logger.info("%s", memory.line())
+        else:
+            logger.debug("rank %d: %s", tp.rank, memory.line())
+        memory.check()
     plan = settle(model_config, num_blocks)
     kv = PagedKVCache(rank_config, num_blocks, config.block_size, config.kv_cache_dtype, dtype, device)
     compiled = None
     if rank0 and not config.enforce_eager:
         compiled = CompiledDecode(model, config.max_num_seqs, device, config.compile_batch_sizes)
     runner = ModelRunner(model, kv, backend, plan.sliding_window, compiled, config.load_progress and rank0)
-    return EngineParts(backend, model, model_config, dtype, kv, plan, runner)
+    return EngineParts(backend, model, model_config, dtype, kv, plan, runner, memory)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from workers.backends import BACKENDS
 from workers.backends.cpu.options import CPUOptions
+from workers.engine.memory_plan import COMMUNICATOR_MIB
 from workers.protocol import KVCacheDType
 
 
@@ -24,7 +25,7 @@ class EngineConfig:
     dtype: str | None = None  # None/"auto": fp32 on CPU, the checkpoint's half type on CUDA
     kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO  # a plain "auto" / "int8" / "fp8" is parsed here
     kv_cache_memory_gib: float = 1.0  # CPU: memory for the KV cache when num_kv_blocks is None
-    gpu_memory_utilization: float = 0.9  # CUDA: fraction of the GPU for weights + KV cache
+    gpu_memory_utilization: float = 0.9  # CUDA: this replica's share of the GPU (weights, a step, reserves, KV)
     model_key: str | None = None  # namespaces block hashes; None: derived from the model dir
     seed: int = 0  # generator for requests that give no seed
     load_progress: bool = True
@@ -49,6 +50,15 @@ class EngineConfig:
     # cores, so a replica adds no compute; this stands in for an accelerator's step time (one per
     # replica, independent of the others) in bench/autoscale.py's emulated runs. None: off.
     emulated_step_s: tuple[float, float, float] | None = None
+    # The CUDA memory plan's reserves (workers/engine/memory_plan.py). KV transfers in flight at
+    # once whose device staging copies it reserves, each a whole max_model_len sequence (0: a
+    # replica that never moves KV; disaggregated pools set it), and the transfer peers whose NCCL
+    # pair groups, made while serving, it reserves ``communicator_memory_mib`` for each.
+    kv_transfer_slots: int = 0
+    kv_transfer_peers: int = 0
+    communicator_memory_mib: int = COMMUNICATOR_MIB
+    # enforce_eager=False on CUDA: the decode buckets' CUDA graphs (None: estimated from the model)
+    cuda_graph_memory_gib: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_dtype", KVCacheDType.parse(self.kv_cache_dtype))
@@ -77,6 +87,13 @@ class EngineConfig:
                 "must be batch sizes in [1, max_num_seqs]",
             ),
             "tensor_parallel_size": (self.tensor_parallel_size > 0, "must be positive"),
+            "kv_transfer_slots": (self.kv_transfer_slots >= 0, "must be >= 0"),
+            "kv_transfer_peers": (self.kv_transfer_peers >= 0, "must be >= 0"),
+            "communicator_memory_mib": (self.communicator_memory_mib >= 0, "must be >= 0"),
+            "cuda_graph_memory_gib": (
+                self.cuda_graph_memory_gib is None or self.cuda_graph_memory_gib >= 0,
+                "must be >= 0 (None: estimated)",
+            ),
             "backend": (self.backend in BACKENDS, f"must be one of {', '.join(BACKENDS)}"),
             "emulated_step_s": (
                 self.emulated_step_s is None or (len(self.emulated_step_s) == 3 and min(self.emulated_step_s) >= 0),

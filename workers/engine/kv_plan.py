@@ -12,6 +12,12 @@ each GPU holds 1/N of the attention and MLP weights, of the embedding and of the
 norms whole), and ``num_kv_heads / N`` KV heads of every block (one, replicated, when N exceeds
 the KV heads); block ids are the same on every GPU, so a replica holds as many blocks as one
 GPU's share of memory fits.
+
+The blocks come from the engine's own memory plan (``workers/engine/memory_plan.py:
+plan_memory``) with estimates where the engine measures: the weights from the config, the
+largest step's activation peak from the same step the engine profiles
+(``estimate_activation_bytes``), and the same staging, CUDA graph and communicator reserves; a
+plan the engine would refuse is named in the verdict.
 """
 
 from __future__ import annotations
@@ -22,6 +28,15 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.engine.memory_plan import (
+    COMMUNICATOR_MIB,
+    GIB,
+    MemoryPlan,
+    MemorySettings,
+    blocks_per_sequence,
+    estimate_usage,
+    plan_memory,
+)
 from workers.layers.kv_cache import bytes_per_block, scale_granularity
 from workers.models.config import ModelConfig
 from workers.models.loader import resolve_dtype
@@ -36,8 +51,8 @@ class KVPlan:
     block_size: int
     bytes_per_token: float  # KV of one token over all layers (scale rows spread over the block)
     bytes_per_block: int
-    weight_bytes: int
-    kv_budget_bytes: int  # gpu_mem x utilization - weights
+    weight_bytes: int  # the parameters (``memory.weight_bytes`` adds the rotary tables loading builds)
+    kv_budget_bytes: int  # gpu_mem x utilization - weights, the step's activations and the reserves
     num_blocks: int
     blocks_per_sequence: int  # at the planned context
     max_concurrency: int  # sequences of the planned context that fit at once
@@ -45,6 +60,7 @@ class KVPlan:
     replicas_needed: int  # replicas of this size to hold ``concurrency`` sequences
     tensor_parallel_size: int = 1  # GPUs per replica; weight and block bytes are per GPU
     kv_heads_per_gpu: int = 0
+    memory: MemoryPlan | None = None  # the engine's plan with estimates: what the budget is spent on
 
     @property
     def gpus_needed(self) -> int:
@@ -91,9 +107,20 @@ def plan_kv(
     block_size: int = 16,
     gpu_memory_utilization: float = 0.9,
     tensor_parallel_size: int = 1,
+    *,
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 128,
+    max_model_len: int | None = None,
+    enforce_eager: bool = True,
+    compile_batch_sizes: tuple[int, ...] | None = None,
+    kv_transfer_slots: int = 0,
+    kv_transfer_peers: int = 0,
+    communicator_memory_mib: int = COMMUNICATOR_MIB,
+    cuda_graph_memory_gib: float | None = None,
 ) -> KVPlan:
     """How the KV cache of one replica with ``gpu_mem_gib`` of accelerator memory per GPU (and
-    ``tensor_parallel_size`` GPUs) is spent; byte figures are per GPU."""
+    ``tensor_parallel_size`` GPUs) is spent; byte figures are per GPU. The keywords are the
+    engine's (``EngineConfig``, same defaults); ``max_model_len`` defaults to ``context``."""
     kind = KVCacheDType.parse(kv_cache_dtype)
     for name, value in (
         ("gpu_mem", gpu_mem_gib),
@@ -106,14 +133,31 @@ def plan_kv(
     local_kv_heads = kv_heads_per_rank(model, tensor_parallel_size)
     torch_dtype = resolve_dtype(model, torch.device("cuda"), dtype)  # what a GPU replica runs
     model_dtype = str(torch_dtype).removeprefix("torch.")
-    rank_model = dataclasses.replace(model, num_kv_heads=local_kv_heads)
+    # one GPU's view of the model, as the engine's rank_model_config makes it
+    rank_model = dataclasses.replace(
+        model, num_heads=model.num_heads // tensor_parallel_size, num_kv_heads=local_kv_heads
+    )
     per_block = bytes_per_block(rank_model, block_size, kv_cache_dtype, torch_dtype)
     weights = weight_params_per_rank(model, tensor_parallel_size) * torch.empty((), dtype=torch_dtype).element_size()
-    budget = int(gpu_mem_gib * 2**30 * gpu_memory_utilization) - weights
-    num_blocks = max(0, budget // per_block)
-    per_seq = math.ceil(context / block_size)
-    if model.sliding_window and model.sliding_window < context:
-        per_seq = min(per_seq, math.ceil(model.sliding_window / block_size) + 1)
+    settings = MemorySettings.build(
+        block_size=block_size,
+        kv_cache_dtype=kind.value,
+        gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=tensor_parallel_size,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len or context,
+        cuda_graphs=not enforce_eager,
+        compile_batch_sizes=compile_batch_sizes,
+        kv_transfer_slots=kv_transfer_slots,
+        kv_transfer_peers=kv_transfer_peers,
+        communicator_memory_mib=communicator_memory_mib,
+        cuda_graph_memory_gib=cuda_graph_memory_gib,
+    )
+    usage = estimate_usage(settings, rank_model, torch_dtype, int(gpu_mem_gib * GIB), weights)
+    memory = plan_memory(settings, rank_model, torch_dtype, usage, f"a GPU of {gpu_mem_gib:g} GiB")
+    num_blocks = memory.num_blocks
+    per_seq = blocks_per_sequence(context, model.sliding_window, block_size)
     max_concurrency = num_blocks // per_seq
     return KVPlan(
         kv_cache_dtype=kind,
@@ -122,7 +166,7 @@ def plan_kv(
         bytes_per_token=per_block / block_size,
         bytes_per_block=per_block,
         weight_bytes=weights,
-        kv_budget_bytes=max(0, budget),
+        kv_budget_bytes=max(0, memory.kv_bytes),
         num_blocks=num_blocks,
         blocks_per_sequence=per_seq,
         max_concurrency=max_concurrency,
@@ -130,6 +174,7 @@ def plan_kv(
         replicas_needed=math.ceil(concurrency / max_concurrency) if max_concurrency else 0,
         tensor_parallel_size=tensor_parallel_size,
         kv_heads_per_gpu=local_kv_heads,
+        memory=memory,
     )
 
 
@@ -188,6 +233,14 @@ def format_plan(model: ModelConfig, plans: list[KVPlan], context: int, gpu_mem_g
     ]
     if any(plan.kv_cache_dtype != "auto" for plan in plans):
         lines.append(f"int8/fp8 scales: {scale_granularity(first.block_size, model.head_dim)}")
+    memory = first.memory
+    if memory is not None:
+        s = memory.settings
+        lines.append(
+            f"per GPU, as a replica plans it (steps of {s.max_num_batched_tokens} tokens over {s.max_num_seqs} "
+            f"sequences at context {s.max_model_len}; weights and activations estimated):"
+        )
+        lines.append(f"  {memory.line()}")
     lines += [
         "",
         f"{'kv dtype':<16}{'bytes/token':>12}{'KV budget GiB':>15}{'blocks':>14}{'tokens':>16}"
@@ -210,8 +263,13 @@ def format_plan(model: ModelConfig, plans: list[KVPlan], context: int, gpu_mem_g
         f"replicas{gpus} with kv_cache_dtype={first.kv_cache_dtype} (one holds {first.max_concurrency})"
     )
     if not first.num_blocks:
+        spent = first.weight_bytes if memory is None else memory.budget_bytes - memory.kv_bytes
         verdict = (
-            f"the weights ({first.weight_bytes / 2**30:.2f} GiB) leave no room for a KV block in "
-            f"{gpu_mem_gib:g} GiB at this utilization: give each replica more memory or use a smaller model"
+            f"the weights and the largest step ({spent / 2**30:.2f} GiB with the reserves) leave no room for a "
+            f"KV block in {gpu_mem_gib:g} GiB at this utilization: give each replica more memory or use a "
+            f"smaller model"
         )
+    refusal = memory.refusal() if memory is not None else None
+    if refusal:
+        verdict += f"\na replica would refuse to start: {refusal}"
     return "\n".join(lines + ["", verdict])

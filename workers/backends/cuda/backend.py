@@ -6,7 +6,8 @@
   (``triton_paged.py``) where Triton is importable, else inductor's compiled kernel; "flex"
   FlexAttention over the cache.
 - Elementwise ops and linears: the reference's (plain torch; cuBLAS under ``F.linear``).
-- Memory: ``gpu_memory_utilization`` of the device less what is in use after loading.
+- Memory: measured for the engine's memory plan through ``CUDAMemoryProbe`` (a profile run
+  after loading; ``workers/engine/memory_plan.py``).
 """
 
 from __future__ import annotations
@@ -72,17 +73,30 @@ class TritonPagedAttention(PagedDecodeAttention):
         return None
 
 
-def cuda_kv_blocks(device: torch.device, utilization: float, bytes_per_block: int) -> int:
-    """KV blocks that ``utilization`` of the device holds beside what is in use now."""
-    free, total = torch.cuda.mem_get_info(device)
-    used = total - free
-    budget = int(total * utilization) - used
-    if budget < bytes_per_block:
-        raise RuntimeError(
-            f"no GPU memory left for the KV cache: {used / 2**30:.1f} GiB of {total / 2**30:.1f} GiB "
-            f"in use after loading; raise gpu_memory_utilization or use a smaller model"
-        )
-    return budget // bytes_per_block
+class CUDAMemoryProbe:
+    """The device's memory for the engine's memory plan (``workers.engine.memory_plan.MemoryProbe``):
+    torch's caching allocator for this process's tensors, the driver for the whole device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def total(self) -> int:
+        return torch.cuda.mem_get_info(self.device)[1]
+
+    def used(self) -> int:
+        with torch.cuda.device(self.device):
+            torch.cuda.empty_cache()  # cached but unused blocks are not in use
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
 
 
 class CUDABackend(Backend):
