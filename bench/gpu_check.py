@@ -1,6 +1,6 @@
 """GPU truth in one pass (``scripts/gpu-check`` runs it): each check adds rows to one summary table.
 
-    python bench/gpu_check.py [--skip tests transfer agreement roofline] [--model M] [--log-dir D]
+    python bench/gpu_check.py [--skip tests transfer agreement roofline memory] [--model M] [--log-dir D]
 
 - ``tests``: ``pytest tests/gpu`` (pass/fail counts; the whole output in ``--log-dir``).
 - ``transfer``: ``bench/transfer.py --device cuda`` (KV blocks between two processes: NCCL with
@@ -9,6 +9,9 @@
 - ``agreement``: SmolLM2-135M-Instruct in bf16 on the GPU, the engine (eager and compiled)
   against transformers' greedy ``generate``: identical completions and identical tokens.
   ``--model`` takes a directory or a GGUF file where the package index cannot be reached.
+- ``memory``: the engine's memory plan on the device: an 8B-shaped model with random bf16
+  weights at the default utilization, a 32k-token prompt, then 64 prompts of 2k tokens at once;
+  the plan's line and the peak allocated memory against its budget.
 - ``roofline``: decode step time of an 8B-shaped model with random weights (32 layers, hidden
   4096, 32/8 heads, MLP 14336, vocab 128256, bf16) at batch 1/16/64 with 2048 tokens of
   context each, eager and compiled (CUDA graphs between the attention ops), against the HBM
@@ -178,12 +181,12 @@ SHAPE_SMOKE = {
 }  # --smoke: the code path on CPU, in seconds
 
 
-def _model_dir(root: Path, shape: dict) -> Path:
+def _model_dir(root: Path, shape: dict, max_positions: int = 8192) -> Path:
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         **shape,
-        "max_position_embeddings": 8192,
+        "max_position_embeddings": max_positions,
         "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0,
         "tie_word_embeddings": False,
@@ -302,6 +305,63 @@ def check_roofline(
             torch.cuda.empty_cache()
 
 
+def check_memory(long_prompt: int, concurrency: int, each: int, smoke: bool = False) -> None:
+    """The engine's memory plan on the device (workers/engine/memory_plan.py): an 8B-shaped model
+    with random bf16 weights (``load_format="dummy"``) at the default utilization, then a
+    ``long_prompt``-token prompt and ``concurrency`` prompts of ``each`` tokens at once; the
+    peak allocated memory against the plan's budget."""
+    from workers.engine import LLMEngine, SamplingParams
+    from workers.models.tiny import _save_tokenizer
+
+    device = "cpu" if smoke else "cuda"
+    shape = SHAPE_SMOKE if smoke else SHAPE_8B
+    model_dir = _model_dir(Path(tempfile.mkdtemp()) / "llama-8b-shape", shape, long_prompt + 64)
+    _save_tokenizer(512, model_dir)  # ids only: the engine's tokenizer is not asked to decode here
+    started = time.monotonic()
+    engine = LLMEngine(
+        str(model_dir),
+        device=device,
+        dtype="bfloat16",
+        load_format="dummy",
+        max_model_len=long_prompt + 64,
+        max_num_batched_tokens=8192,
+        load_progress=False,
+        **({"kv_cache_memory_gib": 0.05} if smoke else {}),
+    )
+    plan = engine.memory_plan
+    assert plan is not None
+    row("memory", "plan", f"{plan.line()} ({time.monotonic() - started:.0f} s to build)")
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    gen = torch.Generator().manual_seed(0)
+    vocab = shape["vocab_size"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False)
+    for what, prompts in (
+        (f"1 prompt of {long_prompt} tokens", [torch.randint(0, vocab, (long_prompt,), generator=gen).tolist()]),
+        (
+            f"{concurrency} prompts of {each} tokens at once",
+            [torch.randint(0, vocab, (each,), generator=gen).tolist() for _ in range(concurrency)],
+        ),
+    ):
+        t = time.monotonic()
+        try:
+            outs = engine.generate(prompts, params)
+        except Exception as e:  # noqa: BLE001 - an out-of-memory is this check's finding
+            row("memory", what, f"FAILED: {type(e).__name__}: {e}"[:300])
+            continue
+        assert all(len(o.token_ids) == 8 for o in outs)
+        peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
+        within = "within" if peak <= plan.budget_bytes else "OVER"
+        row(
+            "memory",
+            what,
+            f"{time.monotonic() - t:.1f} s; peak allocated {peak / 2**30:.2f} GiB, {within} the plan's "
+            f"budget {plan.budget_bytes / 2**30:.2f} GiB",
+        )
+    engine.check_idle()
+    row("memory", "disaggregated on one GPU over CUDA IPC", "not built yet: KV moves through the host (gloo)")
+
+
 def roofline_in_children(batches: list[int], context: int, steps: int, backends: list[str], smoke: bool) -> None:
     """Each backend in a process of its own: two CompiledDecode on one model in one process
     share dynamo's cache entries and CUDA-graph trees, and the second one timed 2.5x slower
@@ -326,7 +386,10 @@ def roofline_in_children(batches: list[int], context: int, steps: int, backends:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--skip", nargs="*", default=[], choices=("tests", "transfer", "agreement", "roofline"))
+    ap.add_argument("--skip", nargs="*", default=[], choices=("tests", "transfer", "agreement", "roofline", "memory"))
+    ap.add_argument("--long-prompt", type=int, default=32768, help="memory: the long prompt's tokens")
+    ap.add_argument("--concurrency", type=int, default=64, help="memory: prompts at once")
+    ap.add_argument("--each", type=int, default=2048, help="memory: tokens of each concurrent prompt")
     ap.add_argument("--model", default="smollm2", help="agreement: a known name, a directory or a GGUF file")
     ap.add_argument("--log-dir", type=Path, help="write the tests' and the transfer's whole output here")
     ap.add_argument("--transfer-sizes-mib", type=int, nargs="+", default=[16, 256])
@@ -347,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.smoke:
         roofline_in_children([1, 2], 64, 2, args.backends, smoke=True)
+        check_memory(256, 4, 64, smoke=True)
         return 0
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA device here; nothing to measure", file=sys.stderr)
@@ -357,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         "transfer": lambda: check_transfer(args.transfer_sizes_mib, 3, args.log_dir),
         "agreement": lambda: check_agreement(args.new_tokens, args.model),
         "roofline": lambda: roofline_in_children(args.batches, args.context, args.steps, args.backends, smoke=False),
+        "memory": lambda: check_memory(args.long_prompt, args.concurrency, args.each),
     }
     for name, check in checks.items():
         if name in args.skip:

@@ -114,7 +114,14 @@ def assemble(
     probe = backend.memory_probe() if config.num_kv_blocks is None else None
     start = start_profile(probe) if probe is not None else None  # before this replica allocates
     model = load_model(
-        config.model_dir, device, config.dtype, tp, backend, max_positions=max_len, progress=config.load_progress
+        config.model_dir,
+        device,
+        config.dtype,
+        tp,
+        backend,
+        max_positions=max_len,
+        progress=config.load_progress,
+        random_weights=config.load_format == "dummy",
     )
     rank_config = rank_model_config(model_config, tp)  # this rank's KV heads: what its cache holds
     memory: MemoryPlan | None = None

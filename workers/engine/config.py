@@ -29,6 +29,9 @@ class EngineConfig:
     model_key: str | None = None  # namespaces block hashes; None: derived from the model dir
     seed: int = 0  # generator for requests that give no seed
     load_progress: bool = True
+    # "safetensors": the checkpoint's weights; "dummy": random weights of the config's shapes, no
+    # files read (benchmarks and device checks of large shapes, as vLLM's load_format=dummy)
+    load_format: str = "safetensors"
     # False: decode-only steps up to the largest bucket run compiled (torch.compile at start-up;
     # CUDA: a graph per bucket, CPU: one; workers/engine/compiled.py); True: everything eager.
     enforce_eager: bool = True
@@ -75,6 +78,7 @@ class EngineConfig:
             "max_num_seqs": (self.max_num_seqs > 0, "must be positive"),
             "max_model_len": (self.max_model_len is None or self.max_model_len > 1, "must be > 1"),
             "kv_cache_memory_gib": (self.kv_cache_memory_gib > 0, "must be positive"),
+            "load_format": (self.load_format in ("safetensors", "dummy"), "must be 'safetensors' or 'dummy'"),
             "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
             "attention_backend": (
                 self.attention_backend in ("auto", "sdpa", "flex", "paged")

@@ -133,6 +133,7 @@ class LLMEngine:
         )
         self.backend, self.model, self.model_config = parts.backend, parts.model, parts.model_config
         self.dtype = parts.dtype
+        self.memory_plan = parts.memory  # None: num_kv_blocks was given (workers/engine/memory_plan.py)
         self.model_key = cfg.resolved_model_key
         self.sliding_window = parts.plan.sliding_window
         self.max_model_len = parts.plan.max_model_len

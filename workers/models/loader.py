@@ -55,6 +55,17 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def _fill_random(model: LlamaForCausalLM, rank: int) -> None:
+    """Norms 1, everything else N(0, 0.02), seeded per rank: activations stay in range."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(1234 + rank)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+
+
 def load_model(
     model_dir: str | Path,
     device: str | torch.device = "cpu",
@@ -64,10 +75,12 @@ def load_model(
     *,
     max_positions: int | None = None,
     progress: bool = True,
+    random_weights: bool = False,
 ) -> LlamaForCausalLM:
     """The model (``tp``: this rank's shard of it) with its weights from ``model_dir``, computing
     through ``backend`` (its ops, its prepared linears, its fast decode path; None: the reference's
-    plain torch)."""
+    plain torch). ``random_weights``: seeded random weights of the config's shapes instead, no file
+    read (``config.json`` is all ``model_dir`` needs)."""
     model_dir = Path(model_dir)
     device = torch.device(device)
     cfg = ModelConfig.from_dir(model_dir)
@@ -76,6 +89,16 @@ def load_model(
         model = LlamaForCausalLM(cfg, max_positions, tp, backend.ops if backend is not None else None)
     model = model.to(torch_dtype).to_empty(device=device)
     model.model.rotary_emb.build(device)  # fp32 tables, computed for real on the device
+
+    if random_weights:
+        _fill_random(model, tp.rank if tp is not None else 0)
+        logger.info(
+            "%s: random weights (%.1fM params) on %s as %s", model_dir.name, cfg.num_params / 1e6, device, torch_dtype
+        )
+        if backend is not None:
+            backend.prepare_model(model, torch_dtype)
+            model.fast_decode = backend.fast_decode(model)
+        return model.eval()
 
     params = dict(model.named_parameters())
     shards: dict[str, Shard] = {
