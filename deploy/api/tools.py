@@ -458,15 +458,27 @@ class StreamingToolParser:
         self.max_calls = max_calls
         self.tool_calls: list[dict[str, Any]] = []  # message entries, in order
         self.finished = False
+        self._buf = ""  # text fed and not yet released
 
     @property
     def has_calls(self) -> bool:
         return bool(self.tool_calls)
 
     def feed(self, text: str) -> ToolDeltas:
-        raise NotImplementedError
+        out = ToolDeltas()
+        self._buf += text
+        self._advance(out, final=False)
+        return out
 
     def finish(self) -> ToolDeltas:
+        out = ToolDeltas()
+        if not self.finished:
+            self.finished = True
+            self._advance(out, final=True)
+        return out
+
+    def _advance(self, out: ToolDeltas, final: bool) -> None:
+        """Release from ``_buf`` what is decided (``final``: everything)."""
         raise NotImplementedError
 
     def _emit_call(self, out: ToolDeltas, name: str, arguments: str) -> None:
@@ -508,19 +520,6 @@ class HermesToolParser(StreamingToolParser):
         self._in_call = False
         self._ws = ""  # whitespace after the last released content (dropped if a call follows)
         self._after_call = False  # dropping whitespace after a call
-
-    def feed(self, text: str) -> ToolDeltas:
-        out = ToolDeltas()
-        self._buf += text
-        self._advance(out, final=False)
-        return out
-
-    def finish(self) -> ToolDeltas:
-        out = ToolDeltas()
-        if not self.finished:
-            self.finished = True
-            self._advance(out, final=True)
-        return out
 
     def _advance(self, out: ToolDeltas, final: bool) -> None:
         while True:
@@ -625,19 +624,6 @@ class Llama3JsonToolParser(StreamingToolParser):
         self._state: Literal["start", "calls", "text"] = "start"
         self._pos = 0  # "calls": where the next call may begin
         self._found = 0  # call objects parsed (the ones max_calls dropped included)
-
-    def feed(self, text: str) -> ToolDeltas:
-        out = ToolDeltas()
-        self._buf += text
-        self._advance(out, final=False)
-        return out
-
-    def finish(self) -> ToolDeltas:
-        out = ToolDeltas()
-        if not self.finished:
-            self.finished = True
-            self._advance(out, final=True)
-        return out
 
     def _to_text(self, out: ToolDeltas, start: int) -> None:
         self._state = "text"

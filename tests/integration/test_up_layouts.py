@@ -6,6 +6,8 @@ GPUs every replica gets its own GPU, while more replicas than GPUs are refused b
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -67,26 +69,38 @@ def test_a_layout_this_machine_cannot_hold_is_refused_before_anything_starts(tin
 def fake_gpu_cluster(monkeypatch):
     """A Ray head of its own with 8 GPUs it does not have (Ray assigns their ids and sets
     CUDA_VISIBLE_DEVICES per replica all the same), on loopback, without token authentication
-    (a token another test's Ray wrote would not be this head's)."""
+    (a token another test's Ray wrote would not be this head's). ``ray start --block`` in its
+    own session: stopping it stops this head alone (``ray stop`` would stop every Ray here)."""
     port = free_port()
     temp = tempfile.mkdtemp(prefix="pdserve-fakegpu-")
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # for the head and for the pdserve up runs
     env = {**os.environ, "RAY_ADDRESS": ""}
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    start = [
-        ray_bin,
-        "start",
-        "--head",
-        f"--port={port}",
-        "--node-ip-address=127.0.0.1",
-        "--num-cpus=4",
-        "--num-gpus=8",
-    ]
-    subprocess.run([*start, f"--temp-dir={temp}", "--include-dashboard=false"], check=True, env=env, timeout=120)
+    head = subprocess.Popen(
+        [ray_bin, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+         "--num-cpus=4", "--num-gpus=8", f"--temp-dir={temp}", "--include-dashboard=false"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
     try:
-        yield f"127.0.0.1:{port}"
+        address = f"127.0.0.1:{port}"
+        assert _until(lambda: _gcs_answers(address), 120), "the fake-GPU Ray head did not start"
+        yield address
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], env=env, timeout=120, capture_output=True)
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(timeout=30)
+
+
+def _gcs_answers(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 def test_replicas_get_their_own_gpus_and_more_than_there_are_is_refused(tiny_llama, fake_gpu_cluster):

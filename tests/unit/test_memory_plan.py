@@ -15,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from tests.unit.test_kv_plan import LLAMA3_8B
 from workers.backends.base import Backend
 from workers.engine import EngineConfig, LLMEngine, SamplingParams
 from workers.engine import assemble as assemble_module
@@ -39,20 +40,6 @@ from workers.engine.model_runner import ModelRunner
 from workers.layers.kv_cache import bytes_per_block
 from workers.models.config import ModelConfig
 from workers.models.tiny import make_tiny_model
-
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "intermediate_size": 14336,
-    "max_position_embeddings": 8192,
-    "rope_theta": 500000.0,
-    "torch_dtype": "bfloat16",
-    "rms_norm_eps": 1e-5,
-}
 
 
 @pytest.fixture(scope="module")
