@@ -113,8 +113,35 @@ def check_transfer(sizes_mib: list[int], reps: int, log_dir: Path | None) -> Non
             "KV transfer",
             f"{result['transport']} {r['size_mib']} MiB ({r['blocks']} blocks)",
             f"{kv_gbps:.2f} GB/s; raw {result['transport'].split('_')[0]} send/recv {raw_gbps:.2f}; "
-            f"pinned D2H+H2D copy {copy_gbps:.2f} GB/s; kv/copy {kv_gbps / copy_gbps:.2f}",
+            f"pinned D2H+H2D copy {copy_gbps:.2f} GB/s; kv/copy {kv_gbps / copy_gbps:.2f}; "
+            f"block checksums {r['kv_s'] / r['kv_plain_s'] - 1:+.1%} of the pull without them",
         )
+    check_checksum_kernel(max(sizes_mib), reps)
+
+
+def check_checksum_kernel(size_mib: int, reps: int) -> None:
+    """The block checksums' Triton kernel on a wire buffer: equal to the torch definition, and its rate."""
+    from workers.backends.cuda import triton_checksum
+    from workers.transfer import checksum
+
+    device = torch.device("cuda:0")
+    words = torch.randint(-(2**62), 2**62, (32, 2, size_mib * 4, 512), dtype=torch.int64, device=device)  # 4 KiB chunks
+    expected = checksum.reference_sums(words)
+    got = triton_checksum.block_sums(words)
+    times = []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        triton_checksum.block_sums(words)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t)
+    median = sorted(times[1:])[len(times[1:]) // 2]
+    row(
+        "KV checksum",
+        f"Triton, {words.nbytes >> 20} MiB",
+        f"{'equal to' if torch.equal(got, expected) else 'DIFFERS from'} the torch definition; "
+        f"{words.nbytes / median / 1e9:.0f} GB/s",
+    )
 
 
 def check_agreement(new_tokens: int, model: str, device: str = "cuda") -> None:

@@ -1,6 +1,9 @@
 """KV transfer benchmark: pulling scattered blocks between two processes, side by side with
 (a) raw process-group send/recv of one contiguous tensor of the same size, (b) a local memcpy
-(``dst.copy_(src)``), and (c) the Ray object-store fallback, all measured in one run.
+(``dst.copy_(src)``), and (c) the Ray object-store fallback, all measured in one run; and the
+block checksums' cost: the same pull without them (its own pair group), the two interleaved rep
+by rep, and what a second pass of XXH3 over the buffer on each side would add (where the
+``xxhash`` package is installed: the library alternative to checksums folded into the copies).
 
     python bench/transfer.py                              # CPU: gloo over loopback
     python bench/transfer.py --device cuda                # NCCL (2 GPUs) or gloo_staged (1 GPU)
@@ -140,6 +143,34 @@ def timed(fn, reps: int, device: str) -> float:
     return statistics.median(times)
 
 
+def timed_pair(a, b, reps: int, device: str) -> tuple[float, float]:
+    """Medians of ``a`` and ``b`` run alternately, in ABBA order (after a warm-up of each): a slow
+    spell of the machine falls on both, and so does whatever one leaves running for the next (an
+    OpenMP team spinning after aten's copies)."""
+    a()
+    b()
+    sync(device)
+    times: tuple[list[float], list[float]] = ([], [])
+    for rep in range(reps):
+        order = ((a, times[0]), (b, times[1])) if rep % 2 == 0 else ((b, times[1]), (a, times[0]))
+        for fn, out in order:
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            out.append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def xxh3_pass_s(nbytes: int, reps: int) -> float | None:
+    """One XXH3-64 pass over ``nbytes`` on the host (None without the xxhash package)."""
+    try:
+        import xxhash
+    except ImportError:
+        return None
+    data = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255).numpy().tobytes()
+    return timed(lambda: xxhash.xxh3_64_intdigest(data), reps, "cpu")
+
+
 def pick_transport(args) -> tuple[str, str, str]:
     """(transport, sender device, raw baseline backend)."""
     if args.device == "cpu":
@@ -193,6 +224,9 @@ def main() -> None:
     address = decode(TransferAddress, hello["address"])
     caches = make_caches(layout, num_blocks, receiver_device)
     client = KVTransferClient("bench-decode", TransferConfig(transport=transport), device=receiver_device)
+    plain = KVTransferClient(
+        "bench-decode-plain", TransferConfig(transport=transport, checksum=False), device=receiver_device
+    )
     rng = random.Random(0)
 
     conn.send(("raw_init", max(args.sizes_mib) * MIB))
@@ -216,15 +250,18 @@ def main() -> None:
             conn.send(("raw", nbytes))
             raw_pg.recv([raw_dst[:nbytes]], 0, 0).wait()
 
-        def kv(handle: KVHandle = handle, dst: list[int] = dst) -> None:
+        def kv(handle: KVHandle = handle, dst: list[int] = dst, client: KVTransferClient = client) -> None:
             client.pull(handle, caches, dst, lambda req: conn.send(("kv", encode(req))), timeout_s=120)
 
+        plain_s, kv_s = timed_pair(lambda: kv(client=plain), kv, args.reps, receiver_device)
         row = {
             "size_mib": size,
             "blocks": n,
             "memcpy_s": timed(lambda d=memcpy_dst, s=memcpy_src: d.copy_(s), args.reps, receiver_device),
             "raw_s": timed(raw, args.reps, receiver_device),
-            "kv_s": timed(kv, args.reps, receiver_device),
+            "kv_s": kv_s,
+            "kv_plain_s": plain_s,
+            "xxh3_s": xxh3_pass_s(nbytes, args.reps),
         }
         rows.append(row)
         print(f"  measured {size} MiB", file=sys.stderr, flush=True)
@@ -274,6 +311,7 @@ def main() -> None:
     )
     header = (
         f"{'MiB':>5} {'blocks':>6} {'memcpy GB/s':>12} {'raw GB/s':>9} {'kv GB/s':>8} {'kv/raw':>7} {'kv/memcpy':>9}"
+        f" {'no-sum GB/s':>11} {'checksums':>9} {'xxh3 x2':>8}"
     )
     if not args.no_object_store:
         header += f" {'objstore GB/s':>14} {'obj/raw':>8}"
@@ -281,13 +319,16 @@ def main() -> None:
     for row in rows:
         gbps = {
             k: row["size_mib"] * MIB / row[f"{k}_s"] / 1e9
-            for k in ("memcpy", "raw", "kv", "object_store")
+            for k in ("memcpy", "raw", "kv", "kv_plain", "object_store")
             if f"{k}_s" in row
         }
         line = (
             f"{row['size_mib']:>5} {row['blocks']:>6} {gbps['memcpy']:>12.2f} {gbps['raw']:>9.2f} "
             f"{gbps['kv']:>8.2f} {gbps['kv'] / gbps['raw']:>7.2f} {gbps['kv'] / gbps['memcpy']:>9.2f}"
+            f" {gbps['kv_plain']:>11.2f} {row['kv_s'] / row['kv_plain_s'] - 1:>+9.1%}"
         )
+        # a second pass on each side, against the pull without checksums
+        line += f" {2 * row['xxh3_s'] / row['kv_plain_s']:>+8.1%}" if row["xxh3_s"] else f" {'-':>8}"
         if "object_store" in gbps:
             line += f" {gbps['object_store']:>14.2f} {gbps['object_store'] / gbps['raw']:>8.2f}"
         print(line)

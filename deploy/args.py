@@ -327,6 +327,11 @@ class PDServeArgs(BaseModel):
     )
     transport: str = Field(default="auto", description="auto, gloo, nccl, gloo_staged")
     transfer_timeout_s: float = Field(default=30.0, gt=0)
+    kv_checksum: bool = Field(
+        default=True,
+        description="checksum every transferred KV block where it is and verify it on receipt; a mismatch is "
+        "recomputed, counted (pdserve_kv_transfer_corrupt_total) and logged",
+    )
     max_migrations: int = Field(
         default=2,
         ge=0,
@@ -362,7 +367,8 @@ class PDServeArgs(BaseModel):
         description="testing only: prefill_delay_s (sleep before each prefill), send_stall_s (stall before "
         "each KV send), step_delay_s (sleep after each engine step that runs sequences), step_hang_s "
         "(the first step that runs sequences in one decode or colocated replica of the app hangs this "
-        "long, once per app) to exercise replica deaths, transfer deadlines and health checks",
+        "long, once per app), kv_corrupt_bytes (bytes flipped in each KV message after its checksum) to "
+        "exercise replica deaths, transfer deadlines, health checks and KV checksums",
     )
 
     @field_validator("block_size")

@@ -24,7 +24,7 @@ from workers.engine.engine import KVReservation
 from workers.engine_loop import EngineLoop
 from workers.protocol import GenerateRequest, KVHandle, PrefillResult, TokenChunk, TokenLogprobs, TransferRequest
 from workers.threads import one_torch_thread
-from workers.transfer import KVTransferClient, KVTransferError, TransferConfig, Transport
+from workers.transfer import KVCorruptError, KVTransferClient, KVTransferError, TransferConfig, Transport
 from workers.transfer.control import ControlClient
 from workers.transfer.tp_transfer import RANK_CALL_TIMEOUT_S, TPPuller, open_config, rank_channel
 from workers.worker_stats import WorkerStats
@@ -234,9 +234,19 @@ class DecodeWorker(ColocatedWorker):
                         stats = await asyncio.shield(pull)
                         extra = {"transfer_s": stats.seconds, "transfer_bytes": float(stats.num_bytes)}
                     except (KVTransferError, ValueError) as exc:
-                        logger.warning(
-                            "KV pull of %s from %s failed, recomputing here: %s", rid, handle.prefill_worker_id, exc
-                        )
+                        if isinstance(exc, KVCorruptError):
+                            self.stats.transfer_corrupt += 1
+                            logger.warning(
+                                "KV blocks of %s from %s to %s arrived corrupt, recomputing here: %s",
+                                rid,
+                                handle.prefill_worker_id,
+                                self.worker_id,
+                                exc,
+                            )
+                        else:
+                            logger.warning(
+                                "KV pull of %s from %s failed, recomputing here: %s", rid, handle.prefill_worker_id, exc
+                            )
                         self.stats.transfer_failures += 1
                         self.stats.recomputed_prefills += 1
                         self.stats.peer(handle.prefill_worker_id).failed(recomputed=True)

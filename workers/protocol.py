@@ -253,6 +253,7 @@ class TransferRequest:
     transport: str
     tag: int
     pairs: tuple[PairTransfer, ...] = ()
+    checksum: bool = True  # each block's checksum follows the blocks (workers/transfer/checksum.py)
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:

@@ -96,6 +96,7 @@ class WorkerStats:
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0
     transfer_failures: int = 0
+    transfer_corrupt: int = 0  # of those, transfers whose blocks arrived with other checksums
     recomputed_prefills: int = 0
     leases_expired: int = 0
     # decode: handed-over prompts that had to wait for KV room here, and those waiting now

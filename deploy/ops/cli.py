@@ -444,6 +444,12 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--transport", default="auto", choices=POOL_TRANSPORTS)
     parser.add_argument(
+        "--no-kv-checksum",
+        dest="kv_checksum",
+        action="store_false",
+        help="move KV blocks without their checksums (default: every block checksummed and verified)",
+    )
+    parser.add_argument(
         "--gpus-per-replica",
         type=float,
         default=None,
@@ -1024,6 +1030,7 @@ def up_app_args(args: argparse.Namespace, model: str, redis_url: str | None, gpu
         kv_transfer_slots=args.kv_transfer_slots,
         redis_url=redis_url,
         transport=args.transport,
+        kv_checksum=args.kv_checksum,
         api_keys=tuple(args.api_key),
         step_timeout_s=args.step_timeout_s,
         log_level=args.log_level,

@@ -79,6 +79,11 @@ _WORKER_COUNTERS = {
     "prefix_hits": ("pdserve_prefix_cache_hits_total", "", {"scope": "local"}),
     "transfer_bytes": ("pdserve_kv_transfer_bytes_total", "KV bytes received over transfers", {}),
     "transfer_failures": ("pdserve_kv_transfer_failures_total", "KV transfers that failed", {}),
+    "transfer_corrupt": (
+        "pdserve_kv_transfer_corrupt_total",
+        "KV transfers whose blocks arrived with another checksum than was sent",
+        {},
+    ),
     "recomputed_prefills": ("pdserve_recomputed_prefills_total", "Prompts recomputed on decode", {}),
     "preemptions": ("pdserve_preemptions_total", "Sequences preempted for lack of KV blocks", {}),
 }

@@ -75,9 +75,14 @@ def _replica_row(pool: str, r: dict) -> list[str]:
         str(r["requests"]),
         f"{hit:.1%}",
         f"{r['transfer_bytes'] / 2**20:.1f}",
-        str(r["transfer_failures"]),
+        _failures(r["transfer_failures"], r.get("transfer_corrupt", 0)),
         str(r["recomputed_prefills"]),
     ]
+
+
+def _failures(failures: int, corrupt: int) -> str:
+    """Failed transfers, and how many of them arrived corrupt (checksums differed)."""
+    return f"{failures} ({corrupt} corrupt)" if corrupt else str(failures)
 
 
 def _pair_row(p: dict) -> list[str]:

@@ -67,6 +67,8 @@ def transfer_config(args: PDServeArgs) -> TransferConfig:
         node_id=ray.get_runtime_context().get_node_id(),
         connect_timeout_s=args.transfer_timeout_s,
         transfer_timeout_s=args.transfer_timeout_s,
+        checksum=args.kv_checksum,
+        fault_corrupt_bytes=int(args.fault_injection.get("kv_corrupt_bytes", 0)),
     )
 
 

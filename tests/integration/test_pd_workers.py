@@ -107,6 +107,32 @@ async def test_failed_transfer_recomputes_same_output(pd, tiny_llama):
     assert decode.stats.transfer_failures == 1 and decode.stats.recomputed_prefills == 1
 
 
+async def test_kv_corrupted_in_flight_is_recomputed_to_the_same_output(tiny_llama):
+    """A prefill worker whose sends flip a byte after checksumming (the fault hook): decode
+    catches every one, counts it, recomputes, and the answers equal transformers'; nothing is
+    left held on either side."""
+    cfg = TransferConfig(transfer_timeout_s=5.0, connect_timeout_s=5.0)
+    corrupting = TransferConfig(transfer_timeout_s=5.0, connect_timeout_s=5.0, fault_corrupt_bytes=1)
+    prefill = PrefillWorker(
+        LLMEngine(tiny_llama, num_kv_blocks=128, load_progress=False), "prefill-0", corrupting, lease_ttl_s=2.0
+    )
+    await prefill.start()
+    decode = DecodeWorker(LLMEngine(tiny_llama, num_kv_blocks=128, load_progress=False), "decode-0", cfg)
+    try:
+        prompts = random_prompts((20, 70), seed=46)
+        for i, prompt in enumerate(prompts):
+            assert await run(prefill, decode, request(f"c{i}", prompt, max_tokens=16)) == hf_greedy(
+                tiny_llama, tuple(prompt), 16
+            )
+        assert decode.stats.transfer_corrupt == decode.stats.transfer_failures == len(prompts)
+        assert decode.stats.recomputed_prefills == len(prompts)
+        await wait_idle(decode)
+    finally:
+        for worker in (prefill, decode):
+            await worker.loop.call(lambda e: e.block_manager.check_idle())
+            await worker.shutdown()
+
+
 async def test_unclaimed_lease_expires_and_frees(pd):
     prefill, _ = pd
     result = await prefill.prefill(request("y", random_prompts((70,), seed=44)[0]))

@@ -34,8 +34,9 @@ def expected_digest(seed: int, src: list[int], dtype: str = "float32") -> str:
 @pytest.fixture(scope="module")
 def cluster():
     """Every peer the module needs, started at once (each spends seconds importing torch)."""
-    seeds = {"prefill-a": PREFILL_SEED, "decode-b": 2, "decode-c": 3, "prefill-d": 4, "prefill-e": 5}
-    started = {name: start_peer(name.split("-")[0], name, seed) for name, seed in seeds.items()}
+    seeds = {"prefill-a": PREFILL_SEED, "decode-b": 2, "decode-c": 3, "prefill-d": 4, "prefill-e": 5, "prefill-f": 6}
+    configs = {"prefill-f": {"fault_corrupt_bytes": 1}}  # flips one byte of each message it sends
+    started = {name: start_peer(name.split("-")[0], name, seed, configs.get(name)) for name, seed in seeds.items()}
     for name, peer in started.items():
         if name.startswith("prefill"):
             await_address(peer)
@@ -159,6 +160,29 @@ def test_killed_sender_fails_within_deadline_and_a_new_prefill_works(peers, clus
 
     outcome, sender = relay_pull(replacement, decode, make_handle(replacement, "req-replacement", src), dst)
     assert assert_exact_pull(outcome, sender, 5, src, dst).created_pair
+
+
+def test_a_byte_corrupted_in_flight_is_caught_every_time_and_the_pair_goes_on(peers, cluster):
+    """The sender flips one random byte of each message after checksumming it: every pull fails
+    as corrupt, naming the one block hit, and frees its blocks; a clean sender's pull that follows
+    over the same decode worker is exact."""
+    _, decode = peers
+    corrupting = cluster["prefill-f"]
+    rng = random.Random(7)
+    for i in range(24):
+        dtype = ("float32", "bfloat16", "int8", "float8_e4m3fn")[i % 4]
+        src = rng.sample(range(NUM_BLOCKS), rng.choice((1, 3, 40)))
+        dst = rng.sample(range(NUM_BLOCKS), len(src))
+        (kind, result), sender = relay_pull(
+            corrupting, decode, make_handle(corrupting, f"req-bad-{i}", src, dtype), dst
+        )
+        assert kind == "pull_failed", result
+        assert len(result["corrupt_blocks"]) == 1 and 0 <= result["corrupt_blocks"][0] < len(src), result
+        assert result["freed"] == dst and result["num_free"] == NUM_BLOCKS
+    prefill = cluster["prefill-a"]
+    src, dst = [12, 3, 900], [5, 6, 7]
+    outcome, sender = relay_pull(prefill, decode, make_handle(prefill, "req-clean", src), dst)
+    assert_exact_pull(outcome, sender, PREFILL_SEED, src, dst)
 
 
 def test_object_store_fallback_moves_exact_bytes():

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from workers.protocol import KVHandle, KVLayout, TransferAddress, TransferRequest, decode, encode
-from workers.transfer import KVTransferClient, KVTransferError, KVTransferServer, TransferConfig
+from workers.transfer import KVCorruptError, KVTransferClient, KVTransferError, KVTransferServer, TransferConfig
 
 NUM_BLOCKS = 1100
 LAYOUTS = {
@@ -128,7 +128,10 @@ def decode_main(conn, worker_id: str, seed: int, config: dict, device: str = "cp
             elapsed = time.monotonic() - started
             free_blocks |= set(dst)  # the failure path frees every block it allocated
             kind = "pull_failed" if isinstance(exc, KVTransferError) else "rejected"
-            conn.send((kind, {"error": str(exc), "elapsed": elapsed, "freed": dst, "num_free": len(free_blocks)}))
+            failure = {"error": str(exc), "elapsed": elapsed, "freed": dst, "num_free": len(free_blocks)}
+            if isinstance(exc, KVCorruptError):
+                failure["corrupt_blocks"] = list(exc.blocks)
+            conn.send((kind, failure))
             continue
         result = {
             "stats": encode(stats),

@@ -10,11 +10,12 @@ This package never imports the engine; Ray only for the object-store transport.
 from workers.transfer.buffers import gather_blocks, layout_of, scatter_blocks
 from workers.transfer.client import KVTransferClient, transfer_tag
 from workers.transfer.config import TransferConfig, Transport
-from workers.transfer.errors import KVTransferError
+from workers.transfer.errors import KVCorruptError, KVTransferError
 from workers.transfer.lease import Lease, LeaseTable
 from workers.transfer.server import KVTransferServer, SendResult
 
 __all__ = [
+    "KVCorruptError",
     "KVTransferClient",
     "KVTransferError",
     "KVTransferServer",

@@ -24,7 +24,7 @@ from workers.transfer import object_store
 from workers.transfer.buffers import check_block_ids, layout_of, scatter_blocks
 from workers.transfer.config import TransferConfig, Transport
 from workers.transfer.device import device_address, resolve_transport
-from workers.transfer.errors import KVTransferError
+from workers.transfer.errors import KVCorruptError, KVTransferError
 from workers.transfer.pair import DECODE_RANK, PairGroup, PairSlot, PairSlots, acquire
 
 logger = logging.getLogger(__name__)
@@ -162,6 +162,7 @@ class KVTransferClient:
                 handle.layout,
                 transport.value,
                 transfer_tag(handle.request_id),
+                checksum=self.config.checksum,
             )
 
         def stats(epoch: int, nbytes: int, created: bool) -> TransferStats:
@@ -192,7 +193,7 @@ class KVTransferClient:
             if group is None:
                 group = self._create_group(slot, handle.address, epoch, transport, deadline)
                 slot.peer_generation = handle.address.generation
-            nbytes = group.recv(kv_caches, dst, handle.layout, request.tag, deadline)
+            nbytes = group.recv(kv_caches, dst, handle.layout, request.tag, deadline, checksum=request.checksum)
             return stats(epoch, nbytes, created)
         except Exception as exc:
             # A send the peer refused (its lease ended) never touched the group: keep it.
@@ -201,9 +202,7 @@ class KVTransferClient:
             logger.warning(
                 "KV pull %s <- %s failed after %.2fs: %s", handle.request_id, peer, time.monotonic() - start, exc
             )
-            raise KVTransferError(
-                f"pulling {handle.request_id} from {peer} failed: {exc}", peer_id=peer, request_id=handle.request_id
-            ) from exc
+            raise rewrap(exc, f"pulling {handle.request_id} from {peer} failed", peer, handle.request_id) from exc
         finally:
             slot.lock.release()
 
@@ -217,13 +216,15 @@ class KVTransferClient:
         tag: int,
         deadline: float,
         heads: range | None = None,
+        checksum: bool | None = None,
     ) -> tuple[int, bool]:
         """One pair's receive of a tensor-parallel transfer (``workers/transfer/tp_transfer.py``):
         the message of the prefill rank at ``address`` into ``dst_block_ids`` (its local KV heads
         ``heads``), over the pair group of ``epoch``, which the coordinating rank chose; a live
         group of another epoch is torn down first. Returns (bytes received, group created).
-        The prefill rank must be sending now (its coordinator acknowledged the Send). Raises
-        KVTransferError (group torn down) on any failure."""
+        The prefill rank must be sending now (its coordinator acknowledged the Send), with block
+        checksums when ``checksum`` (default: this client's config). Raises KVTransferError (group
+        torn down) on any failure, KVCorruptError where checksums differ."""
         peer = address.worker_id
         slot = self._slot(peer)
         if not acquire(slot.lock, deadline):
@@ -243,10 +244,11 @@ class KVTransferClient:
                     )
                 group = self._create_group(slot, address, epoch, transport, deadline)
             layout = layout_of(kv_caches)
-            return group.recv(kv_caches, dst_block_ids, layout, tag, deadline, heads=heads), created
+            checksum = self.config.checksum if checksum is None else checksum
+            return group.recv(kv_caches, dst_block_ids, layout, tag, deadline, heads=heads, checksum=checksum), created
         except Exception as exc:
             slot.tear_down(f"pair receive failed: {exc}")
-            raise KVTransferError(f"receiving from {peer} (epoch {epoch}) failed: {exc}", peer_id=peer) from exc
+            raise rewrap(exc, f"receiving from {peer} (epoch {epoch}) failed", peer) from exc
         finally:
             slot.lock.release()
 
@@ -296,3 +298,10 @@ class KVTransferClient:
 
     def close(self) -> None:
         self._pairs.close_all("client closed")
+
+
+def rewrap(exc: BaseException, what: str, peer: str, request_id: str = "") -> KVTransferError:
+    """``exc`` as the transfer's one error type, with what failed; corruption stays corruption."""
+    if isinstance(exc, KVCorruptError):
+        return KVCorruptError(f"{what}: {exc}", peer_id=peer, request_id=request_id, blocks=exc.blocks)
+    return KVTransferError(f"{what}: {exc}", peer_id=peer, request_id=request_id)

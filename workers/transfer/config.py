@@ -16,7 +16,10 @@ class TransferConfig:
     store there, and both sides bind their gloo sockets to it. On a multi-node cluster set it to
     the node IP. ``node_id`` names the machine (Ray node id; hostname when empty) so ``AUTO`` can
     tell that two ranks share a GPU. CPU gather buffers up to ``buffer_cache_bytes`` are kept per
-    pair and reused (fresh pages cost as much as the copy).
+    pair and reused (fresh pages cost as much as the copy). ``checksum``: the decode side asks for
+    every transferred block's checksum and verifies it on receipt (``checksum.py``); a mismatch
+    fails the transfer, which decode then recomputes. ``fault_corrupt_bytes`` (tests only): the
+    sending side flips this many random bytes of each message after checksumming it.
     """
 
     transport: Transport = Transport.AUTO
@@ -26,6 +29,8 @@ class TransferConfig:
     connect_timeout_s: float = 30.0
     transfer_timeout_s: float = 30.0
     buffer_cache_bytes: int = 512 << 20
+    checksum: bool = True
+    fault_corrupt_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "transport", Transport(self.transport))

@@ -15,3 +15,12 @@ class KVTransferError(RuntimeError):
         super().__init__(message)
         self.peer_id = peer_id
         self.request_id = request_id
+
+
+class KVCorruptError(KVTransferError):
+    """Blocks arrived whose checksum differs from the sender's: ``blocks`` are their positions
+    in the transfer's order. The bytes are in the destination blocks; the caller frees them."""
+
+    def __init__(self, message: str, *, peer_id: str, request_id: str = "", blocks: tuple[int, ...] = ()) -> None:
+        super().__init__(message, peer_id=peer_id, request_id=request_id)
+        self.blocks = blocks

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import random
 import threading
 import time
 from collections.abc import Sequence
@@ -23,8 +24,10 @@ import torch
 import torch.distributed as dist
 
 from workers.protocol import KVLayout
+from workers.transfer import checksum as checksums
 from workers.transfer.buffers import buffer_shape, gather_blocks, head_slice, scatter_blocks
 from workers.transfer.config import Transport
+from workers.transfer.errors import KVCorruptError
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Backend as C10dBackend  # what both process groups are
@@ -126,6 +129,7 @@ class PairGroup:
         self._buffer_cache_bytes = buffer_cache_bytes
         self._scratch: torch.Tensor | None = None
         self.closed = False
+        self.fault_corrupt_bytes = 0  # tests only: TransferConfig.fault_corrupt_bytes
 
     @property
     def backend(self) -> str:
@@ -187,17 +191,23 @@ class PairGroup:
     def _wait(self, work, deadline: float) -> None:
         work.wait(_td(remaining_s(deadline)))
 
-    def _host_buffer(self, layout: KVLayout, num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
-        """A CPU buffer for one transfer; reused across transfers up to ``buffer_cache_bytes``."""
-        shape = buffer_shape(layout, num_blocks)
-        nbytes = layout.bytes_per_block * num_blocks
+    def _host_wire(self, layout: KVLayout, num_blocks: int, dtype: torch.dtype, checksum: bool) -> Wire:
+        """A CPU wire buffer for one transfer; reused across transfers up to ``buffer_cache_bytes``."""
+        nbytes = wire_bytes(layout, num_blocks, checksum)
         pinned = self.transport is Transport.GLOO_STAGED
         if nbytes > self._buffer_cache_bytes:
-            return torch.empty(shape, dtype=dtype, pin_memory=pinned)
+            return Wire(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned), layout, num_blocks, dtype, checksum)
         if self._scratch is None or self._scratch.numel() < nbytes:
             self._scratch = None
             self._scratch = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-        return self._scratch[:nbytes].view(dtype).view(shape)
+        return Wire(self._scratch[:nbytes], layout, num_blocks, dtype, checksum)
+
+    def _corrupt(self, wire: Wire) -> None:
+        """Tests only: flip ``fault_corrupt_bytes`` random bytes of the blocks about to be sent."""
+        if self.fault_corrupt_bytes > 0:
+            data = wire.raw[: wire.data_bytes]
+            where = torch.tensor(random.sample(range(data.numel()), min(self.fault_corrupt_bytes, data.numel())))
+            data[where.to(data.device)] ^= 0x5A
 
     def send(
         self,
@@ -207,29 +217,35 @@ class PairGroup:
         tag: int,
         deadline: float,
         heads: range | None = None,
+        checksum: bool = True,
     ) -> int:
         """Gather ``block_ids`` of all layers (only local KV heads ``heads`` when given: a
-        tensor-parallel peer's share) and send them as one message; returns bytes sent."""
+        tensor-parallel peer's share) and send them as one message, each block's checksum after
+        the blocks when ``checksum`` (and the layout has whole words); returns the blocks' bytes."""
         kv_caches, layout = head_slice(kv_caches, layout, heads)
         dtype = kv_caches[0].dtype
+        checksum = checksum and checksums_fit(layout)
         if self.transport is Transport.GLOO:
-            buf = gather_blocks(kv_caches, block_ids, self._host_buffer(layout, len(block_ids), dtype))
-            self._wait(self.pg.send([_wire(buf)], DECODE_RANK, tag), deadline)
-            return buf.nbytes
+            wire = self._host_wire(layout, len(block_ids), dtype, checksum)
+            wire.fill(kv_caches, block_ids)
+            self._corrupt(wire)
+            self._wait(self.pg.send([wire.raw], DECODE_RANK, tag), deadline)
+            return wire.data_bytes
         with torch.cuda.device(self.device):
-            staged = torch.empty(buffer_shape(layout, len(block_ids)), dtype=dtype, device=self.device)
-            gather_blocks(kv_caches, block_ids, staged)
+            staged = Wire.empty(layout, len(block_ids), dtype, checksum, self.device)
+            staged.fill(kv_caches, block_ids)  # checksums computed on the device, written after the blocks
+            self._corrupt(staged)
             if self.transport is Transport.GLOO_STAGED:
-                host = self._host_buffer(layout, len(block_ids), dtype)
-                host.copy_(staged, non_blocking=True)
+                host = self._host_wire(layout, len(block_ids), dtype, checksum)
+                host.raw.copy_(staged.raw, non_blocking=True)
                 torch.cuda.current_stream(self.device).synchronize()
-                self._wait(self.pg.send([_wire(host)], DECODE_RANK, tag), deadline)
+                self._wait(self.pg.send([host.raw], DECODE_RANK, tag), deadline)
             else:
                 # ProcessGroupNCCL orders its stream after the current one (the gather) and
                 # keeps ``staged`` alive until the send kernel is done.
-                self._wait(self.pg.send([_wire(staged)], DECODE_RANK, tag), deadline)
+                self._wait(self.pg.send([staged.raw], DECODE_RANK, tag), deadline)
                 torch.cuda.current_stream(self.device).synchronize()
-            return staged.nbytes
+            return staged.data_bytes
 
     def recv(
         self,
@@ -239,32 +255,48 @@ class PairGroup:
         tag: int,
         deadline: float,
         heads: range | None = None,
+        checksum: bool = True,
     ) -> int:
         """Receive one message and scatter it into ``block_ids`` (into local KV heads ``heads``
-        only when given); returns bytes received.
+        only when given); returns the blocks' bytes. With ``checksum`` (the sender was asked for
+        it) each block's checksum is verified: ``KVCorruptError`` names the blocks that differ.
 
         Returns only once the blocks are written (device synchronized), so the caller may
         schedule them at once.
         """
         kv_caches, layout = head_slice(kv_caches, layout, heads)
         dtype = kv_caches[0].dtype
+        checksum = checksum and checksums_fit(layout)
         if self.transport is Transport.GLOO:
-            buf = self._host_buffer(layout, len(block_ids), dtype)
-            self._wait(self.pg.recv([_wire(buf)], PREFILL_RANK, tag), deadline)
-            scatter_blocks(buf, kv_caches, block_ids)
-            return buf.nbytes
+            wire = self._host_wire(layout, len(block_ids), dtype, checksum)
+            self._wait(self.pg.recv([wire.raw], PREFILL_RANK, tag), deadline)
+            self._verify(wire, wire.drain(kv_caches, block_ids))
+            return wire.data_bytes
         with torch.cuda.device(self.device):
             if self.transport is Transport.GLOO_STAGED:
-                host = self._host_buffer(layout, len(block_ids), dtype)
-                self._wait(self.pg.recv([_wire(host)], PREFILL_RANK, tag), deadline)
-                staged = host.to(self.device, non_blocking=True)
+                host = self._host_wire(layout, len(block_ids), dtype, checksum)
+                self._wait(self.pg.recv([host.raw], PREFILL_RANK, tag), deadline)
+                staged = Wire(host.raw.to(self.device, non_blocking=True), layout, len(block_ids), dtype, checksum)
             else:
-                staged = torch.empty(buffer_shape(layout, len(block_ids)), dtype=dtype, device=self.device)
+                staged = Wire.empty(layout, len(block_ids), dtype, checksum, self.device)
                 # wait() makes the current stream wait for the recv kernel, then the scatter.
-                self._wait(self.pg.recv([_wire(staged)], PREFILL_RANK, tag), deadline)
-            scatter_blocks(staged, kv_caches, block_ids)
+                self._wait(self.pg.recv([staged.raw], PREFILL_RANK, tag), deadline)
+            received = staged.drain(kv_caches, block_ids)
             torch.cuda.current_stream(self.device).synchronize()
-            return staged.nbytes
+            self._verify(staged, received)
+            return staged.data_bytes
+
+    def _verify(self, wire: Wire, received: torch.Tensor | None) -> None:
+        if received is None or wire.sums is None:
+            return
+        bad = checksums.mismatched(received, wire.sums)
+        if bad:
+            raise KVCorruptError(
+                f"{len(bad)} of {wire.num_blocks} blocks from {self.peer_id} arrived with another checksum "
+                f"than was sent (positions {bad[:8]})",
+                peer_id=self.peer_id,
+                blocks=tuple(bad),
+            )
 
     def close(self) -> None:
         """Abort the group (pending ops fail, sockets close) and drop its buffers; idempotent."""
@@ -332,8 +364,42 @@ def acquire(lock: threading.Lock, deadline: float) -> bool:
         return False
 
 
-def _wire(buf: torch.Tensor) -> torch.Tensor:
-    """The tensor a backend moves: fp8 KV as its bytes (gloo has no fp8 type; NCCL's varies)."""
-    if buf.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return buf.view(torch.uint8)
-    return buf
+def checksums_fit(layout: KVLayout) -> bool:
+    """Whether a block's chunks are whole 8-byte words (every real head size): the checksum's unit."""
+    return layout.bytes_per_block % (2 * layout.num_layers * checksums.SUM_BYTES) == 0
+
+
+def wire_bytes(layout: KVLayout, num_blocks: int, checksum: bool) -> int:
+    return num_blocks * (layout.bytes_per_block + (checksums.SUM_BYTES if checksum else 0))
+
+
+class Wire:
+    """One transfer's message as bytes (``raw``, what the backend moves: fp8 KV too, which gloo
+    has no type for): the blocks, ``data`` (``buffers.buffer_shape``), then with a checksum one
+    int64 per block, ``sums``."""
+
+    def __init__(self, raw: torch.Tensor, layout: KVLayout, num_blocks: int, dtype: torch.dtype, checksum: bool):
+        self.raw = raw
+        self.num_blocks = num_blocks
+        self.data_bytes = layout.bytes_per_block * num_blocks
+        self.data = raw[: self.data_bytes].view(dtype).view(buffer_shape(layout, num_blocks))
+        self.sums = raw[self.data_bytes :].view(torch.int64) if checksum else None
+
+    @classmethod
+    def empty(cls, layout: KVLayout, num_blocks: int, dtype: torch.dtype, checksum: bool, device) -> Wire:
+        raw = torch.empty(wire_bytes(layout, num_blocks, checksum), dtype=torch.uint8, device=device)
+        return cls(raw, layout, num_blocks, dtype, checksum)
+
+    def fill(self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> None:
+        """Gather ``block_ids`` into the message, with their checksums."""
+        if self.sums is None:
+            gather_blocks(kv_caches, block_ids, self.data)
+        else:
+            self.sums.copy_(checksums.gather(kv_caches, block_ids, self.data))
+
+    def drain(self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> torch.Tensor | None:
+        """Scatter the message into ``block_ids``; the checksums of what arrived (None without)."""
+        if self.sums is None:
+            scatter_blocks(self.data, kv_caches, block_ids)
+            return None
+        return checksums.scatter(self.data, kv_caches, block_ids)

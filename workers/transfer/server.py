@@ -107,6 +107,7 @@ class KVTransferServer:
             deadline=deadline,
             buffer_cache_bytes=self.config.buffer_cache_bytes,
         )
+        group.fault_corrupt_bytes = self.config.fault_corrupt_bytes
         slot.group = group
         logger.info(
             "pair group %s -> %s epoch %d created (%s)", self.worker_id, decode_worker_id, epoch, transport.value
@@ -194,7 +195,9 @@ class KVTransferServer:
             )
         try:
             group, created = self._group_for(slot, peer, request.epoch, transport, deadline)
-            nbytes = group.send(kv_caches, request.src_block_ids, layout, request.tag, deadline, heads=heads)
+            nbytes = group.send(
+                kv_caches, request.src_block_ids, layout, request.tag, deadline, heads=heads, checksum=request.checksum
+            )
             return SendResult(stats(request.epoch, nbytes, created))
         except KVTransferError:
             raise

@@ -49,7 +49,7 @@ from workers.transfer.buffers import check_block_ids, layout_of
 from workers.transfer.client import KVTransferClient, RequestSend, transfer_tag
 from workers.transfer.config import TransferConfig, Transport
 from workers.transfer.device import resolve_transport
-from workers.transfer.errors import KVTransferError
+from workers.transfer.errors import KVCorruptError, KVTransferError
 from workers.transfer.pair import acquire, remaining_s
 from workers.transfer.server import KVTransferServer, SendResult
 from workers.transfer.tp_plan import heads_of_rank, plan_tp_transfer
@@ -99,6 +99,7 @@ class RankOp:
     tag: int = 0
     block_ids: tuple[int, ...] = ()
     timeout_s: float = 0.0
+    checksum: bool = True  # send/recv: block checksums follow the blocks (workers/transfer/checksum.py)
     # open
     role: str = ""
     worker_id: str = ""
@@ -127,6 +128,7 @@ class RankReport:
     failed_peers: tuple[int, ...] = ()
     error: str = ""
     address: TransferAddress | None = None
+    corrupt: bool = False  # a failed pair's blocks arrived with other checksums than were sent
 
 
 Dispatch = Callable[[RankOp], int]  # rank 0: write the op, broadcast it; its sequence number
@@ -190,7 +192,8 @@ def run_pairs(
         else:
             total += outcome[0]
             created |= outcome[1]
-    return RankReport(not failed, total, created, tuple(failed), first_error)
+    corrupt = any(isinstance(outcome, KVCorruptError) for outcome in outcomes)
+    return RankReport(not failed, total, created, tuple(failed), first_error, corrupt=corrupt)
 
 
 class RankTransferAgent:
@@ -247,7 +250,14 @@ class RankTransferAgent:
 
             def send(pair: RankPair, deadline: float) -> tuple[int, bool]:
                 request = TransferRequest(
-                    op.request_id, pair.peer_worker_id, pair.epoch, op.block_ids, layout, pair.transport, op.tag
+                    op.request_id,
+                    pair.peer_worker_id,
+                    pair.epoch,
+                    op.block_ids,
+                    layout,
+                    pair.transport,
+                    op.tag,
+                    checksum=op.checksum,
                 )
                 heads = range(pair.head_start, pair.head_stop)
                 result = server.send(request, self.kv_caches, remaining_s(deadline), heads=heads)
@@ -263,7 +273,7 @@ class RankTransferAgent:
                 heads = range(pair.head_start, pair.head_stop)
                 transport = Transport(pair.transport)
                 return client.recv_pair(
-                    pair.peer, pair.epoch, transport, self.kv_caches, op.block_ids, op.tag, deadline, heads
+                    pair.peer, pair.epoch, transport, self.kv_caches, op.block_ids, op.tag, deadline, heads, op.checksum
                 )
 
             return run_pairs(pairs, recv, deadline)
@@ -319,7 +329,15 @@ class TPSender:
         if workers:
             if self._dispatch is None:
                 raise ValueError("pairs name worker ranks but this prefill replica has one rank")
-            op = RankOp("send", workers, request.request_id, request.tag, request.src_block_ids, remaining_s(deadline))
+            op = RankOp(
+                "send",
+                workers,
+                request.request_id,
+                request.tag,
+                request.src_block_ids,
+                remaining_s(deadline),
+                checksum=request.checksum,
+            )
             seq = self._dispatch(op)
 
         def send(pair: RankPair, deadline: float) -> tuple[int, bool]:
@@ -331,6 +349,7 @@ class TPSender:
                 local,
                 pair.transport,
                 request.tag,
+                checksum=request.checksum,
             )
             result = self.server.send(
                 one, kv_caches, remaining_s(deadline), heads=range(pair.head_start, pair.head_stop)
@@ -489,6 +508,7 @@ class TPPuller:
                 pairs[0].transport,
                 tag,
                 tuple(pairs),
+                checksum=self.client.config.checksum,
             )
             request_send(request)  # acknowledged: the lease is claimed and every prefill rank is sending
             workers = {j: tuple(r) for j, r in receives.items() if j > 0}
@@ -496,13 +516,31 @@ class TPPuller:
             if workers:
                 if self._dispatch is None:
                     raise ValueError("the plan names decode worker ranks but this replica has one rank")
-                seq = self._dispatch(RankOp("recv", workers, handle.request_id, tag, dst, remaining_s(deadline)))
+                seq = self._dispatch(
+                    RankOp(
+                        "recv",
+                        workers,
+                        handle.request_id,
+                        tag,
+                        dst,
+                        remaining_s(deadline),
+                        checksum=request.checksum,
+                    )
+                )
 
             def recv(pair: RankPair, deadline: float) -> tuple[int, bool]:
                 assert pair.peer is not None
                 heads = range(pair.head_start, pair.head_stop)
                 return self.client.recv_pair(
-                    pair.peer, pair.epoch, Transport(pair.transport), kv_caches, dst, tag, deadline, heads
+                    pair.peer,
+                    pair.epoch,
+                    Transport(pair.transport),
+                    kv_caches,
+                    dst,
+                    tag,
+                    deadline,
+                    heads,
+                    request.checksum,
                 )
 
             reports = {0: run_pairs(receives.get(0, ()), recv, deadline)} if 0 in receives else {}
@@ -510,7 +548,7 @@ class TPPuller:
                 reports |= self._collect(seq, sorted(workers), max(0.0, deadline - time.monotonic()) + REPORT_GRACE_S)
         finally:
             lock.release()
-        failures = []
+        failures, corrupt = [], False
         for j in sorted(receives):
             report = reports.get(j)
             if report is None:
@@ -519,10 +557,11 @@ class TPPuller:
                     self.epochs.spoil(peer, pair.peer_rank, j)
             elif not report.ok:
                 failures.append(f"decode rank {j}: {report.error}")
+                corrupt |= report.corrupt
                 for i in report.failed_peers:
                     self.epochs.spoil(peer, i, j)
         if failures:
-            raise KVTransferError(
+            raise (KVCorruptError if corrupt else KVTransferError)(
                 f"pulling {handle.request_id} from {peer} failed on {'; '.join(failures)}",
                 peer_id=peer,
                 request_id=handle.request_id,

@@ -429,7 +429,7 @@ def main() -> None:
     """Build and check every registered kernel at its ``warm`` keys (a warm cache for the engine)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # the families register with the imported module, not with this one run as __main__
-    from workers.backends.cpu import amx, fused, paged, panels, prefill  # noqa: F401 - they register
+    from workers.backends.cpu import amx, checksum, fused, paged, panels, prefill  # noqa: F401 - they register
     from workers.backends.cpu import build as loader
 
     print(f"CPU kernels in {loader.cache_dir()} (torch's CPU capability {torch.backends.cpu.get_cpu_capability()})")
