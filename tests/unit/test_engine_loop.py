@@ -64,14 +64,14 @@ async def test_a_request_whose_sampling_fails_fails_alone(loop_engine, tiny_llam
     finish with the reference output; the engine loop stays up."""
     import workers.engine.sampler as sampler
 
-    real = sampler._sample_row
+    real = sampler._sample_rows
 
-    def breaks_on_seed_13(logits, params, generator):
-        if params.seed == 13:
+    def breaks_on_seed_13(logits, params, generators):
+        if any(p.seed == 13 for p in params):
             raise RuntimeError("invalid multinomial distribution")
-        return real(logits, params, generator)
+        return real(logits, params, generators)
 
-    monkeypatch.setattr(sampler, "_sample_row", breaks_on_seed_13)
+    monkeypatch.setattr(sampler, "_sample_rows", breaks_on_seed_13)
     loop = loop_engine
     prompts = random_prompts((9, 17, 25), seed=61)
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
@@ -94,10 +94,10 @@ async def test_a_request_whose_sampling_fails_fails_alone(loop_engine, tiny_llam
 def test_offline_generate_raises_the_failed_request_and_leaves_nothing_running(tiny_llama, monkeypatch):
     import workers.engine.sampler as sampler
 
-    def always_breaks(logits, params, generator):
+    def always_breaks(logits, params, generators):
         raise RuntimeError("invalid multinomial distribution")
 
-    monkeypatch.setattr(sampler, "_sample_row", always_breaks)
+    monkeypatch.setattr(sampler, "_sample_rows", always_breaks)
     engine = LLMEngine(tiny_llama, num_kv_blocks=64, load_progress=False)
     prompts = random_prompts((9, 17), seed=62)
     with pytest.raises(RequestFailed, match="invalid multinomial"):

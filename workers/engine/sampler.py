@@ -35,15 +35,21 @@ def sample(
     elif greedy_rows:
         rows = torch.tensor(greedy_rows)
         tokens[rows] = logits[rows.to(logits.device)].argmax(dim=-1).cpu()
-    for i, seq in enumerate(seqs):
-        if not seq.params.greedy:
+    random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if random_rows:
+        generators = []
+        for i in random_rows:
+            seq = seqs[i]
             if seq.params.seed is not None:
                 # A pure function of (seed, output position): the same tokens whichever worker
                 # samples them, after a preemption, or when prefill and decode are split.
                 position = seq.params.output_position_offset + seq.num_output_tokens
                 assert seq.generator is not None, "add_request gives a seeded sequence its own generator"
                 seq.generator.manual_seed(_position_seed(seq.params.seed, position))
-            tokens[i] = _sample_row(logits[i], seq.params, seq.generator)
+            generators.append(seq.generator)
+        index = torch.tensor(random_rows)
+        drawn = _sample_rows(logits[index.to(logits.device)], [seqs[i].params for i in random_rows], generators)
+        tokens[index] = drawn.cpu()
     token_list = tokens.tolist()
 
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)
@@ -80,26 +86,89 @@ def _position_seed(seed: int, position: int) -> int:
 
 
 def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    raw = logits
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        cumulative = sorted_probs.cumsum(-1)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop = cumulative - sorted_probs >= params.top_p
-        drop[..., 0] = False  # also when top_p is below the dtype's smallest number (5e-324 is 0.0 in fp32)
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
-        # Extreme parameters (a temperature so small the logits overflow) leave no distribution:
-        # the limit they approach is greedy, and a request must never stop the engine.
-        return int(torch.argmax(raw).item())
-    if generator is not None and generator.device != probs.device:
-        probs = probs.to(generator.device)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    """One token from one row of logits ``[V]``."""
+    return int(_sample_rows(logits[None], [params], [generator])[0])
+
+
+def _sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """One token per row of ``logits`` ``[N, V]`` under its own temperature, top-k, min-p and
+    top-p, drawn with its own generator (rows that share one draw together): int64 ``[N]`` on the
+    logits' device. The transforms run on the whole batch and nothing is read back to the host, so a
+    step pays one synchronisation for all its rows (its caller's), not a few per row."""
+    n, vocab = logits.shape
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    x = logits / temps[:, None]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(top_k):
+        k = torch.tensor(top_k, device=device)
+        top = torch.topk(x, max(top_k), dim=-1).values
+        kth = top.gather(1, (k - 1).clamp(min=0)[:, None])
+        kth = torch.where(k[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        floor = torch.tensor(min_p, dtype=probs.dtype, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    top_p = [p.top_p for p in params]
+    if any(t < 1.0 for t in top_p):
+        probs = _top_p(probs, torch.tensor(top_p, dtype=probs.dtype, device=device)[:, None])
+    # Extreme parameters (a temperature so small the logits overflow) leave no distribution: the
+    # limit they approach is greedy, and a request must never stop the engine. Such a row (its
+    # mass NaN or zero) becomes all its mass on the raw argmax, so the draw below picks it.
+    broken = ~(probs.sum(dim=-1) > 0)
+    if bool(broken.any()):
+        hit = torch.nonzero(broken).flatten()
+        probs[hit] = torch.zeros_like(probs[hit]).scatter_(-1, logits[hit].argmax(-1, keepdim=True), 1.0)
+    out = torch.empty(n, dtype=torch.long, device=device)
+    groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
+    for row, generator in enumerate(generators):
+        groups.setdefault(id(generator), (generator, []))[1].append(row)
+    for generator, rows in groups.values():
+        picked = probs[torch.tensor(rows, device=device)] if len(rows) < n else probs
+        out[torch.tensor(rows, device=device)] = _draw(picked, generator).to(device)
+    return out
+
+
+def _top_p(probs: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """``probs`` ``[N, V]`` with each row's tokens outside its nucleus zeroed: the smallest set of
+    most likely tokens whose mass reaches the row's ``limit`` (``[N, 1]``; the first token always
+    stays, and a row at 1.0 keeps every token). A nucleus almost always lies among a row's few
+    hundred most likely tokens: those are found with ``topk`` and the whole vocabulary is sorted
+    only for the rows whose nucleus reaches past them (a full sort costs ms a row on a CPU)."""
+    vocab = probs.shape[-1]
+    out = probs.clone()
+    rows = torch.nonzero(limit[:, 0] < 1.0).flatten()
+    for k in (min(256, vocab), vocab):
+        if rows.numel() == 0:
+            break
+        values, order = probs[rows].topk(k, dim=-1, sorted=True) if k < vocab else probs[rows].sort(-1, True)
+        cumulative = values.cumsum(-1)
+        # a token stays while the mass before it is short of the limit (the first always stays:
+        # also when top_p is below the dtype's smallest number, 5e-324 being 0.0 in fp32)
+        drop = cumulative - values >= limit[rows]
+        drop[:, 0] = False
+        done = (cumulative[:, -1] >= limit[rows, 0]) | (k == vocab)
+        kept = torch.zeros_like(out[rows]).scatter_(-1, order, values.masked_fill(drop, 0.0))
+        out[rows[done]] = kept[done]
+        rows = rows[~done]
+    return out
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs`` (non-negative, each row with mass) by inverse CDF: one
+    uniform a row from ``generator``, found in the row's cumulative sums. ``torch.multinomial``
+    draws the same way but costs about a millisecond a row of a large vocabulary on a CPU."""
+    device = generator.device if generator is not None else probs.device
+    probs = probs.to(device)
+    cdf = probs.cumsum(-1)
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=device, dtype=cdf.dtype)
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)
+    # where rounding put the point at the very end, past the last token with mass
+    zero = (probs.gather(1, tokens) <= 0)[:, 0]
+    if bool(zero.any()):
+        tokens[zero] = probs[zero].argmax(-1, keepdim=True)
+    return tokens[:, 0]
