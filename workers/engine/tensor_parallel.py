@@ -78,7 +78,7 @@ from workers.transfer.tp_transfer import RankOp, RankReport, RankTransferAgent
 
 logger = logging.getLogger(__name__)
 
-COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # a model collective waiting longer fails
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # a model collective waiting longer fails (the group's timeout)
 STARTUP_TIMEOUT_S = 300.0  # workers must start and join within this
 # The control group never times out in practice: a worker idles there between steps.
 _IDLE_TIMEOUT = timedelta(days=365)
@@ -225,7 +225,7 @@ class RankGroups:
         model_group = new_process_group(
             dist.PrefixStore("tp/model", store), rank, world_size, backend, COLLECTIVE_TIMEOUT, bind_host, device
         )
-        self.tp = TPGroup(rank, world_size, model_group, COLLECTIVE_TIMEOUT)
+        self.tp = TPGroup(rank, world_size, model_group)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()

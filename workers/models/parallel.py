@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,12 +41,16 @@ class TPGroup:
     """This rank's place in its tensor-parallel group, and the process group of the model's
     collectives (a ``ProcessGroupGloo`` or ``ProcessGroupNCCL`` made outside torch.distributed's
     global state). ``process_group`` is None at world size 1, and in a rank that only loads
-    weights (tests): its layers can be built and loaded, not run."""
+    weights (tests): its layers can be built and loaded, not run.
+
+    A collective's ``wait()`` takes no timeout: on NCCL it then only orders the current stream
+    after the collective and the CPU runs on (a timeout would block the thread until the
+    collective is done), and under a CUDA graph it can be captured. A stuck rank is the process
+    group's own timeout's to catch (gloo's per op, NCCL's watchdog), set where the group is made."""
 
     rank: int = 0
     world_size: int = 1
     process_group: Any = None
-    timeout: timedelta = timedelta(seconds=60)  # a collective waiting longer fails (a stuck rank)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -62,7 +65,7 @@ class TPGroup:
         """Sum ``x`` over the ranks, in place; returns it."""
         if self.world_size == 1:
             return x
-        self._group().allreduce([x]).wait(self.timeout)
+        self._group().allreduce([x]).wait()
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,7 +74,7 @@ class TPGroup:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        self._group().allgather([parts], [x]).wait(self.timeout)
+        self._group().allgather([parts], [x]).wait()
         return torch.cat(parts, dim=-1)
 
     def even_shard(self, size: int, what: str) -> slice:
