@@ -148,6 +148,7 @@ def test_greedy_sampling_takes_the_kernel_only_when_every_row_is_greedy(monkeypa
     from workers.engine.sequence import Sequence
 
     argmax = CPUOps().argmax  # the CPU backend's, as the engine passes it
+    assert cpu_fused.argmax_usable()  # its self-check's own calls happen now, before counting
     calls = []
     kernel = cpu_fused.argmax
     monkeypatch.setattr(cpu_fused, "argmax", lambda logits: calls.append(logits.shape) or kernel(logits))
