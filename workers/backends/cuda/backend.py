@@ -1,7 +1,10 @@
 """The CUDA backend: attention and memory facts for NVIDIA GPUs.
 
-- Attention: "sdpa" (default) gathers the blocks a step reads for SDPA, and decodes through
-  flash-attn's paged kernel where it is installed and takes the cache (``FlashDecodeAttention``);
+- Attention: "sdpa" (default) gathers the blocks a step's decodes read for SDPA, and decodes
+  through flash-attn's paged kernel where it is installed and takes the cache
+  (``FlashDecodeAttention``); prompt chunks after cached context (and fresh prompts SDPA's flash
+  kernel does not take) run the Triton prompt kernel over the cache in place
+  (``TritonPromptAttention``, ``triton_prefill.py``);
   "paged" decodes through the block tables with the hand-written Triton kernel
   (``triton_paged.py``) where Triton is importable, else inductor's compiled kernel; "flex"
   FlexAttention over the cache.
@@ -18,7 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from workers.backends.base import AttentionFactory, Backend
-from workers.layers.paged_attention import DecodeKernel, PagedAttention, PagedDecodeAttention
+from workers.backends.cuda import triton_prefill
+from workers.layers.paged_attention import DecodeKernel, PagedAttention, PagedDecodeAttention, PrefillSpan
 
 if TYPE_CHECKING:
     from workers.layers.kv_cache import PagedKVCache
@@ -41,7 +45,52 @@ def flash_attn_usable(kv: PagedKVCache, window: int | None) -> bool:
     )
 
 
-class FlashDecodeAttention(PagedAttention):
+def _kernel_device(q: torch.Tensor) -> bool:
+    """Whether the Triton kernels run on ``q``'s device (a test under Triton's interpreter says yes on CPU)."""
+    return q.device.type == "cuda"
+
+
+class TritonPromptAttention(PagedAttention):
+    """Prompt spans through the Triton prompt kernel (``triton_prefill.py``), which reads a
+    chunk's context from the cache in place: a chunk after cached context always (SDPA there
+    needs an explicit mask, which rules out its fused kernels), a fresh prompt where SDPA's flash
+    kernel would not take it (fp32, or a window shorter than the prompt). A fresh fp16/bf16
+    prompt without a window stays on SDPA (causal, GQA: the flash kernel); a quantized cache and
+    head sizes the kernel does not take keep the gather path."""
+
+    def _prompt_kernel(
+        self, layer: int, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+    ) -> bool:
+        head_dim = q.shape[-1]
+        if not _kernel_device(q) or head_dim < 16 or head_dim & (head_dim - 1) or not triton_prefill.available():
+            return False
+        rows = slice(span.start, span.start + span.num_tokens)
+        window = self.meta.sliding_window
+        if span.fresh:
+            if q.dtype != torch.float32 and (window is None or span.num_tokens <= window):
+                return False
+            triton_prefill.paged_prefill(
+                q[rows], k[rows], v[rows], None, 0, span.num_tokens, self.scale, window, out=out[rows]
+            )
+            return True
+        if span.block_table is None or self.cache.quantized:
+            return False
+        layer_cache = self.cache.layers[layer]
+        triton_prefill.paged_prefill(
+            q[rows],
+            layer_cache[0],
+            layer_cache[1],
+            span.block_table,
+            span.first_key_pos,
+            span.context_len,
+            self.scale,
+            window,
+            out=out[rows],
+        )
+        return True
+
+
+class FlashDecodeAttention(TritonPromptAttention):
     """The sdpa kind with decodes through flash-attn's paged kernel over the block tables."""
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
@@ -62,8 +111,9 @@ class FlashDecodeAttention(PagedAttention):
         return o.squeeze(1)
 
 
-class TritonPagedAttention(PagedDecodeAttention):
-    """The paged attention with the Triton decode kernel where Triton is importable."""
+class TritonPagedAttention(PagedDecodeAttention, TritonPromptAttention):
+    """The paged attention with the Triton decode kernel where Triton is importable (and the
+    Triton prompt kernel)."""
 
     def decode_kernel(self, q: torch.Tensor, k_cache: torch.Tensor) -> DecodeKernel | None:
         from workers.backends.cuda import triton_paged
@@ -106,8 +156,9 @@ class CUDABackend(Backend):
     def attention(self, kind: str, kv: PagedKVCache, window: int | None) -> AttentionFactory:
         if kind == "paged":
             return functools.partial(TritonPagedAttention, ops=self.ops)
-        if kind == "sdpa" and flash_attn_usable(kv, window):
-            return functools.partial(FlashDecodeAttention, ops=self.ops)
+        if kind == "sdpa":
+            cls = FlashDecodeAttention if flash_attn_usable(kv, window) else TritonPromptAttention
+            return functools.partial(cls, ops=self.ops)
         return super().attention(kind, kv, window)
 
     def warm_up_attention(
