@@ -1,11 +1,15 @@
 """GPU truth in one pass (``scripts/gpu-check`` runs it): each check adds rows to one summary table.
 
-    python bench/gpu_check.py [--skip tests transfer agreement roofline memory] [--model M] [--log-dir D]
+    python bench/gpu_check.py [--skip tests transfer prompt agreement roofline memory] [--model M] [--log-dir D]
 
 - ``tests``: ``pytest tests/gpu`` (pass/fail counts; the whole output in ``--log-dir``).
 - ``transfer``: ``bench/transfer.py --device cuda`` (KV blocks between two processes: NCCL with
   two GPUs, else gloo staged through pinned host memory) against a plain device->host->device
-  copy of the same bytes through pinned memory in one process.
+  copy of the same bytes through pinned memory in one process; the pull's cost of block
+  checksums, and the Triton checksum kernel against the torch definition.
+- ``prompt``: the Triton prompt-attention kernel (``workers/backends/cuda/triton_prefill.py``) on
+  an 8B-shaped layer against SDPA with the chunk's mask, a 2,048-token chunk after 30k cached
+  tokens timed with its peak memory, and whether SDPA's flash kernel takes a fresh GQA prompt.
 - ``agreement``: SmolLM2-135M-Instruct in bf16 on the GPU, the engine (eager and compiled)
   against transformers' greedy ``generate``: identical completions and identical tokens.
   ``--model`` takes a directory or a GGUF file where the package index cannot be reached.
@@ -142,6 +146,66 @@ def check_checksum_kernel(size_mib: int, reps: int) -> None:
         f"{'equal to' if torch.equal(got, expected) else 'DIFFERS from'} the torch definition; "
         f"{words.nbytes / median / 1e9:.0f} GB/s",
     )
+
+
+def check_prompt_attention(reps: int = 5) -> None:
+    """The Triton prompt kernel on an 8B-shaped layer (32 query heads, 8 KV heads, 128, bf16,
+    16-token blocks): equal to SDPA with the chunk's mask on a small case, then a 2,048-token chunk
+    after 30k cached tokens timed with its peak memory; and whether SDPA's flash kernel takes a
+    fresh GQA prompt (causal, no mask), which the backend leaves on SDPA."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from workers.backends.cuda import triton_prefill
+
+    device, dtype, hq, hkv, d, bs = torch.device("cuda:0"), torch.bfloat16, 32, 8, 128, 16
+
+    def case(cached: int, n: int) -> tuple:
+        context = cached + n
+        blocks = -(-context // bs)
+        k = torch.randn(blocks + 8, bs, hkv, d, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+        table = torch.randperm(blocks + 8, device=device)[:blocks]
+        q = torch.randn(n, hq, d, device=device, dtype=dtype)
+        return q, k, v, table, context
+
+    q, k, v, table, context = case(4096, 512)
+    got = triton_prefill.paged_prefill(q, k, v, table, 0, context, d**-0.5, None)
+    keys = k[table].flatten(0, 1)[:context].transpose(0, 1)[None]  # [1, Hkv, L, D]
+    values = v[table].flatten(0, 1)[:context].transpose(0, 1)[None]
+    qpos = torch.arange(context - 512, context, device=device)
+    mask = qpos[:, None] >= torch.arange(context, device=device)[None, :]
+    want = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=True)
+    err = (got.float() - want[0].transpose(0, 1).float()).abs().max().item()
+    q, k, v, table, context = case(30720, 2048)
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        triton_prefill.paged_prefill(q, k, v, table, 0, context, d**-0.5, None)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t)
+    median = sorted(times[1:])[len(times[1:]) // 2]
+    flops = 4 * hq * d * 2048 * (30720 + 1024)  # q.k and p.v over the keys each query sees
+    extra = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    row(
+        "prompt attention",
+        "Triton, 2,048 after 30,720 (bf16)",
+        f"max |diff| vs masked SDPA {err:.3g} (512 after 4,096); {median * 1e3:.2f} ms, "
+        f"{flops / median / 1e12:.0f} TFLOP/s; {extra:.0f} MiB beyond its inputs",
+    )
+    fq = torch.randn(1, hq, 4096, d, device=device, dtype=dtype)
+    fk = torch.randn(1, hkv, 4096, d, device=device, dtype=dtype)
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(fq, fk, fk, is_causal=True, enable_gqa=True)
+        verdict = "taken by the flash kernel"
+    except RuntimeError as exc:
+        verdict = f"NOT taken by the flash kernel: {str(exc).splitlines()[0][:120]}"
+    row("prompt attention", "fresh 4,096-token GQA prompt, SDPA causal", verdict)
 
 
 def check_agreement(new_tokens: int, model: str, device: str = "cuda") -> None:
@@ -413,7 +477,9 @@ def roofline_in_children(batches: list[int], context: int, steps: int, backends:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--skip", nargs="*", default=[], choices=("tests", "transfer", "agreement", "roofline", "memory"))
+    ap.add_argument(
+        "--skip", nargs="*", default=[], choices=("tests", "transfer", "prompt", "agreement", "roofline", "memory")
+    )
     ap.add_argument("--long-prompt", type=int, default=32768, help="memory: the long prompt's tokens")
     ap.add_argument("--concurrency", type=int, default=64, help="memory: prompts at once")
     ap.add_argument("--each", type=int, default=2048, help="memory: tokens of each concurrent prompt")
@@ -446,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     checks = {
         "tests": lambda: check_tests(args.tests_timeout_s, args.log_dir),
         "transfer": lambda: check_transfer(args.transfer_sizes_mib, 3, args.log_dir),
+        "prompt": lambda: check_prompt_attention(),
         "agreement": lambda: check_agreement(args.new_tokens, args.model),
         "roofline": lambda: roofline_in_children(args.batches, args.context, args.steps, args.backends, smoke=False),
         "memory": lambda: check_memory(args.long_prompt, args.concurrency, args.each),
