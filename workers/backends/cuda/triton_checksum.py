@@ -16,18 +16,13 @@ from typing import Any
 
 import torch
 
+from workers.backends.cuda import triton_available
 from workers.transfer.checksum import GOLDEN, MIX
 
 BLOCK = 1024  # words a program sums
 
 
-@functools.cache
-def available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not available"
-        return False
-    return True
+available = triton_available  # asked before the kernels are built
 
 
 @functools.cache

@@ -33,18 +33,13 @@ from typing import Any
 
 import torch
 
+from workers.backends.cuda import triton_available
+
 G_TILE = 16  # query heads per program, padded: tl.dot needs 16 rows
 TARGET_PROGRAMS = 2 * 132  # twice an H100/H200's multiprocessors: enough splits to fill one
 
 
-@functools.cache
-def available() -> bool:
-    """Whether Triton imports (asked once: the paged backend asks on every CUDA step)."""
-    try:
-        import triton  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not available"
-        return False
-    return True
+available = triton_available  # asked before the kernels are built
 
 
 @functools.cache

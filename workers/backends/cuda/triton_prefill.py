@@ -26,16 +26,12 @@ from typing import Any
 
 import torch
 
+from workers.backends.cuda import triton_available
+
 ROWS = 64  # query rows (tokens x heads of a group) per program
 
 
-@functools.cache
-def available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not available"
-        return False
-    return True
+available = triton_available  # asked before the kernels are built
 
 
 @functools.cache
