@@ -131,3 +131,21 @@ def test_the_cuda_backends_prompt_spans_equal_the_reference_attention(tiny_llama
     got = cuda_backend.TritonPromptAttention(kv, meta, scale).forward(0, q, k, v)
     assert calls == [False, True]  # the chunk through its table, the fresh prompt from its own K/V
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_cuda_backend_decodes_through_the_triton_kernel_by_default(tiny_llama, monkeypatch):
+    """``auto`` on CUDA: paged (the Triton decode kernel reads the cache in place) for a
+    full-precision cache; sdpa for a quantized one, and where Triton does not import."""
+    from workers.backends.cuda import backend as cuda_backend
+    from workers.engine.config import EngineConfig
+    from workers.layers.kv_cache import PagedKVCache
+    from workers.models.config import ModelConfig
+
+    model = ModelConfig.from_dir(tiny_llama)
+    backend = cuda_backend.CUDABackend(torch.device("cpu"), EngineConfig(model_dir=tiny_llama))
+    full = PagedKVCache(model, 8, 16, "auto", torch.float32, torch.device("cpu"))
+    quantized = PagedKVCache(model, 8, 16, "int8", torch.float32, torch.device("cpu"))
+    assert backend.default_attention(full) == "paged"
+    assert backend.default_attention(quantized) == "sdpa"
+    monkeypatch.setattr(cuda_backend, "triton_available", lambda: False)
+    assert backend.default_attention(full) == "sdpa"

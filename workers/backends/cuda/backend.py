@@ -1,13 +1,13 @@
 """The CUDA backend: attention and memory facts for NVIDIA GPUs.
 
-- Attention: "sdpa" (default) gathers the blocks a step's decodes read for SDPA, and decodes
-  through flash-attn's paged kernel where it is installed and takes the cache
-  (``FlashDecodeAttention``); prompt chunks after cached context (and fresh prompts SDPA's flash
-  kernel does not take) run the Triton prompt kernel over the cache in place
-  (``TritonPromptAttention``, ``triton_prefill.py``);
-  "paged" decodes through the block tables with the hand-written Triton kernel
-  (``triton_paged.py``) where Triton is importable, else inductor's compiled kernel; "flex"
-  FlexAttention over the cache.
+- Attention: "paged" (the default for a full-precision cache where Triton imports, decision
+  0026) decodes through the block tables with the hand-written Triton kernel
+  (``triton_paged.py``), else inductor's compiled kernel; "sdpa" (the default otherwise) gathers
+  the blocks a step's decodes read for SDPA, and decodes through flash-attn's paged kernel where
+  it is installed and takes the cache (``FlashDecodeAttention``); "flex" FlexAttention over the
+  cache. In "paged" and "sdpa", prompt chunks after cached context (and fresh prompts SDPA's
+  flash kernel does not take) run the Triton prompt kernel over the cache in place
+  (``TritonPromptAttention``, ``triton_prefill.py``).
 - Elementwise ops and linears: the reference's (plain torch; cuBLAS under ``F.linear``).
 - Memory: measured for the engine's memory plan through ``CUDAMemoryProbe`` (a profile run
   after loading; ``workers/engine/memory_plan.py``).
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from workers.backends.base import AttentionFactory, Backend
-from workers.backends.cuda import triton_prefill
+from workers.backends.cuda import triton_available, triton_prefill
 from workers.layers.paged_attention import DecodeKernel, PagedAttention, PagedDecodeAttention, PrefillSpan
 
 if TYPE_CHECKING:
@@ -152,6 +152,14 @@ class CUDAMemoryProbe:
 class CUDABackend(Backend):
     name = "cuda"
     attention_kinds = ("sdpa", "paged", "flex")
+
+    def default_attention(self, kv: PagedKVCache) -> str:
+        # paged: decodes read the cache in place (gather + SDPA with a key mask can land on SDPA's
+        # math path, and copies a step's KV per layer); flash-attn's kernel where it takes the
+        # cache, and a quantized cache, stay on sdpa (decision 0026)
+        if kv.quantized or flash_attn_usable(kv, None) or not triton_available():
+            return "sdpa"
+        return "paged"
 
     def attention(self, kind: str, kv: PagedKVCache, window: int | None) -> AttentionFactory:
         if kind == "paged":
