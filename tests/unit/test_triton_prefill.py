@@ -149,3 +149,31 @@ def test_the_cuda_backend_decodes_through_the_triton_kernel_by_default(tiny_llam
     assert backend.default_attention(quantized) == "sdpa"
     monkeypatch.setattr(cuda_backend, "triton_available", lambda: False)
     assert backend.default_attention(full) == "sdpa"
+
+
+def test_a_prompt_kernel_that_fails_leaves_sdpa_running_and_says_so(tiny_llama, monkeypatch, caplog):
+    from workers.backends.cuda import backend as cuda_backend
+    from workers.layers.kv_cache import PagedKVCache
+    from workers.layers.paged_attention import AttentionMetadata, PagedAttention, PrefillSpan
+    from workers.models.config import ModelConfig
+
+    model = ModelConfig.from_dir(tiny_llama)
+    kv = PagedKVCache(model, 16, 16, "auto", torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(cuda_backend, "_kernel_device", lambda q: True)
+    monkeypatch.setattr(cuda_backend, "_prompt_kernel_failed", [])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(triton_prefill, "paged_prefill", broken)
+    meta = AttentionMetadata(write=None, prefills=[PrefillSpan(0, 9, 30, torch.tensor([3, 1]))])
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(9, model.num_heads, kv.head_dim, generator=gen)
+    k = v = torch.randn(9, kv.num_kv_heads, kv.head_dim, generator=gen)
+    with caplog.at_level("WARNING", logger="workers.backends.cuda.backend"):
+        got = cuda_backend.TritonPromptAttention(kv, meta, 0.25).forward(0, q, k, v)
+        again = cuda_backend.TritonPromptAttention(kv, meta, 0.25).forward(0, q, k, v)
+    expected = PagedAttention(kv, meta, 0.25).forward(0, q, k, v)
+    assert torch.equal(got, expected) and torch.equal(again, expected)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "out of resources" in warnings[0]  # once, then the kernel is off

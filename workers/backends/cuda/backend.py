@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +27,8 @@ from workers.layers.paged_attention import DecodeKernel, PagedAttention, PagedDe
 
 if TYPE_CHECKING:
     from workers.layers.kv_cache import PagedKVCache
+
+logger = logging.getLogger(__name__)
 
 try:  # optional
     from flash_attn import flash_attn_with_kvcache
@@ -43,6 +46,9 @@ def flash_attn_usable(kv: PagedKVCache, window: int | None) -> bool:
         and not kv.quantized
         and window is None
     )
+
+
+_prompt_kernel_failed: list[str] = []  # why the prompt kernel failed in this process, once
 
 
 def _kernel_device(q: torch.Tensor) -> bool:
@@ -64,6 +70,18 @@ class TritonPromptAttention(PagedAttention):
         head_dim = q.shape[-1]
         if not _kernel_device(q) or head_dim < 16 or head_dim & (head_dim - 1) or not triton_prefill.available():
             return False
+        if _prompt_kernel_failed:
+            return False
+        try:
+            return self._run_prompt_kernel(layer, span, q, k, v, out)
+        except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile or launch here: SDPA runs
+            _prompt_kernel_failed.append(f"{type(exc).__name__}: {exc}")
+            logger.warning("the Triton prompt kernel failed (%s); gather + SDPA runs prompt chunks", exc)
+            return False
+
+    def _run_prompt_kernel(
+        self, layer: int, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+    ) -> bool:
         rows = slice(span.start, span.start + span.num_tokens)
         window = self.meta.sliding_window
         if span.fresh:
