@@ -103,10 +103,32 @@ def test_threads_and_empty_batch():
     assert empty.shape == (0, 9, 64)
 
 
-def test_supports_only_cpu_fp32_whole_vectors():
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_bf16_matches_attention_written_out_over_the_same_bf16_values(splits):
+    """A bf16 cache and queries: the kernel reads them as stored, sums in fp32 and rounds the output
+    once, so it stays within one bf16 rounding of float64 attention over the same bf16 values."""
+    lens = [1, 17, 70, 33]
+    q, k, v, tables, first, n = case(16, 3, 3, 64, lens, seed=5)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    got = cpu_paged.paged_decode(q, k, v, tables, first, n, 0.125, None, num_splits=splits)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    want = reference(q.double(), k.double(), v.double(), tables, first, n, 0.125, None)
+    torch.testing.assert_close(got.double(), want, rtol=8e-3, atol=8e-3)
+    window = cpu_paged.paged_decode(q, k, v, tables, first, n, 0.125, 20, num_splits=splits)
+    torch.testing.assert_close(
+        window.double(),
+        reference(q.double(), k.double(), v.double(), tables, first, n, 0.125, 20),
+        rtol=8e-3,
+        atol=8e-3,
+    )
+
+
+def test_supports_only_cpu_fp32_or_bf16_whole_vectors():
     k = torch.zeros(4, 16, 2, 64)
     assert cpu_paged.supports(torch.zeros(1, 4, 64), k)
-    assert not cpu_paged.supports(torch.zeros(1, 4, 64, dtype=torch.bfloat16), k.bfloat16())
+    assert cpu_paged.supports(torch.zeros(1, 4, 64, dtype=torch.bfloat16), k.bfloat16())
+    assert not cpu_paged.supports(torch.zeros(1, 4, 64, dtype=torch.bfloat16), k)  # q and cache alike
+    assert not cpu_paged.supports(torch.zeros(1, 4, 64, dtype=torch.float16), k.half())
     assert not cpu_paged.supports(torch.zeros(1, 4, 24), torch.zeros(4, 16, 2, 24))
     assert not cpu_paged.supports(torch.zeros(1, 4, 64), k.transpose(0, 1))
 

@@ -1,5 +1,5 @@
-"""The CPU backend's paged attention: the hand-written C++ decode kernel (``paged.py``) and the
-prompt kernel (``prefill.py``), both reading the cache in place, on an fp32 cache.
+"""The CPU backend's paged attention: the hand-written C++ decode kernel (``paged.py``, fp32 or bf16)
+and the prompt kernel (``prefill.py``, fp32), both reading the cache in place.
 
 ``CPUPagedAttention`` is ``PagedDecodeAttention`` with those two kernels where they take the step
 (each builds and passes its self-check once per shape); where they do not, the generic paths run
@@ -24,12 +24,13 @@ from workers.layers.paged_attention import (
 
 
 def decode_kernel_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether decodes with queries like ``q`` run the C++ kernel on ``k_cache``: a CPU fp32
-    cache of a shape it takes, and the kernel built for that shape."""
+    """Whether decodes with queries like ``q`` run the C++ kernel on ``k_cache``: a CPU fp32 or
+    bf16 cache of a shape it takes, and the kernel built for that shape and dtype."""
     if not cpu_paged.supports(q, k_cache):
         return False
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    return cpu_paged.available(block_size, num_kv_heads, q.shape[1] // num_kv_heads, head_dim)
+    bf16 = int(q.dtype == torch.bfloat16)
+    return cpu_paged.available(block_size, num_kv_heads, q.shape[1] // num_kv_heads, head_dim, bf16)
 
 
 class CPUPagedAttention(PagedDecodeAttention):

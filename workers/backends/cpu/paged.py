@@ -2,7 +2,8 @@
 
 ``paged_decode(q, k_cache, v_cache, tables, first_pos, context_lens, scale, window)`` computes
 what ``paged_attention._paged_decode`` does (one query per row over the blocks of its table,
-causal and within the sliding window, GQA) for an fp32 cache, without a gathered copy. The
+causal and within the sliding window, GQA) for an fp32 or bf16 cache (bf16 read as it is stored
+and summed in fp32, the output rounded once), without a gathered copy. The
 inductor kernel that ``_paged_decode`` becomes on CPU read the cache at ~10 GB/s with the cache
 cold (SmolLM2's shapes, 8 rows x 320 keys, 30 layers: 11.9 ms a step; BENCHMARKS.md, "The CPU
 paged-attention kernel"): it makes three passes over the keys (scores, max and sum, output),
@@ -40,36 +41,45 @@ from workers.backends.cpu import build as loader
 TASKS_PER_THREAD = 4  # split a row's blocks until there are this many tasks per thread
 
 
+DTYPES = (torch.float32, torch.bfloat16)  # a bf16 cache is read as bf16 and summed in fp32
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Shapes and dtypes the kernel takes: fp32 on CPU, a head dim of whole vectors (16 floats
-    covers AVX2's 8 and AVX-512's 16), contiguous cache rows."""
+    """Shapes and dtypes the kernel takes: fp32 or bf16 (q and cache alike) on CPU, a head dim of
+    whole vectors (16 floats covers AVX2's 8 and AVX-512's 16), contiguous cache rows."""
     return (
         q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and k_cache.dtype == torch.float32
+        and q.dtype in DTYPES
+        and k_cache.dtype == q.dtype
         and q.shape[-1] % 16 == 0
         and k_cache.is_contiguous()
     )
 
 
 @functools.cache
-def _kernel(block_size: int, num_kv_heads: int, group: int, head_dim: int) -> Any:
-    """The compiled kernel (``csrc/paged.cpp``) for one cache shape (``build.py`` keeps it on disk)."""
-    return loader.kernel("paged", block_size=block_size, kv_heads=num_kv_heads, group=group, head_dim=head_dim)
+def _kernel(block_size: int, num_kv_heads: int, group: int, head_dim: int, bf16: int = 0) -> Any:
+    """The compiled kernel (``csrc/paged.cpp``) for one cache shape and dtype (``build.py`` keeps it on disk)."""
+    return loader.kernel(
+        "paged", block_size=block_size, kv_heads=num_kv_heads, group=group, head_dim=head_dim, bf16=bf16
+    )
 
 
 @functools.cache
-def available(block_size: int, num_kv_heads: int, group: int, head_dim: int) -> bool:
-    """Whether the kernel builds for this shape here (asked once per shape; a failure is logged
-    and the caller keeps the inductor kernel)."""
-    return loader.usable("paged", block_size, num_kv_heads, group, head_dim)
+def available(block_size: int, num_kv_heads: int, group: int, head_dim: int, bf16: int = 0) -> bool:
+    """Whether the kernel builds for this shape and dtype here (asked once each; a failure is
+    logged and the caller keeps the inductor kernel)."""
+    return loader.usable("paged", block_size, num_kv_heads, group, head_dim, bf16)
 
 
-# build.py's registry; ``warm``: SmolLM2's cache shape (16-slot blocks, 3 KV heads of 64, 9 query heads)
+# build.py's registry; ``warm``: SmolLM2's cache shape (16-slot blocks, 3 KV heads of 64, 9 query
+# heads), fp32 and bf16
 loader.register(
     "paged",
     loader.SelfCheck(
-        "CPU paged-attention", "inductor's kernel", lambda *shape: _kernel(*shape), warm=((16, 3, 3, 64),)
+        "CPU paged-attention",
+        "inductor's kernel",
+        lambda *shape: _kernel(*shape),
+        warm=((16, 3, 3, 64, 0), (16, 3, 3, 64, 1)),
     ),
 )
 
@@ -98,11 +108,11 @@ def paged_decode(
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """q ``[B, Hq, D]``; k/v_cache ``[N, bs, Hkv, D]``; tables ``[B, M]`` int64; first_pos and
-    context_lens ``[B]`` int64. Returns ``[B, Hq, D]`` fp32 (see the module docstring)."""
+    context_lens ``[B]`` int64. Returns ``[B, Hq, D]`` in q's dtype (see the module docstring)."""
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
-    kernel = _kernel(block_size, num_kv_heads, group, head_dim)
+    kernel = _kernel(block_size, num_kv_heads, group, head_dim, int(q.dtype == torch.bfloat16))
     q = q.contiguous()
     if tables.stride(-1) != 1:
         tables = tables.contiguous()
