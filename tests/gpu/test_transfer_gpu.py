@@ -41,10 +41,14 @@ def gpu_peers(request):
     prefill = start_peer("prefill", f"gpu-prefill-{request.param}", 1, device="cuda:0", visible=prefill_gpu)
     decode = start_peer("decode", f"gpu-decode-{request.param}", 2, device="cuda:0", visible=decode_gpu)
     doomed = start_peer("prefill", f"gpu-doomed-{request.param}", 4, device="cuda:0", visible=prefill_gpu)
-    for peer in (prefill, doomed):
+    # flips one byte of each message on the device after the Triton kernel checksummed it
+    corrupting = start_peer(
+        "prefill", f"gpu-corrupt-{request.param}", 6, {"fault_corrupt_bytes": 1}, device="cuda:0", visible=prefill_gpu
+    )
+    for peer in (prefill, doomed, corrupting):
         await_address(peer, timeout_s=120)
-    yield prefill, decode, doomed, transport
-    for peer in (decode, prefill, doomed):
+    yield prefill, decode, doomed, corrupting, transport
+    for peer in (decode, prefill, doomed, corrupting):
         peer.stop()
 
 
@@ -59,8 +63,8 @@ def check_exact(outcome, sender, seed, src, dst, transport, dtype="float32") -> 
     return stats
 
 
-def test_gpu_transfer_exact_then_survives_stall_and_kill(gpu_peers):
-    prefill, decode, doomed, transport = gpu_peers
+def test_gpu_transfer_exact_then_survives_stall_kill_and_corruption(gpu_peers):
+    prefill, decode, doomed, corrupting, transport = gpu_peers
     sets = [
         (list(range(10, 42)), list(range(500, 532))),
         ([3, 77, 5, 900, 42, 1099, 0], [1000, 2, 640, 11, 12, 300, 7]),
@@ -95,4 +99,13 @@ def test_gpu_transfer_exact_then_survives_stall_and_kill(gpu_peers):
     assert kind == "pull_failed", result
     assert result["freed"] == dst
     outcome, sender = relay_pull(prefill, decode, make_handle(prefill, "g-after-kill", src), dst, timeout_s=60)
+    check_exact(outcome, sender, 1, src, dst, transport)
+
+    for dtype in ("float32", "bfloat16", "int8"):  # every corrupted message caught on the device
+        (kind, result), _ = relay_pull(
+            corrupting, decode, make_handle(corrupting, f"g-corrupt-{dtype}", src, dtype), dst, timeout_s=60
+        )
+        assert kind == "pull_failed" and len(result["corrupt_blocks"]) == 1, result
+        assert result["num_free"] == NUM_BLOCKS
+    outcome, sender = relay_pull(prefill, decode, make_handle(prefill, "g-after-corrupt", src), dst, timeout_s=60)
     check_exact(outcome, sender, 1, src, dst, transport)
