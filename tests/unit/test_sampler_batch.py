@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from workers.engine.sampler import _draw, _sample_row, _sample_rows, _top_p
+from workers.engine.sampler import _draw, _sample_rows, _top_p
 from workers.engine.sampling_params import SamplingParams
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One row's token drawn alone."""
+    return int(_sample_rows(logits[None], [params], [generator])[0])
+
 
 VOCAB = 500
 
@@ -30,7 +36,7 @@ def test_a_seeded_row_draws_in_a_batch_what_it_draws_alone():
     x = logits(len(MIXED))
     for seed in range(20):
         batch = _sample_rows(x, MIXED, [torch.Generator().manual_seed(seed + i) for i in range(len(MIXED))])
-        alone = [_sample_row(x[i], p, torch.Generator().manual_seed(seed + i)) for i, p in enumerate(MIXED)]
+        alone = [sample_row(x[i], p, torch.Generator().manual_seed(seed + i)) for i, p in enumerate(MIXED)]
         assert batch.tolist() == alone
 
 

@@ -8,8 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.engine.sampler import _sample_row
+from workers.engine.sampler import _sample_rows
 from workers.engine.sampling_params import SamplingParams
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One row's token drawn alone."""
+    return int(_sample_rows(logits[None], [params], [generator])[0])
 
 
 @pytest.fixture
@@ -30,10 +35,10 @@ def logits() -> torch.Tensor:
 )
 def test_extreme_accepted_parameters_give_the_most_likely_token(logits, params):
     generator = torch.Generator().manual_seed(1)
-    assert _sample_row(logits, params, generator) == int(logits.argmax())
+    assert sample_row(logits, params, generator) == int(logits.argmax())
 
 
 def test_ordinary_sampling_is_unchanged(logits):
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50)
-    draws = {_sample_row(logits, params, torch.Generator().manual_seed(s)) for s in range(64)}
+    draws = {sample_row(logits, params, torch.Generator().manual_seed(s)) for s in range(64)}
     assert len(draws) > 1 and all(0 <= d < 1000 for d in draws)  # still a distribution, not argmax

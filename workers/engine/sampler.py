@@ -85,18 +85,13 @@ def _position_seed(seed: int, position: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % (2**63)
 
 
-def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from one row of logits ``[V]``."""
-    return int(_sample_rows(logits[None], [params], [generator])[0])
-
-
 def _sample_rows(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> torch.Tensor:
     """One token per row of ``logits`` ``[N, V]`` under its own temperature, top-k, min-p and
     top-p, drawn with its own generator (rows that share one draw together): int64 ``[N]`` on the
-    logits' device. The transforms run on the whole batch and nothing is read back to the host, so a
-    step pays one synchronisation for all its rows (its caller's), not a few per row."""
+    logits' device. The transforms run on the whole batch, and the host reads one flag a step (is
+    there a row without a distribution), not a few values per row."""
     n, vocab = logits.shape
     device = logits.device
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
@@ -161,14 +156,12 @@ def _top_p(probs: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of ``probs`` (non-negative, each row with mass) by inverse CDF: one
     uniform a row from ``generator``, found in the row's cumulative sums. ``torch.multinomial``
-    draws the same way but costs about a millisecond a row of a large vocabulary on a CPU."""
+    draws the same way but costs about a millisecond a row of a large vocabulary on a CPU. The
+    point is kept below the row's total (rounding could put it there), so the first sum past it
+    belongs to a token with mass."""
     device = generator.device if generator is not None else probs.device
-    probs = probs.to(device)
-    cdf = probs.cumsum(-1)
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=device, dtype=cdf.dtype)
-    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)
-    # where rounding put the point at the very end, past the last token with mass
-    zero = (probs.gather(1, tokens) <= 0)[:, 0]
-    if bool(zero.any()):
-        tokens[zero] = probs[zero].argmax(-1, keepdim=True)
-    return tokens[:, 0]
+    cdf = probs.to(device).cumsum(-1)
+    total = cdf[:, -1:]
+    u = torch.rand(cdf.shape[0], 1, generator=generator, device=device, dtype=cdf.dtype)
+    point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, point, right=True)[:, 0]

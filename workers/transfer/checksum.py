@@ -27,6 +27,8 @@ from collections.abc import Sequence
 
 import torch
 
+from workers.backends.cuda import triton_available
+
 logger = logging.getLogger(__name__)
 
 GOLDEN = 0x9E3779B97F4A7C15
@@ -63,7 +65,7 @@ def reference_sums(buf: torch.Tensor) -> torch.Tensor:
 def block_sums(buf: torch.Tensor) -> torch.Tensor:
     """The checksums of a wire buffer's blocks, computed on its device (a kernel where one runs)."""
     buf = buf.contiguous()
-    if buf.device.type == "cuda" and _triton_usable() and not _triton_failed:
+    if buf.device.type == "cuda" and triton_available() and not _triton_failed:
         from workers.backends.cuda import triton_checksum
 
         try:
@@ -115,14 +117,3 @@ def _cpu_usable() -> bool:
     from workers.backends.cpu import checksum as cpu
 
     return cpu.usable()
-
-
-@functools.cache
-def _triton_usable() -> bool:
-    try:
-        from workers.backends.cuda import triton_checksum
-
-        return triton_checksum.available()
-    except Exception as exc:  # noqa: BLE001 - no triton, or one that cannot compile here
-        logger.warning("the Triton KV checksum is not used (%s); the torch one runs", exc)
-        return False
