@@ -1,5 +1,6 @@
 // checksum.py: KV blocks copied between a cache and a transfer's wire buffer, checksummed on the way
 // (the definition: workers/transfer/checksum.py).
+#include <algorithm>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -14,6 +15,14 @@ namespace {
 
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;  // a word's key: its position times this
 constexpr uint64_t kMix = 0xBF58476D1CE4E5B9ull;     // odd: multiplying by it is a bijection
+
+// GCC 12's AVX-512 headers fill vectors from _mm512_undefined_epi32() in _mm512_srli_epi64 and
+// _mm512_reduce_add_epi64, which -Wuninitialized reports here (GCC bug 105593, fixed in 13).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 // sum over i of mix(words[i] ^ (first + i) * kGolden), mod 2^64; mix(x) = y ^ (y >> 32), y = x * kMix.
 // Each term is a bijection of its word, so a changed word always changes the sum.
@@ -49,17 +58,15 @@ inline uint64_t chunk_sum(const uint64_t* __restrict__ words, int64_t n, uint64_
   return acc;
 }
 
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
 }  // namespace
 
-// wire: [layers, 2, n, rows * seg] bytes (a transfer's buffer); layer l's cache: its data at
-// layer_ptrs[l], block b's row r of plane p at p * plane + b * block + r * row bytes, seg bytes
-// of it (a run of heads). mode 0: gather (cache -> wire), 1: scatter (wire -> cache), 2: only sum.
-// sums[j] = the checksum of block ids[j]'s bytes on the wire, its chunk of layer l and plane p
-// numbered (l * 2 + p) * words + i for i < words = rows * seg / 8. ids are in range (checked by
-// the caller); seg is a multiple of 8 bytes. partial: layers * 2 * n int64 of scratch.
-// Chunks are taken in wire order (writes to the wire stay sequential) and each is summed where a
-// copy has just put it, in cache, unless the cache's rows are apart (a run of heads): then the
-// wire's copy is summed before the scatter.
+// Chunks [begin, end) of the wire (kernel below): each copied, then summed where the copy has just
+// put it, in cache, unless the cache's rows are apart (a run of heads): then the wire's copy is
+// summed before the scatter. partial[c]: chunk c's sum.
 static void copy_and_sum(const int64_t* layer_ptrs, const int64_t* ids, uint8_t* wire, int64_t* partial,
                          int64_t begin, int64_t end, int64_t n, int64_t plane, int64_t block, int64_t row,
                          int64_t rows, int64_t seg, int64_t mode) {
@@ -95,15 +102,14 @@ static void copy_and_sum(const int64_t* layer_ptrs, const int64_t* ids, uint8_t*
 // sums[j] = the checksum of block ids[j]'s bytes on the wire, its chunk of layer l and plane p
 // numbered (l * 2 + p) * words + i for i < words = rows * seg / 8. ids are in range (checked by
 // the caller); seg is a multiple of 8 bytes. partial: layers * 2 * n int64 of scratch.
-// Chunks are taken in wire order (writes to the wire stay sequential) and each is summed where a
-// copy has just put it, in cache, unless the cache's rows are apart (a run of heads): then the
-// wire's copy is summed before the scatter. The threads are plain ones, joined at the end: an
-// OpenMP team would stay spinning after the copy, on the core the process group's send needs.
+// Each thread takes a run of chunks in wire order (writes to the wire stay sequential). The threads
+// are plain ones, joined at the end: an OpenMP team would stay spinning after the copy, on the
+// core the process group's send needs.
 static void kernel(const int64_t* layer_ptrs, const int64_t* ids, uint8_t* wire, int64_t* sums, int64_t* partial,
                    int64_t layers, int64_t n, int64_t plane, int64_t block, int64_t row, int64_t rows, int64_t seg,
                    int64_t mode, int64_t threads) {
   const int64_t chunks = layers * 2 * n;
-  const int64_t nt = threads < chunks ? (threads > 1 ? threads : 1) : (chunks > 1 ? chunks : 1);
+  const int64_t nt = std::max<int64_t>(1, std::min(threads, chunks));
   std::vector<std::thread> team;
   for (int64_t t = 1; t < nt; ++t)
     team.emplace_back(copy_and_sum, layer_ptrs, ids, wire, partial, chunks * t / nt, chunks * (t + 1) / nt, n, plane,
