@@ -22,6 +22,7 @@ from dataclasses import replace
 from workers.engine import LLMEngine, RequestOutput, SamplingParams
 from workers.engine.engine import KVReservation
 from workers.engine_loop import EngineLoop
+from workers.kv_source import KVSource
 from workers.protocol import GenerateRequest, KVHandle, PrefillResult, TokenChunk, TokenLogprobs, TransferRequest
 from workers.threads import one_torch_thread
 from workers.transfer import KVCorruptError, KVTransferClient, KVTransferError, TransferConfig, Transport
@@ -79,6 +80,23 @@ class DecodeRetiring(RuntimeError):
         return str(self.args[0])
 
 
+class StreamMoved(Exception):
+    """Put on a request's output stream by a live migration (``DecodeWorker.move``): the stream
+    ends here with ``handoff``, what another decode worker continues from."""
+
+    request_kept = True  # the request's blocks are held for the receiver: leaving must not abort it
+
+    def __init__(self, handoff: PrefillResult) -> None:
+        super().__init__(handoff.request_id)
+        self.handoff = handoff
+
+
+def matches(request_id: str, asked: str) -> bool:
+    """``asked`` names ``request_id``: the same, or a completion's id naming its choices and
+    their continuations (``cmpl-x`` names ``cmpl-x-0`` and ``cmpl-x-0~m1``)."""
+    return request_id == asked or request_id.startswith((f"{asked}-", f"{asked}~"))
+
+
 class ColocatedWorker:
     """One engine doing prefill and decode: the baseline, and the fast path for a decode worker
     that already holds nearly all of a prompt."""
@@ -120,6 +138,7 @@ class DecodeWorker(ColocatedWorker):
         on_step=None,
         control: ControlClient | None = None,
         kv_wait_s: float | None = None,
+        lease_ttl_s: float = 30.0,
     ) -> None:
         super().__init__(engine, worker_id, role="decode", on_step=on_step)
         engine = self.engine
@@ -151,23 +170,75 @@ class DecodeWorker(ColocatedWorker):
         self._kv_waiters = asyncio.Lock()  # FIFO: prompts waiting for KV room take it in order
         self._receivers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-recv", initializer=one_torch_thread)
         self.retiring = False
+        # Live migration: this worker holds a moved stream's blocks under a lease for the worker
+        # that goes on with it (the prefill worker's sending half). Tensor-parallel decode
+        # replicas hand streams over by recompute.
+        self.source = (
+            KVSource(self.loop, worker_id, self.transfer_config, self.stats, lease_ttl_s) if tp is None else None
+        )
+        self._source_started = False
+
+    async def start(self) -> None:
+        """Open the control server through which other decode workers pull moved streams' KV."""
+        if self.source is not None:
+            await self.source.start()
+            self._source_started = True
+
+    async def move(self, request_id: str | None) -> list[str]:
+        """Live migration: stop decoding every stream ``request_id`` names (``matches``; None:
+        every stream) at the
+        next step boundary, hold its blocks under a lease and end its stream with a hand-off; the
+        ingress continues it on another decode worker, which pulls the blocks, with no token
+        recomputed. Returns the ids of the streams moved; a stream between states (its prompt
+        still computing, waiting for room) is not moved."""
+        if self.source is None or not self._source_started or self.retiring:
+            return []
+        ids = [rid for rid in self.loop.streams() if request_id is None or matches(rid, request_id)]
+        moved = await self.loop.call(lambda e: [rid for rid in ids if self._hold(e, rid)])
+        self.stats.moved_out += len(moved)
+        return moved
+
+    def _hold(self, engine: LLMEngine, request_id: str) -> bool:
+        """Engine thread: stop ``request_id`` and end its stream with the hand-off (after every
+        output already delivered to it, so the ingress has each token before the hand-off)."""
+        held = engine.hold_running(request_id)
+        if held is None:
+            return False
+        assert self.source is not None
+        num_computed = len(held.token_ids) - 1
+        handle = self.source.hold(request_id, held.block_ids, num_computed)
+        handoff = PrefillResult(
+            request_id=request_id,
+            first_token_id=held.token_ids[-1],
+            prompt_token_ids=tuple(held.token_ids[:-1]),
+            kv_handle=handle,
+            num_cached_tokens=0,
+        )
+        self.loop.deliver(request_id, StreamMoved(handoff))
+        return True
+
+    def _moved_chunk(self, moved: StreamMoved) -> TokenChunk:
+        return TokenChunk(moved.handoff.request_id, (), worker_id=self.worker_id, handoff=moved.handoff)
 
     def _retiring(self, request_id: str) -> DecodeRetiring:
         return DecodeRetiring(
             f"decode replica {self.worker_id} is retiring; request {request_id} resumes elsewhere", self.worker_id
         )
 
-    def retire(self) -> int:
-        """Serve is stopping this replica: end every stream here with ``DecodeRetiring`` (each
-        aborts, which frees its blocks, and the ingress resumes it on another decode replica), and
-        refuse new ones alike. Returns how many streams it ended. Waiting the streams out would
+    async def retire(self) -> int:
+        """Serve is stopping this replica: move every running stream to another decode replica
+        live (``move``: its blocks are pulled, nothing recomputed), end the rest with
+        ``DecodeRetiring`` (each aborts, which frees its blocks, and the ingress resumes it on
+        another decode replica from its prompt and tokens), and refuse new ones alike. Returns
+        how many streams it handed over. Waiting the streams out would
         hold the replica's budget slot for up to the pools' drain time (15 s) while a replica of
         the other pool waits for it, so the pool that needs replicas at a load shift would get
         them late."""
+        moved = await self.move(None) if self.loop.streams() else []
         self.retiring = True
-        ended = self.loop.end_streams(self._retiring)
-        self.stats.retired_streams += len(ended)
-        return len(ended)
+        ended = self.loop.end_streams(self._retiring, keep=set(moved))
+        self.stats.retired_streams += len(ended) + len(moved)
+        return len(ended) + len(moved)
 
     def _retired_chunk(self, request_id: str) -> TokenChunk:
         return TokenChunk(request_id, (), worker_id=self.worker_id, retiring=True)
@@ -181,6 +252,8 @@ class DecodeWorker(ColocatedWorker):
                 yield chunk
         except DecodeRetiring:
             yield self._retired_chunk(request.request_id)
+        except StreamMoved as moved:
+            yield self._moved_chunk(moved)
 
     async def generate(self, request: GenerateRequest, prefill: PrefillResult) -> AsyncIterator[TokenChunk]:
         """Continue a prefilled request: pull its KV (or recompute), then stream its tokens."""
@@ -207,9 +280,16 @@ class DecodeWorker(ColocatedWorker):
         produced = 0
         first_at: float | None = None  # when its first decoded token came
         try:
-            reservation, handle = await self._reserve(
-                handle, lambda e: e.reserve_remote_kv(rid, prompt, prefill.first_token_id, params, request.cache_salt)
-            )
+            if handle.prefill_worker_id == self.worker_id and self.source is not None:
+                # A stream moved back to the replica holding it (no other took it): its blocks
+                # go back to the prefix cache and the queued request finds them there.
+                await self.source.release(handle.request_id)
+                reservation = None
+            else:
+                reservation, handle = await self._reserve(
+                    handle,
+                    lambda e: e.reserve_remote_kv(rid, prompt, prefill.first_token_id, params, request.cache_salt),
+                )
             held_since = time.monotonic()  # this worker holds the prompt's blocks (or queues it) from here
             if reservation is None:
                 # No room for the prompt within the wait (or never: it is larger than this
@@ -258,6 +338,10 @@ class DecodeWorker(ColocatedWorker):
                 item = await outputs.get()
                 if isinstance(item, DecodeRetiring):
                     yield self._retired_chunk(rid)  # not finished: the finally below aborts it
+                    return
+                if isinstance(item, StreamMoved):
+                    finished = True  # its blocks are the lease's now, not this stream's to abort
+                    yield self._moved_chunk(item)
                     return
                 if isinstance(item, BaseException):
                     raise item
@@ -393,7 +477,12 @@ class DecodeWorker(ColocatedWorker):
 
         task.add_done_callback(forget)
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, send_wait_s: float = 10.0) -> None:
+        if self.source is not None:
+            # Streams moved away are pulled from here: let their receivers have the blocks first.
+            if left := await self.source.wait_sent(send_wait_s):
+                logger.warning("decode %s stops with %d moved stream(s) not yet pulled", self.worker_id, left)
+            await self.source.shutdown()
         self._receivers.shutdown(wait=False, cancel_futures=True)
         self.client.close()
         self.tp_puller.close()

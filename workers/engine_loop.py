@@ -31,7 +31,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any, TypeVar
 
 from workers.engine.engine import LLMEngine, RequestOutput
@@ -99,6 +99,7 @@ class EngineLoop:
             while True:
                 item = await outputs.get()
                 if isinstance(item, BaseException):
+                    finished = getattr(item, "request_kept", False)  # e.g. a stream moved elsewhere
                     raise item
                 yield item
                 if item.finished:
@@ -118,10 +119,20 @@ class EngineLoop:
     def detach(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
-    def end_streams(self, error: Callable[[str], BaseException]) -> list[str]:
-        """End every open stream with ``error(request_id)``: each consumer raises it and, having
-        not finished, aborts its request (which frees its blocks). Returns their request ids."""
-        ids = list(self._streams)
+    def streams(self) -> list[str]:
+        """The request ids with an open stream."""
+        return list(self._streams)
+
+    def deliver(self, request_id: str, item: Any) -> None:
+        """Engine thread (inside a ``call``): put ``item`` on the request's stream, after every
+        output already delivered to it."""
+        self._deliver([(request_id, item)])
+
+    def end_streams(self, error: Callable[[str], BaseException], keep: Collection[str] = ()) -> list[str]:
+        """End every open stream but ``keep`` with ``error(request_id)``: each consumer raises it
+        and, having not finished, aborts its request (which frees its blocks). Returns their
+        request ids."""
+        ids = [request_id for request_id in self._streams if request_id not in keep]
         self._deliver([(request_id, error(request_id)) for request_id in ids])
         return ids
 

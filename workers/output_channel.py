@@ -62,8 +62,8 @@ class OutputFrame:
 
 
 def terminal(chunk: TokenChunk) -> bool:
-    """A request's last chunk from a replica: finished, or handed over by a retiring replica."""
-    return chunk.finish_reason is not None or chunk.retiring
+    """A request's last chunk from a replica: finished, or handed over (retiring, or moved)."""
+    return chunk.finish_reason is not None or chunk.retiring or chunk.handoff is not None
 
 
 # ------------------------------------------------------------------------------ worker side

@@ -337,3 +337,6 @@ class TokenChunk:
     # the stream's last chunk from a decode replica Serve is stopping: no tokens; the rest of the
     # request resumes elsewhere (a chunk, not an error: Serve logs a failed call's traceback)
     retiring: bool = False
+    # the stream's last chunk from a decode replica that moved it live: no tokens; another decode
+    # replica pulls the KV named here and goes on from its first token (the last one sent)
+    handoff: PrefillResult | None = None

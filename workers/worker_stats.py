@@ -103,6 +103,7 @@ class WorkerStats:
     kv_waits: int = 0
     kv_waiting: int = 0
     retired_streams: int = 0  # decode: streams ended early because Serve was stopping this replica
+    moved_out: int = 0  # decode: running streams moved live to another decode replica
     # a tensor-parallel worker: bytes each rank moved (index = rank), summed over its transfers
     transfer_rank_bytes: list[int] = field(default_factory=list)
     # per peer worker id; a decode worker's peers are the prefill workers it pulls from

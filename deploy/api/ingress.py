@@ -22,16 +22,16 @@ from deploy.api import http_errors
 from deploy.api.context_limit import fit_to_context
 from deploy.api.conversation import ConversationCache, ConversationTurn
 from deploy.api.http_errors import install_error_handlers, is_cancellation
-from deploy.api.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from deploy.api.openai_protocol import ChatCompletionRequest, CompletionRequest, MigrateRequest, RequestError
 from deploy.api.output import ChoiceAssembler
 from deploy.api.request_stats import RequestStats
 from deploy.api.responses import ResponseBuilder
 from deploy.api.tools import ToolPlan, chat_template_inputs, choose_parser, new_stream_parser, plan_tools
-from deploy.args import PDServeArgs
+from deploy.args import Mode, PDServeArgs
 from deploy.ops.cluster_status import PoolReader, autoscaling_status, extend_status, index_status, start_history
 from deploy.ops.dashboard import install_dashboard
 from deploy.ops.metrics import IngressMetrics
-from deploy.pools.worker_calls import PoolReadiness, WorkerCalls
+from deploy.pools.worker_calls import CONTROL_TIMEOUT_S, PoolReadiness, WorkerCalls
 from deploy.replica_logging import route_to_serve
 from kvstore.hashing import hash_prompt_blocks
 from workers.engine.config import EngineConfig
@@ -40,6 +40,7 @@ from workers.models.config import ModelConfig
 from workers.models.gguf import describe_model
 from workers.protocol import GenerateRequest
 from workers.transfer.control import ControlClient
+from workers.transfer.errors import KVTransferError
 
 logger = logging.getLogger("pdserve")
 
@@ -177,6 +178,7 @@ class OpenAIIngress:
                     "migrations": self.workers.migrations,
                     "failed_migrations": self.workers.failed_migrations,
                     "retired_streams": self.workers.retired_streams,
+                    "live_migrations": self.workers.live_migrations,
                 },
                 "output_channel": self.workers.sink.stats() if self.workers.sink is not None else None,
                 "http_front_end": "haproxy" if haproxy_enabled() else "serve_proxy",
@@ -185,6 +187,35 @@ class OpenAIIngress:
             },
             self,
         )  # + pair table, HTTP outcomes, last-minute rates (deploy/ops/cluster_status.py)
+
+    @app.post("/v1/cluster/migrate")
+    async def migrate(self, body: MigrateRequest) -> dict:
+        """Move a request's decode streams live to other decode replicas (``pdserve migrate``):
+        each stream's KV moves with it, nothing is recomputed, and its client sees one stream.
+        400 outside disaggregated mode; 409 with a single decode replica; 404 when no decode
+        replica is decoding ``request_id`` now (finished, still in prefill, or unknown)."""
+        if self.args.mode is not Mode.DISAGGREGATED:
+            raise RequestError("live migration moves decode streams: it needs mode disaggregated", "request_id")
+        addresses = await self.pool_reader.addresses("decode")
+        if len(addresses) < 2:
+            raise RequestError(
+                f"{len(addresses)} decode replica(s) registered: a stream needs another to move to", "request_id", 409
+            )
+
+        async def ask(address) -> list[str]:
+            try:
+                return await self.control.move(address, body.request_id, CONTROL_TIMEOUT_S)
+            except KVTransferError as exc:
+                logger.warning("migrate %s: %s", body.request_id, exc)
+                return []
+
+        answers = await asyncio.gather(*(ask(a) for a in addresses.values()))
+        moved = {worker: ids for worker, ids in zip(addresses, answers, strict=True) if ids}
+        if not moved:
+            raise RequestError(
+                f"request_id {body.request_id!r} is not decoding on any decode replica now", "request_id", 404
+            )
+        return {"request_id": body.request_id, "moved": moved}
 
     @app.get("/v1/cluster/history")
     async def cluster_history(self, since: float | None = None) -> dict:

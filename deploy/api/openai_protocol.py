@@ -38,6 +38,13 @@ def error_body(message: str, error_type: str, param: str | None = None, code: st
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
+class MigrateRequest(BaseModel):
+    """``POST /v1/cluster/migrate``: move a running request's decode streams live."""
+
+    model_config = ConfigDict(extra="forbid")
+    request_id: str = Field(min_length=1, max_length=256)  # a completion's id moves all its choices
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False

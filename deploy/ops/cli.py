@@ -1155,6 +1155,42 @@ def _run_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_migrate_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "migrate", help="move a running request's decode streams live to other decode replicas"
+    )
+    parser.add_argument("request_id", help="the completion's id (cmpl-... or chatcmpl-...): all its choices move")
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the ingress URL")
+    parser.add_argument("--api-key", default=None)
+    parser.set_defaults(handler=_run_migrate)
+
+
+def _run_migrate(args: argparse.Namespace) -> int:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        resp = httpx.post(
+            f"{args.url.rstrip('/')}/v1/cluster/migrate",
+            json={"request_id": args.request_id},
+            headers=headers,
+            timeout=15,
+        )
+    except httpx.HTTPError as exc:
+        print(f"pdserve migrate: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 1
+    if resp.status_code != 200:
+        try:
+            message = resp.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = resp.text[:300]
+        print(f"pdserve migrate: {resp.status_code} {message}", file=sys.stderr)
+        return 1
+    for worker, ids in resp.json()["moved"].items():
+        print(f"moved from decode replica {worker}: {', '.join(ids)}")
+    return 0
+
+
 def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench", help="benchmark any OpenAI-compatible server (see pdserve bench --help)", add_help=False
@@ -1182,6 +1218,7 @@ _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_kv_plan_parser,
     _add_up_parser,
     _add_status_parser,
+    _add_migrate_parser,
     _add_bench_parser,
     _add_testbed_parser,
 )

@@ -29,6 +29,7 @@ from kvstore import IndexConfig, IndexPublisher, WorkerSpec
 from workers.decode import ColocatedWorker, DecodeWorker
 from workers.engine import LLMEngine
 from workers.engine_loop import EngineLoop
+from workers.kv_source import KVSource
 from workers.output_channel import OutputSender
 from workers.prefill import PrefillWorker
 from workers.protocol import GenerateRequest, PrefillResult, TokenChunk, TransferAddress
@@ -164,11 +165,11 @@ class _WorkerServer:
         )
         return self.loop
 
-    async def _start_control(self, prefill: PrefillWorker | None = None) -> None:
-        """Open this replica's control server (a prefill worker brings its own, with the lease
-        calls) and register it in the application's worker directory, where the cluster status
-        finds it."""
-        if prefill is None:
+    async def _start_control(self, source: PrefillWorker | KVSource | None = None) -> None:
+        """Open this replica's control server (a worker that sends KV brings its own, with the
+        lease calls) and register it in the application's worker directory, where the cluster
+        status finds it."""
+        if source is None:
             control = ControlServer(self.worker_id, self.node_ip, ControlHandlers())
             await control.start()
             self._own_control = control
@@ -176,7 +177,7 @@ class _WorkerServer:
                 TransferAddress(self.node_ip, 0, self.worker_id, ray.get_runtime_context().get_node_id())
             )
         else:
-            control, address = prefill.control, prefill.address
+            control, address = source.control, source.address
         control.handlers.stats = self.stats
         context = serve.get_replica_context()
         self.registration = Registration(context.app_name, context.deployment, address)
@@ -380,18 +381,28 @@ class DecodeServer(_WorkerServer):
 
     async def __init__(self, args: dict) -> None:  # type: ignore[misc]  # Serve awaits an async constructor
         loop = self._setup(args)
-        self.worker = DecodeWorker(loop, self.worker_id, transfer_config(self.args))
-        await self._start_control()
-        self._own_control.handlers.retire = self.retire
+        self.worker = DecodeWorker(loop, self.worker_id, transfer_config(self.args), lease_ttl_s=self.args.lease_ttl_s)
+        await self.worker.start()
+        await self._start_control(self.worker.source)
+        control = self.worker.source.control if self.worker.source is not None else self._own_control
+        control.handlers.retire = self.retire
+        control.handlers.move = self.move
         await self._start_publisher(loop.engine, self.worker_id)
 
     async def retire(self) -> int:
         """The autoscaler's word that Serve is stopping this replica (``Retire`` on its control
         server): hand every stream over now instead of holding the replica (and its budget slot)
         until they finish or the drain time cuts them."""
-        ended = self.worker.retire()
+        ended = await self.worker.retire()
         logger.info("decode replica %s retiring: %d stream(s) handed to other decode replicas", self.worker_id, ended)
         return ended
+
+    async def move(self, request_id: str) -> list[str]:
+        """``Move`` on its control server: move the streams ``request_id`` names live."""
+        moved = await self.worker.move(request_id)
+        if moved:
+            logger.info("decode replica %s: moving %s live to another decode replica", self.worker_id, ", ".join(moved))
+        return moved
 
     async def generate(self, request: GenerateRequest, prefill: PrefillResult) -> AsyncIterator[TokenChunk]:
         async for chunk in self.outputs.stream(request.output_address, self._timed(request, prefill)):

@@ -17,7 +17,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from deploy.api.http_errors import is_cancellation
 from deploy.api.openai_protocol import RequestError
 from deploy.args import Mode
-from workers.decode import DecodeRetiring
+from workers.decode import DecodeRetiring, StreamMoved
 from workers.output_channel import END_GRACE_S, OutputChannelError, OutputSink, terminal
 from workers.protocol import GenerateRequest, PrefillResult, TokenChunk, TokenLogprobs
 from workers.transfer.control import ControlClient
@@ -81,17 +81,19 @@ def continuation(
     produced: Sequence[int],
     attempt: int,
     rehash: Callable[[Sequence[int], str | None], tuple[bytes, ...]],
+    kind: str = "m",
 ) -> GenerateRequest:
     """The request that resumes ``choice`` after ``produced`` tokens went to the client: those
     tokens are its forced prefix, it asks for what is left, and its sampling positions continue
-    where they stopped, so position-seeded (and greedy) sampling draws the same tokens."""
+    where they stopped, so position-seeded (and greedy) sampling draws the same tokens. Its id
+    is ``choice``'s with ``~{kind}{attempt}``: ``m`` a recompute, ``v`` a live move."""
     sampling = dict(choice.sampling)
     sampling["max_tokens"] = sampling.get("max_tokens", 16) - len(produced)
     sampling["output_position_offset"] = sampling.get("output_position_offset", 0) + len(produced)
     prompt = tuple(choice.prompt_token_ids) + tuple(produced)
     return dataclasses.replace(
         choice,
-        request_id=f"{choice.request_id}~m{attempt}",
+        request_id=f"{choice.request_id}~{kind}{attempt}",
         prompt_token_ids=prompt,
         sampling=sampling,
         block_hashes=rehash(prompt, choice.cache_salt),
@@ -127,6 +129,7 @@ class WorkerCalls:
         self.migrations = 0  # decode streams resumed on another replica
         self.failed_migrations = 0  # streams that broke once more than max_migrations allows
         self.retired_streams = 0  # of the migrations: streams a retiring decode replica handed over
+        self.live_migrations = 0  # decode streams moved with their KV (no recompute), any cause
         self._background: set[asyncio.Task] = set()
         self.sink_host = sink_host
         self.sink: OutputSink | None = None
@@ -173,22 +176,37 @@ class WorkerCalls:
         produced: list[int] = []
         attempt, current, to_decode = 0, choice, False
         avoid: tuple[str, ...] = ()
+        handoff: PrefillResult | None = None  # a stream moved live: its KV, where it goes on from
+        moves = 0
         while True:
             serving: str | None = None  # this attempt's decode replica, once its chunks name it
             try:
-                once = self._generate_once(current, allow_skip=attempt == 0, to_decode=to_decode)
+                once = self._generate_once(
+                    current, allow_skip=attempt == 0 and not moves, to_decode=to_decode, handoff=handoff
+                )
+                handoff = None
                 async with contextlib.aclosing(once) as chunks:
                     async for chunk in chunks:
                         if chunk.retiring:
                             worker = chunk.worker_id or ""
                             raise DecodeRetiring(f"decode replica {worker} is retiring", worker)
+                        if chunk.handoff is not None:
+                            raise StreamMoved(chunk.handoff)
                         if chunk.worker_id is not None:
                             serving = chunk.worker_id
-                        if attempt:  # the continuation's cache hits cover tokens the client already has
+                        if attempt or moves:  # the continuation's cache hits cover tokens the client already has
                             chunk = dataclasses.replace(chunk, num_cached_tokens=0)
                         produced.extend(chunk.token_ids)
                         yield chunk
                 return
+            except StreamMoved as moved:
+                moves += 1
+                source = moved.handoff.kv_handle.prefill_worker_id if moved.handoff.kv_handle else ""
+                avoid += (source,)
+                current, handoff = self._moved(choice, produced, moved.handoff, moves)
+                to_decode = handoff is None  # a hand-off that does not fit: recompute on another replica
+                current = dataclasses.replace(current, avoid_workers=avoid)
+                continue
             except Exception as exc:
                 retired_from = retiring_worker(exc)
                 retiring = retired_from is not None
@@ -236,6 +254,29 @@ class WorkerCalls:
                     avoid += (retired_from,)
                 current = dataclasses.replace(current, avoid_workers=avoid)
 
+    def _moved(
+        self, choice: GenerateRequest, produced: list[int], handoff: PrefillResult, moves: int
+    ) -> tuple[GenerateRequest, PrefillResult | None]:
+        """The continuation of a stream its decode replica moved live, and the hand-off another
+        decode replica pulls its KV by: the KV covers every token sent but the last, which is the
+        hand-off's first token. A hand-off naming other tokens than the client has (a bug, never
+        expected) is released and the stream recomputed from what the client has."""
+        expected = (*choice.prompt_token_ids, *produced[:-1])
+        if produced and handoff.first_token_id == produced[-1] and handoff.prompt_token_ids == expected:
+            self.live_migrations += 1
+            logger.info(
+                "request %s: moved live from decode replica %s after %d tokens",
+                choice.request_id,
+                handoff.kv_handle.prefill_worker_id if handoff.kv_handle else "?",
+                len(produced),
+            )
+            return continuation(choice, produced[:-1], moves, self.rehash, kind="v"), handoff
+        logger.warning(
+            "request %s: a moved stream's hand-off does not match its tokens; recomputing", choice.request_id
+        )
+        self._release_prefill(handoff)
+        return continuation(choice, produced, moves, self.rehash, kind="v"), None
+
     async def _another_decode_replica(self, lost: str | None) -> bool:
         """Whether a decode replica besides ``lost`` may take the rest: the index lists a live
         decode worker other than it. The lost one's record lives until its heartbeat expires,
@@ -252,8 +293,18 @@ class WorkerCalls:
         return any(worker_id != lost for worker_id in workers)
 
     async def _generate_once(
-        self, choice: GenerateRequest, allow_skip: bool, to_decode: bool = False
+        self, choice: GenerateRequest, allow_skip: bool, to_decode: bool = False, handoff: PrefillResult | None = None
     ) -> AsyncGenerator[TokenChunk, None]:
+        if handoff is not None:  # a stream moved live: decode goes on from its KV
+            started = False
+            try:
+                async for chunk in self._decode(choice, handoff):
+                    started = True
+                    yield chunk
+            finally:
+                if not started:  # no decode replica took it (or the client left): free the source's copy
+                    self._release_prefill(handoff)
+            return
         holder = await self._decode_holding_prompt(choice) if allow_skip and not to_decode else None
         if to_decode or holder is not None:
             if holder is not None:

@@ -127,3 +127,33 @@ def test_reservation_fails_cleanly_when_blocks_run_out(tiny_llama):
     assert d.abort("a")
     assert not d.has_unfinished()
     d.check_idle()
+
+
+def test_a_running_sequence_held_mid_decode_continues_elsewhere_exactly(pair, tiny_llama):
+    """``hold_running`` (live migration) stops a decoding sequence between steps with its KV
+    over every token but the last; another engine reserves that as a prompt, the last token as
+    its first, and goes on to transformers' greedy output. Only a sequence between decode
+    steps can be held: one still waiting, or not there, cannot."""
+    a, b = pair
+    prompt = random_prompts((37,), seed=77)[0]
+    expected = hf_greedy(tiny_llama, tuple(prompt))
+    a.add_request("w", prompt, GREEDY)
+    assert a.hold_running("w") is None  # waiting: its prompt is not computed
+    assert a.hold_running("nobody") is None
+    produced: list[int] = []
+    while len(produced) < len(expected) // 2:
+        for out in a.step():
+            produced += out.new_token_ids
+    held = a.hold_running("w")
+    assert held is not None and held.token_ids == [*prompt, *produced]
+    assert a.num_held == 1 and not a.has_unfinished()
+    params = SamplingParams(
+        max_tokens=MAX_NEW_TOKENS - len(produced) + 1, temperature=0.0, output_position_offset=len(produced) - 1
+    )
+    res = b.reserve_remote_kv("w", held.token_ids[:-1], held.token_ids[-1], params)
+    assert len(res.block_ids) == len(held.block_ids)
+    copy_blocks(a, held.block_ids, b, res.missing_block_ids)
+    assert a.release_kv("w")
+    b.commit_remote_kv("w")
+    rest = run_decode(b)["w"]
+    assert produced + rest[1:] == expected

@@ -59,6 +59,14 @@ class KVReservation:
         return [self.block_ids[i] for i in self.missing_positions]
 
 
+@dataclass(frozen=True, slots=True)
+class HeldSequence:
+    """A running sequence stopped for a move (``LLMEngine.hold_running``)."""
+
+    block_ids: list[int]  # its table over every token but the last (NULL_BLOCK: outside the window)
+    token_ids: list[int]  # prompt + generated; the last one's KV is not computed yet
+
+
 class RequestFailed(RuntimeError):
     """One request failed inside the engine (its sampling raised); the engine, and every other
     request in the batch, go on. ``take_failures()`` hands these out after a step."""
@@ -308,6 +316,20 @@ class LLMEngine:
     def held_block_ids(self, request_id: str) -> list[int] | None:
         seq = self.scheduler.get(request_id, RequestStatus.HELD_FOR_DECODE)
         return None if seq is None else list(seq.block_table)
+
+    def hold_running(self, request_id: str) -> HeldSequence | None:
+        """Decode side, live migration: stop decoding ``request_id`` and keep its blocks
+        (HELD_FOR_DECODE, freed by ``release_kv``) for the worker that goes on with it. Its KV
+        covers every token but the last generated one, as a prefill's covers the prompt: the
+        receiver continues from that token exactly. None when it is not a running sequence
+        between decode steps (waiting, computing a prompt chunk, or not here)."""
+        seq = self.scheduler.get(request_id, RequestStatus.RUNNING)
+        if seq is None or not seq.output_token_ids or seq.num_computed_tokens != seq.num_tokens - 1:
+            return None
+        self.scheduler.hold(seq)
+        self._detokenizers.pop(request_id, None)
+        num_blocks = -(-seq.num_computed_tokens // self.config.block_size)
+        return HeldSequence(list(seq.block_table[:num_blocks]), list(seq.token_ids))
 
     def release_kv(self, request_id: str) -> bool:
         """Prefill side: the decode side has the KV (or never will): free the held blocks."""

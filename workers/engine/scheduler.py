@@ -156,6 +156,12 @@ class Scheduler:
         if seq.status is FINISHED:
             self.block_manager.free(seq)
 
+    def hold(self, seq: Sequence) -> None:
+        """RUNNING -> HELD_FOR_DECODE before it finished: a decode worker moves the running
+        sequence to another worker, which pulls its blocks and goes on from its last token."""
+        self._move(seq, HELD_FOR_DECODE, source=RUNNING)
+        self.running.remove(seq)
+
     def release(self, seq: Sequence) -> None:
         """HELD_FOR_DECODE -> FINISHED: the decode side has the KV (or never will)."""
         self._move(seq, FINISHED, source=HELD_FOR_DECODE)

@@ -22,8 +22,10 @@ Deadlines and restarts:
     its end of the group are gone). The prefill side sees a restarted decode worker by its epoch:
     epochs count up from the wall clock, so a new process starts above every epoch it used.
 
-Every worker replica runs one (decode and colocated ones answer only ``Stats`` and ``Hello``, and
-a decode one ``Retire``: the autoscaler's word that Serve is stopping it, see ``DecodeWorker.retire``):
+Every worker replica runs one (colocated ones answer only ``Stats`` and ``Hello``; a decode one
+also the lease calls for streams it moved live, ``Move`` (an operator's or the ingress's word to
+move a stream, see ``DecodeWorker.move``) and ``Retire``: the autoscaler's word that Serve is
+stopping it, see ``DecodeWorker.retire``):
 the cluster status reads each replica's figures there, at the address the replica registered in
 its application's worker directory (``deploy/pools/directory.py``), again without a Serve call.
 
@@ -113,6 +115,9 @@ class ControlHandlers:
     stats: Callable[[], Awaitable[dict[str, Any]]] | None = None
     # a decode worker that Serve is stopping: hand every stream over (returns how many)
     retire: Callable[[], Awaitable[int]] | None = None
+    # a decode worker: move the streams a request id names live to another decode worker
+    # (returns the ids moved)
+    move: Callable[[str], Awaitable[list[str]]] | None = None
 
 
 class ControlServer:
@@ -145,6 +150,7 @@ class ControlServer:
             "Hello": self._method(Hello, self._hello),
             "Stats": self._method(Hello, self._stats),
             "Retire": self._method(Hello, self._retire),
+            "Move": self._method(LeaseCall, self._move),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, methods),))
         self.port = server.add_insecure_port(f"{self.host}:0")
@@ -211,6 +217,10 @@ class ControlServer:
 
     async def _retire(self, _: Hello) -> ControlReply:
         return self._reply(True, value=float(await self._handler("retire")()))
+
+    async def _move(self, call: LeaseCall) -> ControlReply:
+        moved = await self._handler("move")(call.request_id)
+        return self._reply(True, value=float(len(moved)), data={"moved": moved})
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._server is not None:
@@ -309,6 +319,12 @@ class ControlClient:
         over (each resumes on another decode replica); returns how many it handed over."""
         reply = await self._call(address, "Retire", Hello(self.caller_id), timeout_s)
         return int(reply.value)
+
+    async def move(self, address: TransferAddress, request_id: str, timeout_s: float) -> list[str]:
+        """Ask the decode worker at ``address`` to move the streams ``request_id`` names live to
+        another decode worker; returns the ids of those it moved."""
+        reply = await self._call(address, "Move", LeaseCall(request_id), timeout_s, request_id)
+        return list((reply.data or {}).get("moved", []))
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
