@@ -184,16 +184,24 @@ class DecodeWorker(ColocatedWorker):
             await self.source.start()
             self._source_started = True
 
-    async def move(self, request_id: str | None) -> list[str]:
+    async def move(self, request_id: str | None, recompute: bool = False) -> list[str]:
         """Live migration: stop decoding every stream ``request_id`` names (``matches``; None:
-        every stream) at the
-        next step boundary, hold its blocks under a lease and end its stream with a hand-off; the
-        ingress continues it on another decode worker, which pulls the blocks, with no token
-        recomputed. Returns the ids of the streams moved; a stream between states (its prompt
-        still computing, waiting for room) is not moved."""
-        if self.source is None or not self._source_started or self.retiring:
+        every stream) at the next step boundary, hold its blocks under a lease and end its
+        stream with a hand-off; the ingress continues it on another decode worker, which pulls
+        the blocks, with no token recomputed. Returns the ids of the streams moved; a stream
+        between states (its prompt still computing, waiting for room) is not moved.
+
+        With ``recompute`` (and on a tensor-parallel replica, which sends no KV) the streams end
+        as a retiring replica's do instead: another decode worker computes prompt and tokens so
+        far itself."""
+        if self.retiring:
             return []
         ids = [rid for rid in self.loop.streams() if request_id is None or matches(rid, request_id)]
+        if recompute or self.source is None:
+            self.loop.end_streams(self._retiring, keep=set(self.loop.streams()) - set(ids))
+            return ids
+        if not self._source_started:
+            return []
         moved = await self.loop.call(lambda e: [rid for rid in ids if self._hold(e, rid)])
         self.stats.moved_out += len(moved)
         return moved

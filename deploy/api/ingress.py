@@ -191,7 +191,8 @@ class OpenAIIngress:
     @app.post("/v1/cluster/migrate")
     async def migrate(self, body: MigrateRequest) -> dict:
         """Move a request's decode streams live to other decode replicas (``pdserve migrate``):
-        each stream's KV moves with it, nothing is recomputed, and its client sees one stream.
+        each stream's KV moves with it, nothing is recomputed, and its client sees one stream
+        (``recompute``: the other replica computes prompt and tokens so far instead).
         400 outside disaggregated mode; 409 with a single decode replica; 404 when no decode
         replica is decoding ``request_id`` now (finished, still in prefill, or unknown)."""
         if self.args.mode is not Mode.DISAGGREGATED:
@@ -204,7 +205,7 @@ class OpenAIIngress:
 
         async def ask(address) -> list[str]:
             try:
-                return await self.control.move(address, body.request_id, CONTROL_TIMEOUT_S)
+                return await self.control.move(address, body.request_id, CONTROL_TIMEOUT_S, body.recompute)
             except KVTransferError as exc:
                 logger.warning("migrate %s: %s", body.request_id, exc)
                 return []

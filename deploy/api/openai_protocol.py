@@ -43,6 +43,7 @@ class MigrateRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     request_id: str = Field(min_length=1, max_length=256)  # a completion's id moves all its choices
+    recompute: bool = False  # move by recomputing prompt + tokens on the other replica instead
 
 
 class StreamOptions(BaseModel):

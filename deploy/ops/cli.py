@@ -1160,6 +1160,9 @@ def _add_migrate_parser(subparsers: argparse._SubParsersAction) -> None:
         "migrate", help="move a running request's decode streams live to other decode replicas"
     )
     parser.add_argument("request_id", help="the completion's id (cmpl-... or chatcmpl-...): all its choices move")
+    parser.add_argument(
+        "--recompute", action="store_true", help="recompute prompt + tokens on the other replica instead of moving KV"
+    )
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the ingress URL")
     parser.add_argument("--api-key", default=None)
     parser.set_defaults(handler=_run_migrate)
@@ -1172,7 +1175,7 @@ def _run_migrate(args: argparse.Namespace) -> int:
     try:
         resp = httpx.post(
             f"{args.url.rstrip('/')}/v1/cluster/migrate",
-            json={"request_id": args.request_id},
+            json={"request_id": args.request_id, "recompute": args.recompute},
             headers=headers,
             timeout=15,
         )

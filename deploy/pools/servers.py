@@ -397,11 +397,14 @@ class DecodeServer(_WorkerServer):
         logger.info("decode replica %s retiring: %d stream(s) handed to other decode replicas", self.worker_id, ended)
         return ended
 
-    async def move(self, request_id: str) -> list[str]:
-        """``Move`` on its control server: move the streams ``request_id`` names live."""
-        moved = await self.worker.move(request_id)
+    async def move(self, request_id: str, recompute: bool) -> list[str]:
+        """``Move`` on its control server: move the streams ``request_id`` names."""
+        moved = await self.worker.move(request_id, recompute)
         if moved:
-            logger.info("decode replica %s: moving %s live to another decode replica", self.worker_id, ", ".join(moved))
+            how = "by recompute" if recompute or self.worker.source is None else "live"
+            logger.info(
+                "decode replica %s: moving %s %s to another decode replica", self.worker_id, ", ".join(moved), how
+            )
         return moved
 
     async def generate(self, request: GenerateRequest, prefill: PrefillResult) -> AsyncIterator[TokenChunk]:

@@ -205,8 +205,8 @@ def retire_busy_decode_replica(base: str) -> tuple[str, int]:
 
 
 def test_a_retiring_decode_replica_hands_its_stream_to_the_other_invisibly(two_decode_app):
-    """A scale-down's decode replica ends its streams at once instead of draining them: the stream
-    goes on on the other decode replica (which computes prompt + tokens so far itself), and the
+    """A scale-down's decode replica hands its streams over at once instead of draining them:
+    each moves live (its KV pulled by the other decode replica, nothing recomputed), and the
     client sees the same text, one response id and the same usage. The retired replica refuses
     new work from then on; Serve would stop it, here the test does."""
     base = two_decode_app
@@ -225,11 +225,78 @@ def test_a_retiring_decode_replica_hands_its_stream_to_the_other_invisibly(two_d
     assert usage["completion_tokens"] == NEW_TOKENS and usage["prompt_tokens"] == len(prompt)
     (worker_id, ended), now = retired[0], status(base)["routing"]
     assert ended == 1
-    assert now["migrations"] == routing["migrations"] + 1
-    assert now["retired_streams"] == routing.get("retired_streams", 0) + 1
+    assert now["live_migrations"] == routing["live_migrations"] + 1
+    assert now["migrations"] == routing["migrations"]  # nothing recomputed
+    retiring = next(r for r in status(base)["pools"]["decode"] if r["worker_id"] == worker_id)
+    assert retiring["retired_streams"] == retiring["moved_out"] == 1
     kill(next(name for name in replicas(APP, "decode") if name.endswith(worker_id)))
     wait_replicas(APP, "decode", 2, base)
     wait_idle(base)
+
+
+def migrate(base: str, request_id: str, recompute: bool = False) -> httpx.Response:
+    body = {"request_id": request_id, "recompute": recompute}
+    return httpx.post(f"{base}/v1/cluster/migrate", json=body, timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "recompute"),
+    [
+        pytest.param({}, False, id="greedy"),
+        pytest.param({"temperature": 0.8, "seed": 11}, False, id="seeded"),
+        pytest.param({}, True, id="recompute"),
+    ],
+)
+def test_a_stream_moved_by_the_operator_is_invisible(two_decode_app, sampling, recompute):
+    """``POST /v1/cluster/migrate`` (``pdserve migrate``) mid-stream: the stream moves to the other
+    decode replica with its KV, nothing is recomputed (no migration counted, no recomputed
+    prefill), and the client's text, id and usage are an unmoved run's. With ``recompute`` the
+    other replica computes prompt + tokens instead (a migration counted), same text."""
+    base = two_decode_app
+    prompt = random_prompts((40,), seed=95)[0]
+    reference, _, _ = streamed(base, body(prompt, True, **sampling))
+    routing = status(base)["routing"]
+    recomputed = sum(r.get("recomputed_prefills", 0) for r in status(base)["pools"]["decode"])
+    answers: list[httpx.Response] = []
+    text, events, usage = [], [], None
+    with httpx.stream("POST", f"{base}/v1/completions", json=body(prompt, True, **sampling), timeout=300) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            events.append(event)
+            usage = event.get("usage") or usage
+            text.extend(c["text"] for c in event.get("choices", []))
+            if len(events) == 5:
+                answers.append(migrate(base, event["id"], recompute))
+    assert "".join(text) == reference
+    assert len({e["id"] for e in events}) == 1
+    assert usage["completion_tokens"] == NEW_TOKENS and usage["prompt_tokens"] == len(prompt)
+    (answer,) = answers
+    assert answer.status_code == 200, answer.text
+    ((moved_from, ids),) = answer.json()["moved"].items()
+    assert ids == [f"{events[0]['id']}-0"]
+    now = status(base)["routing"]
+    assert now["live_migrations"] == routing["live_migrations"] + (not recompute)
+    assert now["migrations"] == routing["migrations"] + recompute
+    decode = status(base)["pools"]["decode"]
+    if not recompute:
+        assert sum(r.get("recomputed_prefills", 0) for r in decode) == recomputed
+        assert next(r for r in decode if r["worker_id"] == moved_from)["moved_out"] >= 1
+    wait_idle(base)
+
+
+def test_migrate_names_what_it_cannot_do(two_decode_app):
+    """A request id nothing decodes is a 404, a body that is not ``{"request_id": ...}`` a 400
+    naming the field: clear errors, never a 500."""
+    base = two_decode_app
+    missing = migrate(base, "cmpl-nothing-like-it")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "request_id"
+    for bad in ({}, {"request_id": ""}, {"request_id": "x", "target": "y"}):
+        resp = httpx.post(f"{base}/v1/cluster/migrate", json=bad, timeout=30)
+        assert resp.status_code == 400, (bad, resp.text)
+        assert resp.json()["error"]["param"] in ("request_id", "target"), resp.text
 
 
 def test_a_client_leaving_during_a_migration_frees_everything(two_decode_app):

@@ -80,6 +80,15 @@ class LeaseCall:
 
 
 @dataclass(frozen=True, slots=True)
+class MoveCall:
+    """Move the decode streams ``request_id`` names to another decode worker: live (their KV
+    moves), or with ``recompute`` by ending them for a recompute there."""
+
+    request_id: str
+    recompute: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class ControlReply:
     """Every method's answer: ``ok``, the server's generation, and for ``ok`` False the reason."""
 
@@ -117,7 +126,7 @@ class ControlHandlers:
     retire: Callable[[], Awaitable[int]] | None = None
     # a decode worker: move the streams a request id names live to another decode worker
     # (returns the ids moved)
-    move: Callable[[str], Awaitable[list[str]]] | None = None
+    move: Callable[[str, bool], Awaitable[list[str]]] | None = None
 
 
 class ControlServer:
@@ -150,7 +159,7 @@ class ControlServer:
             "Hello": self._method(Hello, self._hello),
             "Stats": self._method(Hello, self._stats),
             "Retire": self._method(Hello, self._retire),
-            "Move": self._method(LeaseCall, self._move),
+            "Move": self._method(MoveCall, self._move),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, methods),))
         self.port = server.add_insecure_port(f"{self.host}:0")
@@ -218,8 +227,8 @@ class ControlServer:
     async def _retire(self, _: Hello) -> ControlReply:
         return self._reply(True, value=float(await self._handler("retire")()))
 
-    async def _move(self, call: LeaseCall) -> ControlReply:
-        moved = await self._handler("move")(call.request_id)
+    async def _move(self, call: MoveCall) -> ControlReply:
+        moved = await self._handler("move")(call.request_id, call.recompute)
         return self._reply(True, value=float(len(moved)), data={"moved": moved})
 
     async def stop(self, grace_s: float = 1.0) -> None:
@@ -320,10 +329,13 @@ class ControlClient:
         reply = await self._call(address, "Retire", Hello(self.caller_id), timeout_s)
         return int(reply.value)
 
-    async def move(self, address: TransferAddress, request_id: str, timeout_s: float) -> list[str]:
-        """Ask the decode worker at ``address`` to move the streams ``request_id`` names live to
-        another decode worker; returns the ids of those it moved."""
-        reply = await self._call(address, "Move", LeaseCall(request_id), timeout_s, request_id)
+    async def move(
+        self, address: TransferAddress, request_id: str, timeout_s: float, recompute: bool = False
+    ) -> list[str]:
+        """Ask the decode worker at ``address`` to move the streams ``request_id`` names to
+        another decode worker (live, or with ``recompute`` by recomputing them there); returns
+        the ids of those it moved."""
+        reply = await self._call(address, "Move", MoveCall(request_id, recompute), timeout_s, request_id)
         return list((reply.data or {}).get("moved", []))
 
     async def close(self) -> None:
