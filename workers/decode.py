@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from workers.engine import LLMEngine, RequestOutput, SamplingParams
-from workers.engine.engine import KVReservation
+from workers.engine.engine import HeldSequence, KVReservation
 from workers.engine_loop import EngineLoop
 from workers.kv_source import KVSource
 from workers.protocol import GenerateRequest, KVHandle, PrefillResult, TokenChunk, TokenLogprobs, TransferRequest
@@ -177,6 +177,7 @@ class DecodeWorker(ColocatedWorker):
             KVSource(self.loop, worker_id, self.transfer_config, self.stats, lease_ttl_s) if tp is None else None
         )
         self._source_started = False
+        self._copies = 0  # pre-copies made here: each copy's request id is unique
 
     async def start(self) -> None:
         """Open the control server through which other decode workers pull moved streams' KV."""
@@ -205,6 +206,46 @@ class DecodeWorker(ColocatedWorker):
         moved = await self.loop.call(lambda e: [rid for rid in ids if self._hold(e, rid)])
         self.stats.moved_out += len(moved)
         return moved
+
+    async def precopy(self, request_id: str) -> list[tuple[str, KVHandle, HeldSequence]]:
+        """A live migration's first phase: hold another reference to the full blocks of every
+        stream ``request_id`` names, under a lease, while the streams go on decoding here (no
+        step writes a full block again). Another decode worker pulls them into its prefix cache
+        (``prefetch``); the move that follows (``move``) then sends only what was written since.
+        Returns, per stream, its id, the copy's handle and tokens."""
+        if self.source is None or not self._source_started or self.retiring:
+            return []
+        self._copies += 1
+        copies = {rid: f"{rid}#pre{self._copies}" for rid in self.loop.streams() if matches(rid, request_id)}
+        held = await self.loop.call(lambda e: [(rid, e.hold_prefix_copy(rid, copies[rid])) for rid in copies])
+        source = self.source
+        return [(rid, source.hold(copies[rid], h.block_ids, len(h.token_ids)), h) for rid, h in held if h is not None]
+
+    async def prefetch(self, request: GenerateRequest, handle: KVHandle) -> int:
+        """A live migration's first phase, receiving side: pull the blocks of ``request``'s
+        tokens (another decode worker's ``precopy``) that this worker's prefix cache lacks, and
+        leave them there for the moved stream. Returns how many blocks moved (0: all were here,
+        no room, or the pull failed; the move then pulls what is missing)."""
+        rid, tokens = request.request_id, list(request.prompt_token_ids)
+        params = SamplingParams(max_tokens=1, detokenize=False)
+        reservation = await self.loop.call(lambda e: e.reserve_remote_kv(rid, tokens, 0, params, request.cache_salt))
+        if reservation is None or not reservation.missing_block_ids:
+            self._release_remote(handle)
+            if reservation is not None:
+                await self.loop.call(lambda e: e.cache_remote_kv(rid))
+            return 0
+        pull = asyncio.ensure_future(self._pull(handle, reservation))
+        try:
+            await asyncio.shield(pull)
+        except (KVTransferError, ValueError) as exc:
+            logger.info("pre-copy of %s from %s failed (the move pulls it all): %s", rid, handle.prefill_worker_id, exc)
+            self.loop.abort(rid)
+            return 0
+        except asyncio.CancelledError:
+            self._abort_after(pull, rid)
+            raise
+        await self.loop.call(lambda e: e.cache_remote_kv(rid))
+        return len(reservation.missing_block_ids)
 
     def _hold(self, engine: LLMEngine, request_id: str) -> bool:
         """Engine thread: stop ``request_id`` and end its stream with the hand-off (after every
@@ -371,15 +412,20 @@ class DecodeWorker(ColocatedWorker):
             self.loop.detach(rid)
             if not finished:  # client gone (or a failure): abort, which frees the blocks
                 if pull is not None and not pull.done():
-
-                    def abort_after_pull(done: asyncio.Future) -> None:
-                        if not done.cancelled():
-                            done.exception()  # retrieved: its failure no longer matters
-                        self.loop.abort(rid)
-
-                    pull.add_done_callback(abort_after_pull)
+                    self._abort_after(pull, rid)
                 else:
                     self.loop.abort(rid)
+
+    def _abort_after(self, pull: asyncio.Future, request_id: str) -> None:
+        """Abort the request once ``pull`` is done: its thread writes into the reserved blocks
+        until then, so they are freed only after."""
+
+        def abort(done: asyncio.Future) -> None:
+            if not done.cancelled():
+                done.exception()  # retrieved: its failure no longer matters
+            self.loop.abort(request_id)
+
+        pull.add_done_callback(abort)
 
     async def _reserve(self, handle: KVHandle, reserve) -> tuple[KVReservation | None, KVHandle]:
         """The prompt's blocks, reserved (``reserve`` on the engine thread), and the handle with

@@ -31,7 +31,8 @@ from deploy.args import Mode, PDServeArgs
 from deploy.ops.cluster_status import PoolReader, autoscaling_status, extend_status, index_status, start_history
 from deploy.ops.dashboard import install_dashboard
 from deploy.ops.metrics import IngressMetrics
-from deploy.pools.worker_calls import CONTROL_TIMEOUT_S, PoolReadiness, WorkerCalls
+from deploy.pools.migration import Mover
+from deploy.pools.worker_calls import PoolReadiness, WorkerCalls
 from deploy.replica_logging import route_to_serve
 from kvstore.hashing import hash_prompt_blocks
 from workers.engine.config import EngineConfig
@@ -40,7 +41,6 @@ from workers.models.config import ModelConfig
 from workers.models.gguf import describe_model
 from workers.protocol import GenerateRequest
 from workers.transfer.control import ControlClient
-from workers.transfer.errors import KVTransferError
 
 logger = logging.getLogger("pdserve")
 
@@ -95,9 +95,11 @@ class OpenAIIngress:
             rehash=self._block_hashes,
             max_migrations=self.args.max_migrations,
             on_migration=self.metrics.migrated,
+            on_live_migration=self.metrics.moved_live,
             control=self.control,
             sink_host=ray.util.get_node_ip_address() if self.args.output_channel else None,
         )
+        self.mover = Mover(self.control, lambda: self.pool_reader.live_addresses("decode"), decode, self._block_hashes)
         self.stats = RequestStats()
         self.readiness = PoolReadiness(self.pools)  # /health: 503 "starting" until the pools answer
         self._requests: set[asyncio.Task] = set()  # completion requests in flight (drain() waits for them)
@@ -179,6 +181,7 @@ class OpenAIIngress:
                     "failed_migrations": self.workers.failed_migrations,
                     "retired_streams": self.workers.retired_streams,
                     "live_migrations": self.workers.live_migrations,
+                    "precopied_blocks": self.mover.precopied_blocks,
                 },
                 "output_channel": self.workers.sink.stats() if self.workers.sink is not None else None,
                 "http_front_end": "haproxy" if haproxy_enabled() else "serve_proxy",
@@ -190,33 +193,14 @@ class OpenAIIngress:
 
     @app.post("/v1/cluster/migrate")
     async def migrate(self, body: MigrateRequest) -> dict:
-        """Move a request's decode streams live to other decode replicas (``pdserve migrate``):
-        each stream's KV moves with it, nothing is recomputed, and its client sees one stream
-        (``recompute``: the other replica computes prompt and tokens so far instead).
-        400 outside disaggregated mode; 409 with a single decode replica; 404 when no decode
-        replica is decoding ``request_id`` now (finished, still in prefill, or unknown)."""
+        """Move a request's decode streams live to other decode replicas (``pdserve migrate``,
+        ``deploy/pools/migration.py``): each stream's KV moves with it, nothing is recomputed,
+        and its client sees one stream (``recompute``: the other replica computes prompt and
+        tokens so far instead). 400 outside disaggregated mode; 409 with a single decode
+        replica; 404 when no decode replica is decoding ``request_id`` now."""
         if self.args.mode is not Mode.DISAGGREGATED:
             raise RequestError("live migration moves decode streams: it needs mode disaggregated", "request_id")
-        addresses = await self.pool_reader.addresses("decode")
-        if len(addresses) < 2:
-            raise RequestError(
-                f"{len(addresses)} decode replica(s) registered: a stream needs another to move to", "request_id", 409
-            )
-
-        async def ask(address) -> list[str]:
-            try:
-                return await self.control.move(address, body.request_id, CONTROL_TIMEOUT_S, body.recompute)
-            except KVTransferError as exc:
-                logger.warning("migrate %s: %s", body.request_id, exc)
-                return []
-
-        answers = await asyncio.gather(*(ask(a) for a in addresses.values()))
-        moved = {worker: ids for worker, ids in zip(addresses, answers, strict=True) if ids}
-        if not moved:
-            raise RequestError(
-                f"request_id {body.request_id!r} is not decoding on any decode replica now", "request_id", 404
-            )
-        return {"request_id": body.request_id, "moved": moved}
+        return {"request_id": body.request_id, "moved": await self.mover.move(body.request_id, body.recompute)}
 
     @app.get("/v1/cluster/history")
     async def cluster_history(self, since: float | None = None) -> dict:

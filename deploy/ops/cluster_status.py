@@ -78,6 +78,14 @@ class PoolReader:
         directory is not readable)."""
         return await worker_directory.lookup(self.app_name, deployment) or {}
 
+    async def live_addresses(self, deployment: str) -> dict:
+        """``addresses`` of the replicas Serve runs now (an entry of a replica just killed lives
+        in the directory until it goes stale)."""
+        ids, found = await asyncio.gather(
+            asyncio.to_thread(replica_ids, self.app_name, deployment), self.addresses(deployment)
+        )
+        return {worker: address for worker, address in found.items() if worker in set(ids)}
+
     async def read_all(self, names: list[str]) -> dict[str, list[dict[str, Any]]]:
         return dict(zip(names, await asyncio.gather(*(self.read(n) for n in names))))
 

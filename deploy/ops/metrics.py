@@ -53,6 +53,12 @@ class IngressMetrics:
             "Decode streams resumed on another replica after theirs died",
             ("model",),
         )
+        self.live_migrations = _get(
+            Counter,
+            "pdserve_decode_live_migrations_total",
+            "Decode streams moved to another replica with their KV (nothing recomputed)",
+            ("model",),
+        )
 
     def first_token(self, ttft_s: float, prompt_tokens: int, cached_tokens: int) -> None:
         self.ttft.observe(ttft_s, tags=self.tags)
@@ -63,6 +69,9 @@ class IngressMetrics:
 
     def migrated(self) -> None:
         self.migrations.inc(1, tags=self.tags)
+
+    def moved_live(self) -> None:
+        self.live_migrations.inc(1, tags=self.tags)
 
     def token_gap(self, seconds: float) -> None:
         self.itl.observe(seconds, tags=self.tags)

@@ -161,6 +161,7 @@ def format_status(status: dict) -> str:
             f"{routing.get('prefill_retries', 0)} prefills retried after their replica died, "
             f"{routing.get('migrations', 0)} decode streams resumed on another replica"
             + (f" ({retired} handed over by retiring replicas)" if (retired := routing.get("retired_streams")) else "")
+            + f", {routing.get('live_migrations', 0)} moved live with their KV"
             + (f", {failed} ended after max_migrations" if failed else "")
         )
     lines += _autoscaling_lines(status.get("autoscaling"), status.get("time"))

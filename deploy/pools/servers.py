@@ -32,7 +32,7 @@ from workers.engine_loop import EngineLoop
 from workers.kv_source import KVSource
 from workers.output_channel import OutputSender
 from workers.prefill import PrefillWorker
-from workers.protocol import GenerateRequest, PrefillResult, TokenChunk, TransferAddress
+from workers.protocol import GenerateRequest, KVHandle, PrefillResult, TokenChunk, TransferAddress, encode
 from workers.transfer import TransferConfig, Transport
 from workers.transfer.control import ControlHandlers, ControlServer
 
@@ -387,6 +387,7 @@ class DecodeServer(_WorkerServer):
         control = self.worker.source.control if self.worker.source is not None else self._own_control
         control.handlers.retire = self.retire
         control.handlers.move = self.move
+        control.handlers.precopy = self.precopy
         await self._start_publisher(loop.engine, self.worker_id)
 
     async def retire(self) -> int:
@@ -406,6 +407,29 @@ class DecodeServer(_WorkerServer):
                 "decode replica %s: moving %s %s to another decode replica", self.worker_id, ", ".join(moved), how
             )
         return moved
+
+    async def precopy(self, request_id: str) -> dict:
+        """``PreCopy`` on its control server: a live move's first phase (``DecodeWorker.precopy``)."""
+        copies = await self.worker.precopy(request_id)
+        return {
+            "copies": [
+                {
+                    "request_id": rid,
+                    "handle": encode(handle).decode(),
+                    "token_ids": held.token_ids,
+                    "cache_salt": held.cache_salt,
+                }
+                for rid, handle, held in copies
+            ]
+        }
+
+    async def prefetch(self, request: GenerateRequest, handle: KVHandle) -> dict:
+        """A live move's first phase, receiving side (``DecodeWorker.prefetch``), then the index
+        hears of the blocks at once: the move's decode call is routed by them."""
+        blocks = await self.worker.prefetch(request, handle)
+        if self.publisher is not None:
+            await self.publisher.flush()
+        return {"worker_id": self.worker_id, "blocks": blocks}
 
     async def generate(self, request: GenerateRequest, prefill: PrefillResult) -> AsyncIterator[TokenChunk]:
         async for chunk in self.outputs.stream(request.output_address, self._timed(request, prefill)):

@@ -111,6 +111,7 @@ class WorkerCalls:
         rehash: Callable[[Sequence[int], str | None], tuple[bytes, ...]] | None = None,
         max_migrations: int = 0,
         on_migration: Callable[[], None] | None = None,
+        on_live_migration: Callable[[], None] | None = None,
         control: ControlClient | None = None,
         sink_host: str | None = None,
     ) -> None:
@@ -123,7 +124,8 @@ class WorkerCalls:
         self.index = index  # PrefixIndex or None
         self.rehash = rehash or (lambda ids, salt: ())  # a continuation's block hashes, for routing
         self.max_migrations = max_migrations
-        self.on_migration = on_migration or (lambda: None)  # the ingress's Prometheus counter
+        self.on_migration = on_migration or (lambda: None)  # the ingress's Prometheus counters
+        self.on_live_migration = on_live_migration or (lambda: None)
         self.skipped_prefills = 0
         self.prefill_retries = 0  # prefills re-sent to another replica after theirs died
         self.migrations = 0  # decode streams resumed on another replica
@@ -264,6 +266,7 @@ class WorkerCalls:
         expected = (*choice.prompt_token_ids, *produced[:-1])
         if produced and handoff.first_token_id == produced[-1] and handoff.prompt_token_ids == expected:
             self.live_migrations += 1
+            self.on_live_migration()
             logger.info(
                 "request %s: moved live from decode replica %s after %d tokens",
                 choice.request_id,

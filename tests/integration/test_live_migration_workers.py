@@ -178,3 +178,38 @@ async def test_retire_moves_running_streams_live(pdd, tiny_llama):
     async for chunk in target.generate(continuation(req, produced[:-1], 1, rehash), handoff):
         produced.extend(chunk.token_ids)
     assert produced == hf_greedy(tiny_llama, tuple(prompt))
+
+
+async def test_a_pre_copied_stream_moves_only_what_it_wrote_since(pdd, tiny_llama):
+    """The two-phase move: the source's full blocks go to the target's prefix cache while the
+    stream keeps decoding on the source (``precopy`` / ``prefetch``); the move then pulls only
+    the blocks written since, and the tokens are still transformers'."""
+    prefill, source, target = pdd
+    prompt = random_prompts((70,), seed=61)[0]
+    expected = hf_greedy(tiny_llama, tuple(prompt))
+    req = request("p", prompt)
+    result = await prefill.prefill(req)
+    produced = [result.first_token_id]
+    handoff, precopied = None, 0
+    async for chunk in source.generate(req, result):
+        produced.extend(chunk.token_ids)
+        if chunk.handoff is not None:
+            handoff = chunk.handoff
+            break
+        if len(produced) == 6:  # phase 1: the stream goes on here meanwhile
+            ((rid, handle, held),) = await source.precopy("p")
+            assert rid == "p" and len(handle.block_ids) == len(held.token_ids) // 16 == (70 + 6 - 1) // 16
+            copy = GenerateRequest(handle.request_id, tuple(held.token_ids), {}, held.cache_salt)
+            precopied = await target.prefetch(copy, handle)
+            assert precopied == len(handle.block_ids)
+        if len(produced) >= len(expected) // 2 and precopied:
+            await source.move("p")
+    assert handoff is not None
+    before = target.stats.transfer_bytes
+    async for chunk in target.generate(continuation(req, produced[:-1], 1, rehash, kind="v"), handoff):
+        produced.extend(chunk.token_ids)
+    assert produced == expected
+    per_block = before // precopied
+    moved_after = -(-handoff.kv_handle.num_tokens // 16) - precopied
+    assert target.stats.transfer_bytes - before == moved_after * per_block  # only the blocks written since
+    assert target.stats.recomputed_prefills == 0

@@ -259,7 +259,9 @@ def test_a_stream_moved_by_the_operator_is_invisible(two_decode_app, sampling, r
     recomputed = sum(r.get("recomputed_prefills", 0) for r in status(base)["pools"]["decode"])
     answers: list[httpx.Response] = []
     text, events, usage = [], [], None
-    with httpx.stream("POST", f"{base}/v1/completions", json=body(prompt, True, **sampling), timeout=300) as resp:
+    # its own cache salt: no decode replica holds its blocks, so the move's pre-copy sends them
+    moved = body(prompt, True, cache_salt=f"moved-{recompute}-{sampling}", **sampling)
+    with httpx.stream("POST", f"{base}/v1/completions", json=moved, timeout=300) as resp:
         for line in resp.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -278,6 +280,8 @@ def test_a_stream_moved_by_the_operator_is_invisible(two_decode_app, sampling, r
     ((moved_from, ids),) = answer.json()["moved"].items()
     assert ids == [f"{events[0]['id']}-0"]
     now = status(base)["routing"]
+    if not recompute:  # 40 prompt tokens and at least 4 generated: 2 full blocks went ahead of the move
+        assert now["precopied_blocks"] >= routing["precopied_blocks"] + 2
     assert now["live_migrations"] == routing["live_migrations"] + (not recompute)
     assert now["migrations"] == routing["migrations"] + recompute
     decode = status(base)["pools"]["decode"]

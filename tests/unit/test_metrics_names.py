@@ -20,6 +20,7 @@ DESIGN_METRICS = {
     "pdserve_recomputed_prefills_total",
     "pdserve_preemptions_total",
     "pdserve_decode_migrations_total",
+    "pdserve_decode_live_migrations_total",
 }
 
 

@@ -182,6 +182,13 @@ class BlockManager:
             self.stats.events.append(BlockStored(tuple(stored), hashes[first - 1] if first > 0 else None))
         seq.num_cached_blocks = num_computed_full
 
+    def share_blocks(self, seq: Sequence, num_blocks: int, other: Sequence) -> None:
+        """``other``'s table references ``seq``'s first ``num_blocks`` blocks too."""
+        for block_id in seq.block_table[:num_blocks]:
+            if block_id != NULL_BLOCK:
+                self.blocks[block_id].ref_count += 1
+            other.block_table.append(block_id)
+
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; its cached blocks stay revivable until evicted."""
         for block_id in reversed(seq.block_table):

@@ -61,10 +61,12 @@ class KVReservation:
 
 @dataclass(frozen=True, slots=True)
 class HeldSequence:
-    """A running sequence stopped for a move (``LLMEngine.hold_running``)."""
+    """A running sequence stopped for a move (``LLMEngine.hold_running``), or a copy of its
+    full blocks (``hold_prefix_copy``: then ``token_ids`` are those blocks' tokens)."""
 
     block_ids: list[int]  # its table over every token but the last (NULL_BLOCK: outside the window)
     token_ids: list[int]  # prompt + generated; the last one's KV is not computed yet
+    cache_salt: str | None = None
 
 
 class RequestFailed(RuntimeError):
@@ -329,7 +331,33 @@ class LLMEngine:
         self.scheduler.hold(seq)
         self._detokenizers.pop(request_id, None)
         num_blocks = -(-seq.num_computed_tokens // self.config.block_size)
-        return HeldSequence(list(seq.block_table[:num_blocks]), list(seq.token_ids))
+        return HeldSequence(list(seq.block_table[:num_blocks]), list(seq.token_ids), seq.cache_salt)
+
+    def hold_prefix_copy(self, request_id: str, copy_id: str) -> HeldSequence | None:
+        """Decode side, a live migration's pre-copy: hold another reference to the running
+        ``request_id``'s full blocks as request ``copy_id`` (HELD_FOR_DECODE, freed by
+        ``release_kv``) while it goes on decoding: no step writes a full block again. None when
+        it has no full block computed or is not running here."""
+        seq = self.scheduler.get(request_id, RequestStatus.RUNNING)
+        if seq is None:
+            return None
+        num_blocks = seq.num_computed_tokens // self.config.block_size
+        if num_blocks == 0 or all(b == NULL_BLOCK for b in seq.block_table[:num_blocks]):
+            return None
+        tokens = seq.token_ids[: num_blocks * self.config.block_size]
+        copy = self._new_sequence(copy_id, tokens, SamplingParams(max_tokens=1, detokenize=False), seq.cache_salt)
+        self.scheduler.hold_copy(seq, num_blocks, copy)
+        return HeldSequence(list(copy.block_table), list(tokens), seq.cache_salt)
+
+    def cache_remote_kv(self, request_id: str) -> None:
+        """Decode side, a live migration's pre-copy received: the reserved blocks hold the KV of
+        the request's tokens; keep them in the prefix cache (where the moved stream finds them)
+        and end the request (AWAITING_REMOTE_KV -> FINISHED)."""
+        seq = self.scheduler.get(request_id, RequestStatus.AWAITING_REMOTE_KV)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} is not awaiting remote KV")
+        self.scheduler.cache_remote(seq)
+        self._detokenizers.pop(request_id, None)
 
     def release_kv(self, request_id: str) -> bool:
         """Prefill side: the decode side has the KV (or never will): free the held blocks."""

@@ -162,6 +162,22 @@ class Scheduler:
         self._move(seq, HELD_FOR_DECODE, source=RUNNING)
         self.running.remove(seq)
 
+    def hold_copy(self, seq: Sequence, num_blocks: int, copy: Sequence) -> None:
+        """``copy`` (new) holds another reference to ``seq``'s first ``num_blocks`` blocks, full
+        ones that no step writes again (HELD_FOR_DECODE): a live migration's pre-copy, sent while
+        ``seq`` goes on."""
+        copy.status_when_done = FINISHED
+        self.block_manager.share_blocks(seq, num_blocks, copy)
+        self._register(copy, HELD_FOR_DECODE)
+
+    def cache_remote(self, seq: Sequence) -> None:
+        """AWAITING_REMOTE_KV -> FINISHED with its received full blocks left in the prefix cache
+        (a live migration's pre-copy: the blocks wait there for the stream that follows)."""
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.cache_full_blocks(seq)
+        self._move(seq, FINISHED, source=AWAITING_REMOTE_KV)
+        self.block_manager.free(seq)
+
     def release(self, seq: Sequence) -> None:
         """HELD_FOR_DECODE -> FINISHED: the decode side has the KV (or never will)."""
         self._move(seq, FINISHED, source=HELD_FOR_DECODE)

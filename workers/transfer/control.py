@@ -127,6 +127,9 @@ class ControlHandlers:
     # a decode worker: move the streams a request id names live to another decode worker
     # (returns the ids moved)
     move: Callable[[str, bool], Awaitable[list[str]]] | None = None
+    # a decode worker: a live move's first phase (``DecodeWorker.precopy``): each stream's
+    # full blocks held for another worker while it goes on ({"copies": [...]})
+    precopy: Callable[[str], Awaitable[dict[str, Any]]] | None = None
 
 
 class ControlServer:
@@ -160,6 +163,7 @@ class ControlServer:
             "Stats": self._method(Hello, self._stats),
             "Retire": self._method(Hello, self._retire),
             "Move": self._method(MoveCall, self._move),
+            "PreCopy": self._method(MoveCall, self._precopy),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, methods),))
         self.port = server.add_insecure_port(f"{self.host}:0")
@@ -230,6 +234,9 @@ class ControlServer:
     async def _move(self, call: MoveCall) -> ControlReply:
         moved = await self._handler("move")(call.request_id, call.recompute)
         return self._reply(True, value=float(len(moved)), data={"moved": moved})
+
+    async def _precopy(self, call: MoveCall) -> ControlReply:
+        return self._reply(True, data=await self._handler("precopy")(call.request_id))
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._server is not None:
@@ -337,6 +344,13 @@ class ControlClient:
         the ids of those it moved."""
         reply = await self._call(address, "Move", MoveCall(request_id, recompute), timeout_s, request_id)
         return list((reply.data or {}).get("moved", []))
+
+    async def precopy(self, address: TransferAddress, request_id: str, timeout_s: float) -> list[dict[str, Any]]:
+        """Ask the decode worker at ``address`` to hold the full blocks of the streams
+        ``request_id`` names for another worker (a live move's first phase); per stream: its
+        ``request_id``, the copy's ``handle`` (a KVHandle), ``token_ids`` and ``cache_salt``."""
+        reply = await self._call(address, "PreCopy", MoveCall(request_id), timeout_s, request_id)
+        return list((reply.data or {}).get("copies", []))
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
