@@ -332,6 +332,11 @@ class PDServeArgs(BaseModel):
         description="checksum every transferred KV block where it is and verify it on receipt; a mismatch is "
         "recomputed, counted (pdserve_kv_transfer_corrupt_total) and logged",
     )
+    kv_rebalance: bool = Field(
+        default=True,
+        description="a decode replica about to preempt (fewer free KV blocks than running sequences) moves a stream "
+        "live to the decode replica with the most room instead (needs redis_url)",
+    )
     max_migrations: int = Field(
         default=2,
         ge=0,

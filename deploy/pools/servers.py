@@ -23,9 +23,10 @@ from deploy.args import PDServeArgs, PoolArgs
 from deploy.ops.metrics import WorkerMetrics
 from deploy.pools.directory import NAMESPACE as KV_NAMESPACE
 from deploy.pools.directory import Registration
+from deploy.pools.rebalance import Rebalancer
 from deploy.pools.routers import LINK_FAILURE_WINDOW_S
 from deploy.replica_logging import route_to_serve
-from kvstore import IndexConfig, IndexPublisher, WorkerSpec
+from kvstore import IndexConfig, IndexPublisher, PrefixIndex, WorkerSpec
 from workers.decode import ColocatedWorker, DecodeWorker
 from workers.engine import LLMEngine
 from workers.engine_loop import EngineLoop
@@ -307,6 +308,8 @@ class _WorkerServer:
             await registration.stop()  # the status stops asking this replica
         if (control := getattr(self, "_own_control", None)) is not None:
             await control.stop()
+        if (rebalancer := getattr(self, "rebalancer", None)) is not None:
+            await rebalancer.stop()
         if (outputs := getattr(self, "outputs", None)) is not None:
             await outputs.close()
         worker, publisher = getattr(self, "worker", None), getattr(self, "publisher", None)
@@ -389,6 +392,11 @@ class DecodeServer(_WorkerServer):
         control.handlers.move = self.move
         control.handlers.precopy = self.precopy
         await self._start_publisher(loop.engine, self.worker_id)
+        self.rebalancer: Rebalancer | None = None
+        if self.args.kv_rebalance and self.args.redis_url and self.worker.source is not None:
+            index = PrefixIndex(IndexConfig(redis_url=self.args.redis_url, model_key=loop.engine.model_key))
+            self.rebalancer = Rebalancer(self.worker, index, self.worker_id)
+            self.rebalancer.start()
 
     async def retire(self) -> int:
         """The autoscaler's word that Serve is stopping this replica (``Retire`` on its control

@@ -333,6 +333,17 @@ class LLMEngine:
         num_blocks = -(-seq.num_computed_tokens // self.config.block_size)
         return HeldSequence(list(seq.block_table[:num_blocks]), list(seq.token_ids), seq.cache_salt)
 
+    def preemption_candidate(self) -> tuple[str, int] | None:
+        """(request id, blocks) of the running sequence the scheduler would preempt first (the
+        last admitted), when it is between decode steps and so could move instead; else None."""
+        running = self.scheduler.running
+        if not running:
+            return None
+        seq = running[-1]
+        if not seq.output_token_ids or seq.num_computed_tokens != seq.num_tokens - 1:
+            return None
+        return seq.request_id, len(seq.block_table)
+
     def hold_prefix_copy(self, request_id: str, copy_id: str) -> HeldSequence | None:
         """Decode side, a live migration's pre-copy: hold another reference to the running
         ``request_id``'s full blocks as request ``copy_id`` (HELD_FOR_DECODE, freed by
