@@ -46,6 +46,19 @@ def tiny_model(path: Path) -> Path:
     return path
 
 
+def two_decode_app(model_dir: str, redis_url: str, kv_blocks: int, cpus_per_replica: float) -> dict:
+    """The app both benchmarks deploy: 1 prefill + 2 decode replicas on CPU."""
+    pool = {"num_cpus": cpus_per_replica, "replicas": 1}
+    return {
+        "model": model_dir,
+        "redis_url": redis_url,
+        "device": "cpu",
+        "num_kv_blocks": kv_blocks,
+        "prefill": pool,
+        "decode": {**pool, "replicas": 2},
+    }
+
+
 def ask_move(base: str, body: dict, answers: list) -> None:
     answers.append(httpx.post(f"{base}/v1/cluster/migrate", json=body, timeout=30))
 
@@ -115,15 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         from deploy.builder import deploy_and_wait
 
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        pool = {"num_cpus": opts.cpus_per_replica, "replicas": 1}
-        app_args = {
-            "model": model_dir,
-            "redis_url": local.redis_url,
-            "device": "cpu",
-            "num_kv_blocks": opts.kv_blocks,
-            "prefill": pool,
-            "decode": {**pool, "replicas": 2},
-        }
+        app_args = two_decode_app(model_dir, local.redis_url, opts.kv_blocks, opts.cpus_per_replica)
         base = deploy_and_wait(app_args, "bench", "/", f"http://127.0.0.1:{port}", timeout_s=300)
         model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
         stream(base, model, prompts[-1], opts.max_tokens, opts.move_at, False, "warm-live")  # warm-up: both paths

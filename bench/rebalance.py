@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.migrate import tiny_model  # noqa: E402
+from bench.migrate import tiny_model, two_decode_app  # noqa: E402
 from bench.models import MODEL_HELP, bench_model_dir  # noqa: E402
 from deploy.ops.loadgen.workloads import PromptMaker  # noqa: E402
 
@@ -124,15 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         from ray import serve
 
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        pool = {"num_cpus": opts.cpus_per_replica, "replicas": 1}
-        app_args = {
-            "model": model_dir,
-            "redis_url": local.redis_url,
-            "device": "cpu",
-            "num_kv_blocks": opts.kv_blocks,
-            "prefill": pool,
-            "decode": {**pool, "replicas": 2},
-        }
+        app_args = two_decode_app(model_dir, local.redis_url, opts.kv_blocks, opts.cpus_per_replica)
         off = run({**app_args, "kv_rebalance": False}, port, workload, "rebalancing off")
         on = run({**app_args, "kv_rebalance": True}, port, workload, "rebalancing on")
         serve.shutdown()

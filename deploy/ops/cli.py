@@ -450,6 +450,12 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         help="move KV blocks without their checksums (default: every block checksummed and verified)",
     )
     parser.add_argument(
+        "--no-kv-rebalance",
+        dest="kv_rebalance",
+        action="store_false",
+        help="let a decode replica short of KV preempt (default: it moves a stream live to the one with most room)",
+    )
+    parser.add_argument(
         "--gpus-per-replica",
         type=float,
         default=None,
@@ -1031,6 +1037,7 @@ def up_app_args(args: argparse.Namespace, model: str, redis_url: str | None, gpu
         redis_url=redis_url,
         transport=args.transport,
         kv_checksum=args.kv_checksum,
+        kv_rebalance=args.kv_rebalance,
         api_keys=tuple(args.api_key),
         step_timeout_s=args.step_timeout_s,
         log_level=args.log_level,

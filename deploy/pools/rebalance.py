@@ -28,7 +28,8 @@ INDEX_MAX_AGE_S = 0.5  # other replicas' free blocks (the index's records) are r
 class LocalKV:
     free_blocks: int
     num_running: int
-    candidate: tuple[str, int] | None  # (request id, blocks) of the sequence preemption would take
+    # (request id, blocks it may come to hold) of the sequence preemption would take first
+    candidate: tuple[str, int] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +42,9 @@ class PeerKV:
 def choose_move(local: LocalKV, peers: list[PeerKV], blocks_per_seq: float = 1.0) -> tuple[str, str] | None:
     """(request id, peer) to move now, or None. A move happens when this replica has fewer free
     blocks than ``blocks_per_seq`` per running sequence, more than one sequence runs (moving the
-    only one frees nothing it needs), and a peer has room for the candidate's blocks plus
-    ``blocks_per_seq`` for each of its own sequences and the newcomer."""
+    only one frees nothing it needs), and a peer has room for every block the candidate may come
+    to hold (a move that makes the peer preempt gains nothing) plus ``blocks_per_seq`` for each
+    of its own sequences and the newcomer."""
     if local.candidate is None or local.num_running < 2 or local.free_blocks >= blocks_per_seq * local.num_running:
         return None
     request_id, blocks = local.candidate

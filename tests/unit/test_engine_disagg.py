@@ -157,3 +157,18 @@ def test_a_running_sequence_held_mid_decode_continues_elsewhere_exactly(pair, ti
     b.commit_remote_kv("w")
     rest = run_decode(b)["w"]
     assert produced + rest[1:] == expected
+
+
+def test_the_preemption_candidate_is_the_last_admitted_sequence_between_decode_steps(pair):
+    a, _ = pair
+    prompts = random_prompts((20, 30), seed=5)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    assert a.preemption_candidate() is None
+    for i, prompt in enumerate(prompts):
+        a.add_request(f"c{i}", prompt, params)
+    a.step()  # both prompts computed, first tokens sampled
+    assert a.preemption_candidate() == ("c1", -(-(30 + 40) // 16))
+    a.abort("c1")
+    assert a.preemption_candidate() == ("c0", -(-(20 + 40) // 16))
+    a.abort("c0")
+    assert a.preemption_candidate() is None

@@ -334,15 +334,18 @@ class LLMEngine:
         return HeldSequence(list(seq.block_table[:num_blocks]), list(seq.token_ids), seq.cache_salt)
 
     def preemption_candidate(self) -> tuple[str, int] | None:
-        """(request id, blocks) of the running sequence the scheduler would preempt first (the
-        last admitted), when it is between decode steps and so could move instead; else None."""
+        """(request id, blocks it may come to hold: prompt + max_tokens) of the running sequence
+        the scheduler would preempt first (the last admitted), when it is between decode steps
+        and so could move instead; else None."""
         running = self.scheduler.running
         if not running:
             return None
         seq = running[-1]
         if not seq.output_token_ids or seq.num_computed_tokens != seq.num_tokens - 1:
             return None
-        return seq.request_id, len(seq.block_table)
+        left = seq.params.max_tokens - seq.num_output_tokens
+        most = min(seq.num_tokens + left, self.max_model_len)
+        return seq.request_id, -(-most // self.config.block_size)
 
     def hold_prefix_copy(self, request_id: str, copy_id: str) -> HeldSequence | None:
         """Decode side, a live migration's pre-copy: hold another reference to the running
