@@ -291,6 +291,46 @@ def test_a_stream_moved_by_the_operator_is_invisible(two_decode_app, sampling, r
     wait_idle(base)
 
 
+def test_a_source_killed_while_its_stream_moves_loses_nothing(two_decode_app):
+    """The source decode replica is killed while the operator's move runs (pre-copy, hand-off
+    or pull, whichever it reached): the stream still ends with the unmoved text (moved live, or
+    resumed by recompute from the tokens sent), the migrate call answers, and afterwards Serve's
+    replacement is up and no replica holds a block."""
+    base = two_decode_app
+    prompt = random_prompts((40,), seed=96)[0]
+    reference, _, _ = streamed(base, body(prompt, True))
+    answers: list[httpx.Response | Exception] = []
+    killed: list[str] = []
+
+    def ask(request_id: str) -> None:
+        try:
+            answers.append(migrate(base, request_id))
+        except httpx.HTTPError as exc:
+            answers.append(exc)
+
+    text, events = [], []
+    moved = body(prompt, True, cache_salt="killed-source")
+    with httpx.stream("POST", f"{base}/v1/completions", json=moved, timeout=300) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            events.append(event)
+            text.extend(c["text"] for c in event.get("choices", []))
+            if len(events) == 5:
+                mover = threading.Thread(target=ask, args=(event["id"],))
+                mover.start()
+                killed.append(kill_busy_decode_replica(base))
+    mover.join(60)
+    assert "".join(text) == reference
+    assert len({e["id"] for e in events}) == 1
+    assert answers and not isinstance(answers[0], Exception), answers  # answered (moved, or 404: gone first)
+    assert answers[0].status_code in (200, 404), answers[0].text
+    wait_replicas(APP, "decode", 2, base)
+    wait_idle(base)
+
+
 def test_migrate_names_what_it_cannot_do(two_decode_app):
     """A request id nothing decodes is a 404, a body that is not ``{"request_id": ...}`` a 400
     naming the field: clear errors, never a 500."""
