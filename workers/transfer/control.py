@@ -8,7 +8,7 @@ is reachable the moment its first KVHandle exists.
 Why gRPC (``grpc.aio``): it is already installed (Ray depends on it), it multiplexes concurrent
 calls over one HTTP/2 connection per peer, and a deadline is part of every call rather than
 something to build on top (pyzmq's REQ/REP, what vLLM's P2P connector uses, has none and stalls
-on a lost reply). The service is generic: four unary methods whose payloads are this package's
+on a lost reply). The service is generic: unary methods whose payloads are this package's
 frozen dataclasses as JSON (``workers.protocol.encode``/``decode``): no generated stubs, no
 pickle on the wire.
 
