@@ -213,3 +213,26 @@ async def test_a_pre_copied_stream_moves_only_what_it_wrote_since(pdd, tiny_llam
     moved_after = -(-handoff.kv_handle.num_tokens // 16) - precopied
     assert target.stats.transfer_bytes - before == moved_after * per_block  # only the blocks written since
     assert target.stats.recomputed_prefills == 0
+
+
+async def test_a_stream_the_decode_worker_computed_itself_moves_too(pdd, tiny_llama):
+    """A stream whose prompt the decode worker computed itself (the ingress skipped prefill: the
+    worker held the conversation; ``generate_local``) moves like a handed-over one."""
+    _, source, target = pdd
+    prompt = random_prompts((52,), seed=13)[0]
+    expected = hf_greedy(tiny_llama, tuple(prompt))
+    req = request("l", prompt)
+    produced: list[int] = []
+    handoff = None
+    async for chunk in source.generate_local(req):
+        produced.extend(chunk.token_ids)
+        if chunk.handoff is not None:
+            handoff = chunk.handoff
+            break
+        if len(produced) >= len(expected) // 2:
+            await source.move("l")
+    assert handoff is not None
+    async for chunk in target.generate(continuation(req, produced[:-1], 1, rehash, kind="v"), handoff):
+        produced.extend(chunk.token_ids)
+    assert produced == expected
+    assert target.stats.recomputed_prefills == 0
