@@ -8,7 +8,9 @@ next ``block_size`` steps), the sequence the scheduler would preempt first (the 
 moves to the decode replica the index shows with the most free blocks, if that one can hold it
 with room to spare; its stream goes on there with nothing recomputed
 (``DecodeWorker.move``: the ingress continues it, the decode router places it by free blocks).
-One move at a time per replica; the next waits until the last one's blocks were pulled.
+One move at a time per replica; the next waits until the last one's blocks were pulled. The
+step observer wakes it (``on_step``, engine thread) only when the KV is short: an idle or
+unpressed replica costs nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-INTERVAL_S = 0.1  # how often the replica's KV is looked at
+RETRY_S = 0.1  # a look that moved nothing waits this long before the next
 INDEX_MAX_AGE_S = 0.5  # other replicas' free blocks (the index's records) are read at most this often
 
 
@@ -59,8 +61,9 @@ def choose_move(local: LocalKV, peers: list[PeerKV], blocks_per_seq: float = 1.0
 
 
 class Rebalancer:
-    """Runs ``choose_move`` every ``INTERVAL_S`` for one decode replica (``worker``: its
-    ``DecodeWorker``; ``index``: a ``PrefixIndex`` for the other replicas' figures)."""
+    """Runs ``choose_move`` for one decode replica whenever its step observer finds the KV short
+    (``worker``: its ``DecodeWorker``; ``index``: a ``PrefixIndex`` for the other replicas'
+    figures)."""
 
     def __init__(self, worker, index, worker_id: str, blocks_per_seq: float = 1.0) -> None:
         self.worker = worker
@@ -71,9 +74,17 @@ class Rebalancer:
         self._peers: list[PeerKV] = []
         self._peers_at = -1.0
         self._task: asyncio.Task | None = None
+        self._short = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._run())
+
+    def on_step(self, free_blocks: int, num_running: int) -> None:
+        """Engine thread, after each step: wake the rebalancer when the KV is short."""
+        if self._loop is not None and num_running >= 2 and free_blocks < self.blocks_per_seq * num_running:
+            self._loop.call_soon_threadsafe(self._short.set)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -83,11 +94,13 @@ class Rebalancer:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(INTERVAL_S)
+            await self._short.wait()
+            self._short.clear()
             try:
                 await self.check()
             except Exception:  # noqa: BLE001 - a failed look is retried; serving goes on
                 logger.warning("decode %s: KV rebalancing check failed", self.worker_id, exc_info=True)
+            await asyncio.sleep(RETRY_S)  # steps that stay short meanwhile set the event again
 
     async def check(self) -> str | None:
         """One look; the id of the stream moved, if any."""

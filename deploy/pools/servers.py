@@ -224,6 +224,8 @@ class _WorkerServer:
             if events:
                 self.publisher.submit(events)
             self.publisher.set_load(state.num_free_blocks, state.num_running, self._load["num_waiting"])
+        if (rebalancer := getattr(self, "rebalancer", None)) is not None:
+            rebalancer.on_step(state.num_free_blocks, state.num_running)
 
     def _claim_step_hang(self) -> bool:
         """Testing only (fault_injection ``step_hang_s``): whether this step is the one that hangs.

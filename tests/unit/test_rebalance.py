@@ -65,3 +65,28 @@ def test_the_rebalancer_moves_once_and_waits_for_the_pull_before_the_next():
     worker.source.num_leases = 1  # the moved stream's blocks are not pulled yet
     assert asyncio.run(rebalancer.check()) is None
     assert worker.moved == ["r"]
+
+
+def test_only_a_short_step_wakes_the_rebalancer():
+    """The step observer wakes it when free blocks run short; otherwise it never runs (an idle
+    replica costs nothing)."""
+
+    async def scenario() -> list[str]:
+        worker = FakeWorker(LocalKV(1, 4, ("r", 8)))
+        rebalancer = Rebalancer(worker, FakeIndex(), "a")
+        rebalancer.start()
+        try:
+            rebalancer.on_step(free_blocks=50, num_running=4)  # plenty of room
+            rebalancer.on_step(free_blocks=0, num_running=1)  # one sequence: nothing to gain
+            await asyncio.sleep(0.05)
+            assert worker.moved == []
+            rebalancer.on_step(free_blocks=1, num_running=4)
+            for _ in range(100):
+                if worker.moved:
+                    break
+                await asyncio.sleep(0.01)
+            return worker.moved
+        finally:
+            await rebalancer.stop()
+
+    assert asyncio.run(scenario()) == ["r"]

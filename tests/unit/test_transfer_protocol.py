@@ -72,6 +72,7 @@ MESSAGES = [
         "req-1", (5, 6), (TokenLogprobs(5, -0.5), TokenLogprobs(6, -0.25, ((6, -0.25),))), "stop", 16, {"decode_s": 0.5}
     ),
     control.LeaseCall("req-1", 10.0),
+    control.MoveCall("cmpl-1", recompute=True),
     control.Hello("decode-3"),
     control.ControlReply(False, 2**61 + 7, "prefill-0", "no live lease", 0.0, {"num_held": 3, "pools": [1, 2]}),
 ]
