@@ -333,9 +333,10 @@ class PDServeArgs(BaseModel):
         "recomputed, counted (pdserve_kv_transfer_corrupt_total) and logged",
     )
     kv_rebalance: bool = Field(
-        default=True,
+        default=False,
         description="a decode replica about to preempt (fewer free KV blocks than running sequences) moves a stream "
-        "live to the decode replica with the most room instead (needs redis_url)",
+        "live to the decode replica with the most room instead (needs redis_url; off: its measured gain varies "
+        "from run to run, BENCHMARKS.md)",
     )
     max_migrations: int = Field(
         default=2,

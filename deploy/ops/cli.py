@@ -450,10 +450,9 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
         help="move KV blocks without their checksums (default: every block checksummed and verified)",
     )
     parser.add_argument(
-        "--no-kv-rebalance",
-        dest="kv_rebalance",
-        action="store_false",
-        help="let a decode replica short of KV preempt (default: it moves a stream live to the one with most room)",
+        "--kv-rebalance",
+        action="store_true",
+        help="a decode replica short of KV moves a stream live to the one with most room (default: it preempts)",
     )
     parser.add_argument(
         "--gpus-per-replica",
