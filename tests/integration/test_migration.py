@@ -88,6 +88,7 @@ def body(prompt, stream: bool, **sampling) -> dict:
 
 
 def streamed(base: str, payload: dict, on_event=None) -> tuple[str, list[dict], dict | None]:
+    """The streamed answer's text, events and usage; ``on_event(count, event)`` after each event."""
     text, events, usage = [], [], None
     with httpx.stream("POST", f"{base}/v1/completions", json=payload, timeout=300) as resp:
         assert resp.status_code == 200
@@ -100,7 +101,7 @@ def streamed(base: str, payload: dict, on_event=None) -> tuple[str, list[dict], 
             usage = event.get("usage") or usage
             text.extend(c["text"] for c in event.get("choices", []))
             if on_event is not None:
-                on_event(len(events))
+                on_event(len(events), event)
     return "".join(text), events, usage
 
 
@@ -117,7 +118,7 @@ def test_a_killed_decode_replica_is_invisible_to_a_stream(two_decode_app, sampli
     reference, _, _ = streamed(base, body(prompt, True, **sampling))
     before = status(base)["routing"]["migrations"]
 
-    def kill_at_fifth(count: int) -> None:
+    def kill_at_fifth(count: int, _: dict) -> None:
         if count == 5:
             kill_busy_decode_replica(base)
 
@@ -173,7 +174,7 @@ def test_a_constrained_stream_survives_a_killed_decode_replica(two_decode_app):
     reference, _, _ = streamed(base, constrained)
     before = status(base)["routing"]["migrations"]
 
-    def kill_at_fifth(count: int) -> None:
+    def kill_at_fifth(count: int, _: dict) -> None:
         if count == 5:
             kill_busy_decode_replica(base)
 
@@ -215,7 +216,7 @@ def test_a_retiring_decode_replica_hands_its_stream_to_the_other_invisibly(two_d
     routing = status(base)["routing"]
     retired: list[tuple[str, int]] = []
 
-    def retire_at_fifth(count: int) -> None:
+    def retire_at_fifth(count: int, _: dict) -> None:
         if count == 5:
             retired.append(retire_busy_decode_replica(base))
 
@@ -258,21 +259,15 @@ def test_a_stream_moved_by_the_operator_is_invisible(two_decode_app, sampling, r
     routing = status(base)["routing"]
     recomputed = sum(r.get("recomputed_prefills", 0) for r in status(base)["pools"]["decode"])
     answers: list[httpx.Response] = []
-    text, events, usage = [], [], None
+
+    def move_at_fifth(count: int, event: dict) -> None:
+        if count == 5:
+            answers.append(migrate(base, event["id"], recompute))
+
     # its own cache salt: no decode replica holds its blocks, so the move's pre-copy sends them
     moved = body(prompt, True, cache_salt=f"moved-{recompute}-{sampling}", **sampling)
-    with httpx.stream("POST", f"{base}/v1/completions", json=moved, timeout=300) as resp:
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            events.append(event)
-            usage = event.get("usage") or usage
-            text.extend(c["text"] for c in event.get("choices", []))
-            if len(events) == 5:
-                answers.append(migrate(base, event["id"], recompute))
-    assert "".join(text) == reference
+    text, events, usage = streamed(base, moved, on_event=move_at_fifth)
+    assert text == reference
     assert len({e["id"] for e in events}) == 1
     assert usage["completion_tokens"] == NEW_TOKENS and usage["prompt_tokens"] == len(prompt)
     (answer,) = answers
@@ -308,22 +303,17 @@ def test_a_source_killed_while_its_stream_moves_loses_nothing(two_decode_app):
         except httpx.HTTPError as exc:
             answers.append(exc)
 
-    text, events = [], []
-    moved = body(prompt, True, cache_salt="killed-source")
-    with httpx.stream("POST", f"{base}/v1/completions", json=moved, timeout=300) as resp:
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            events.append(event)
-            text.extend(c["text"] for c in event.get("choices", []))
-            if len(events) == 5:
-                mover = threading.Thread(target=ask, args=(event["id"],))
-                mover.start()
-                killed.append(kill_busy_decode_replica(base))
-    mover.join(60)
-    assert "".join(text) == reference
+    movers: list[threading.Thread] = []
+
+    def move_and_kill_at_fifth(count: int, event: dict) -> None:
+        if count == 5:
+            movers.append(threading.Thread(target=ask, args=(event["id"],)))
+            movers[0].start()
+            killed.append(kill_busy_decode_replica(base))
+
+    text, events, _ = streamed(base, body(prompt, True, cache_salt="killed-source"), on_event=move_and_kill_at_fifth)
+    movers[0].join(60)
+    assert text == reference
     assert len({e["id"] for e in events}) == 1
     assert answers and not isinstance(answers[0], Exception), answers  # answered (moved, or 404: gone first)
     assert answers[0].status_code in (200, 404), answers[0].text
