@@ -7,6 +7,7 @@ continuation request) is ``deploy.pools.worker_calls.continuation``, used here a
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -236,3 +237,17 @@ async def test_a_stream_the_decode_worker_computed_itself_moves_too(pdd, tiny_ll
         produced.extend(chunk.token_ids)
     assert produced == expected
     assert target.stats.recomputed_prefills == 0
+
+
+async def test_a_moved_constrained_stream_keeps_its_grammar(pdd):
+    """The receiver rebuilds the grammar's state from the tokens so far: a moved constrained
+    stream is the unmoved one, and what it says still matches the grammar."""
+    prefill, source, target = pdd
+    prompt = random_prompts((25,), seed=14)[0]
+    digits = {"structured": ("regex", "[0-9]{30}")}
+    unmoved = await run(prefill, source, request("g0", prompt, **digits))
+    assert len(unmoved) >= 8
+    moved, _ = await run_moved(prefill, source, target, request("g1", prompt, **digits), move_after=len(unmoved) // 2)
+    assert moved == unmoved
+    text = target.engine.tokenizer.decode(moved, skip_special_tokens=True)
+    assert re.fullmatch("[0-9]{30}", text), text
