@@ -41,13 +41,19 @@ class PeerKV:
     num_running: int
 
 
+def kv_short(free_blocks: int, num_running: int, blocks_per_seq: float) -> bool:
+    """Fewer free blocks than ``blocks_per_seq`` per running sequence, with more than one running
+    (moving the only one frees nothing it needs): a preemption is near."""
+    return num_running >= 2 and free_blocks < blocks_per_seq * num_running
+
+
 def choose_move(local: LocalKV, peers: list[PeerKV], blocks_per_seq: float = 1.0) -> tuple[str, str] | None:
     """(request id, peer) to move now, or None. A move happens when this replica has fewer free
     blocks than ``blocks_per_seq`` per running sequence, more than one sequence runs (moving the
     only one frees nothing it needs), and a peer has room for every block the candidate may come
     to hold (a move that makes the peer preempt gains nothing) plus ``blocks_per_seq`` for each
     of its own sequences and the newcomer."""
-    if local.candidate is None or local.num_running < 2 or local.free_blocks >= blocks_per_seq * local.num_running:
+    if local.candidate is None or not kv_short(local.free_blocks, local.num_running, blocks_per_seq):
         return None
     request_id, blocks = local.candidate
 
@@ -83,7 +89,7 @@ class Rebalancer:
 
     def on_step(self, free_blocks: int, num_running: int) -> None:
         """Engine thread, after each step: wake the rebalancer when the KV is short."""
-        if self._loop is not None and num_running >= 2 and free_blocks < self.blocks_per_seq * num_running:
+        if self._loop is not None and kv_short(free_blocks, num_running, self.blocks_per_seq):
             self._loop.call_soon_threadsafe(self._short.set)
 
     async def stop(self) -> None:
@@ -108,8 +114,8 @@ class Rebalancer:
         if source is None or self.worker.retiring or source.num_leases:
             return None  # no live moves here, stopping, or the last move's blocks are not pulled yet
         local = await self.worker.loop.call(_local_kv)
-        if local.candidate is None or local.free_blocks >= self.blocks_per_seq * local.num_running:
-            return None
+        if local.candidate is None or not kv_short(local.free_blocks, local.num_running, self.blocks_per_seq):
+            return None  # no longer short: the index need not be read
         choice = choose_move(local, await self._peer_kv(), self.blocks_per_seq)
         if choice is None:
             return None

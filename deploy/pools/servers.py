@@ -166,10 +166,10 @@ class _WorkerServer:
         )
         return self.loop
 
-    async def _start_control(self, source: PrefillWorker | KVSource | None = None) -> None:
+    async def _start_control(self, source: PrefillWorker | KVSource | None = None) -> ControlServer:
         """Open this replica's control server (a worker that sends KV brings its own, with the
         lease calls) and register it in the application's worker directory, where the cluster
-        status finds it."""
+        status finds it. Returns the control server."""
         if source is None:
             control = ControlServer(self.worker_id, self.node_ip, ControlHandlers())
             await control.start()
@@ -183,6 +183,7 @@ class _WorkerServer:
         context = serve.get_replica_context()
         self.registration = Registration(context.app_name, context.deployment, address)
         self.registration.start()
+        return control
 
     async def _start_publisher(self, engine: LLMEngine, address: str) -> None:
         if not self.args.redis_url:
@@ -388,8 +389,7 @@ class DecodeServer(_WorkerServer):
         loop = self._setup(args)
         self.worker = DecodeWorker(loop, self.worker_id, transfer_config(self.args), lease_ttl_s=self.args.lease_ttl_s)
         await self.worker.start()
-        await self._start_control(self.worker.source)
-        control = self.worker.source.control if self.worker.source is not None else self._own_control
+        control = await self._start_control(self.worker.source)
         control.handlers.retire = self.retire
         control.handlers.move = self.move
         control.handlers.precopy = self.precopy

@@ -326,7 +326,7 @@ class LLMEngine:
         receiver continues from that token exactly. None when it is not a running sequence
         between decode steps (waiting, computing a prompt chunk, or not here)."""
         seq = self.scheduler.get(request_id, RequestStatus.RUNNING)
-        if seq is None or not seq.output_token_ids or seq.num_computed_tokens != seq.num_tokens - 1:
+        if seq is None or not seq.between_decode_steps:
             return None
         self.scheduler.hold(seq)
         self._detokenizers.pop(request_id, None)
@@ -341,7 +341,7 @@ class LLMEngine:
         if not running:
             return None
         seq = running[-1]
-        if not seq.output_token_ids or seq.num_computed_tokens != seq.num_tokens - 1:
+        if not seq.between_decode_steps:
             return None
         left = seq.params.max_tokens - seq.num_output_tokens
         most = min(seq.num_tokens + left, self.max_model_len)

@@ -95,6 +95,12 @@ class Sequence:
         return len(self.output_token_ids)
 
     @property
+    def between_decode_steps(self) -> bool:
+        """It has generated, and every token but the last sampled one is computed: the state a
+        finished prefill hands over, so it can move to another worker as one."""
+        return bool(self.output_token_ids) and self.num_computed_tokens == self.num_tokens - 1
+
+    @property
     def is_finished(self) -> bool:
         """Generation is over (its blocks may still be held for the decode side)."""
         return self.status in (RequestStatus.HELD_FOR_DECODE, RequestStatus.FINISHED)
