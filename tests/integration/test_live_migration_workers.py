@@ -46,6 +46,25 @@ def rehash(ids, salt):
     return tuple(hash_prompt_blocks(ids, 16, "m", salt))
 
 
+async def until_handoff(chunks, produced: list[int], on_chunk=None) -> PrefillResult | None:
+    """Read a stream's chunks into ``produced`` until its hand-off (returned) or its end (None),
+    awaiting ``on_chunk(chunk)`` after each other chunk."""
+    async for chunk in chunks:
+        produced.extend(chunk.token_ids)
+        if chunk.handoff is not None:
+            return chunk.handoff
+        if on_chunk is not None:
+            await on_chunk(chunk)
+    return None
+
+
+async def go_on(target: DecodeWorker, req: GenerateRequest, produced: list[int], handoff, kind: str = "v") -> None:
+    """What the ingress does with a hand-off: ``target`` continues ``req`` from it (the tokens
+    but the last are the continuation's prompt); its tokens join ``produced``."""
+    async for chunk in target.generate(continuation(req, produced[:-1], 1, rehash, kind=kind), handoff):
+        produced.extend(chunk.token_ids)
+
+
 async def run_moved(
     prefill: PrefillWorker, source: DecodeWorker, target: DecodeWorker, req: GenerateRequest, move_after: int
 ) -> tuple[list[int], PrefillResult]:
@@ -54,21 +73,17 @@ async def run_moved(
     hand-off), and the hand-off."""
     result = await prefill.prefill(req)
     produced = [result.first_token_id]
-    handoff = None
-    async for chunk in source.generate(req, result):
+
+    async def move_once_due(chunk) -> None:
         assert chunk.finish_reason is None, "finished before the move"
-        produced.extend(chunk.token_ids)
-        if chunk.handoff is not None:
-            handoff = chunk.handoff
-            break
         if len(produced) >= move_after and not await source.move(req.request_id):
             await asyncio.sleep(0)  # between states (not at a step boundary yet): the next chunk tries again
+
+    handoff = await until_handoff(source.generate(req, result), produced, move_once_due)
     assert handoff is not None and handoff.kv_handle is not None
     assert handoff.first_token_id == produced[-1]
     assert handoff.prompt_token_ids == (*req.prompt_token_ids, *produced[:-1])
-    rest = continuation(req, produced[:-1], 1, rehash, kind="v")
-    async for chunk in target.generate(rest, handoff):
-        produced.extend(chunk.token_ids)
+    await go_on(target, req, produced, handoff)
     return produced, handoff
 
 
@@ -106,14 +121,12 @@ async def test_a_stream_moves_twice_and_back(pdd, tiny_llama):
     hops = [(a, b), (b, a)]
     current, stream_result, worker = req, result, a
     while True:
-        handoff = None
-        async for chunk in worker.generate(current, stream_result):
-            produced.extend(chunk.token_ids)
-            if chunk.handoff is not None:
-                handoff = chunk.handoff
-                break
+
+        async def move_when_due(_, worker=worker) -> None:
             if hops and len(produced) >= 15 * (3 - len(hops)):
                 await worker.move(req.request_id)
+
+        handoff = await until_handoff(worker.generate(current, stream_result), produced, move_when_due)
         if handoff is None:
             break
         source, worker = hops.pop(0)
@@ -166,18 +179,15 @@ async def test_retire_moves_running_streams_live(pdd, tiny_llama):
     req = request("r", prompt)
     result = await prefill.prefill(req)
     produced = [result.first_token_id]
-    handoff = None
-    async for chunk in source.generate(req, result):
-        produced.extend(chunk.token_ids)
-        if chunk.handoff is not None:
-            handoff = chunk.handoff
-            break
+
+    async def retire_when_due(chunk) -> None:
         assert not chunk.retiring
         if len(produced) >= 10 and not source.retiring:
             assert await source.retire() == 1
+
+    handoff = await until_handoff(source.generate(req, result), produced, retire_when_due)
     assert handoff is not None and source.stats.retired_streams == source.stats.moved_out == 1
-    async for chunk in target.generate(continuation(req, produced[:-1], 1, rehash), handoff):
-        produced.extend(chunk.token_ids)
+    await go_on(target, req, produced, handoff, kind="m")
     assert produced == hf_greedy(tiny_llama, tuple(prompt))
 
 
@@ -191,12 +201,10 @@ async def test_a_pre_copied_stream_moves_only_what_it_wrote_since(pdd, tiny_llam
     req = request("p", prompt)
     result = await prefill.prefill(req)
     produced = [result.first_token_id]
-    handoff, precopied = None, 0
-    async for chunk in source.generate(req, result):
-        produced.extend(chunk.token_ids)
-        if chunk.handoff is not None:
-            handoff = chunk.handoff
-            break
+    precopied = 0
+
+    async def precopy_then_move(_) -> None:
+        nonlocal precopied
         if len(produced) == 6:  # phase 1: the stream goes on here meanwhile
             ((rid, handle, held),) = await source.precopy("p")
             assert rid == "p" and len(handle.block_ids) == len(held.token_ids) // 16 == (70 + 6 - 1) // 16
@@ -205,10 +213,11 @@ async def test_a_pre_copied_stream_moves_only_what_it_wrote_since(pdd, tiny_llam
             assert precopied == len(handle.block_ids)
         if len(produced) >= len(expected) // 2 and precopied:
             await source.move("p")
+
+    handoff = await until_handoff(source.generate(req, result), produced, precopy_then_move)
     assert handoff is not None
     before = target.stats.transfer_bytes
-    async for chunk in target.generate(continuation(req, produced[:-1], 1, rehash, kind="v"), handoff):
-        produced.extend(chunk.token_ids)
+    await go_on(target, req, produced, handoff)
     assert produced == expected
     per_block = before // precopied
     moved_after = -(-handoff.kv_handle.num_tokens // 16) - precopied
@@ -224,17 +233,14 @@ async def test_a_stream_the_decode_worker_computed_itself_moves_too(pdd, tiny_ll
     expected = hf_greedy(tiny_llama, tuple(prompt))
     req = request("l", prompt)
     produced: list[int] = []
-    handoff = None
-    async for chunk in source.generate_local(req):
-        produced.extend(chunk.token_ids)
-        if chunk.handoff is not None:
-            handoff = chunk.handoff
-            break
+
+    async def move_when_due(_) -> None:
         if len(produced) >= len(expected) // 2:
             await source.move("l")
+
+    handoff = await until_handoff(source.generate_local(req), produced, move_when_due)
     assert handoff is not None
-    async for chunk in target.generate(continuation(req, produced[:-1], 1, rehash, kind="v"), handoff):
-        produced.extend(chunk.token_ids)
+    await go_on(target, req, produced, handoff)
     assert produced == expected
     assert target.stats.recomputed_prefills == 0
 
