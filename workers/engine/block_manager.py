@@ -16,6 +16,11 @@ block that is still cached stays revivable like any freed block.
 
 The block manager emits ``BlockStored`` / ``BlockRemoved`` events and never imports Redis; the
 worker drains them with ``take_events`` and hands them to the index publisher.
+
+With tiers below it (``workers/engine/kv_tiers.py``): a cached block whose last reference goes is
+offered down (copied to host memory / disk in the background), an evicted one is copied down
+first if it was not yet, and ``start_load`` / ``finish_load`` bring a waiting sequence's blocks
+back from a tier into free device blocks, held by the load (``LoadJob``) until it is done.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field
 
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvstore.hashing import ROOT_PARENT_HASH, BlockHash, hash_prompt_blocks
+from workers.engine.kv_tiers import BlockMeta, KVTiers, LoadJob
 from workers.engine.sequence import Sequence
 
 NULL_BLOCK = -1  # a block table entry whose block was dropped (outside the sliding window)
@@ -44,6 +50,13 @@ class KVBlock:
     ref_count: int = 0
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] = ()  # the tokens whose KV the block holds, kept for hit checks
+    parent_hash: BlockHash = ROOT_PARENT_HASH  # with token_ids and cache_salt: what the hash is of
+    cache_salt: str | None = None
+
+    @property
+    def meta(self) -> BlockMeta:
+        assert self.block_hash is not None
+        return BlockMeta(self.block_hash, self.parent_hash, self.token_ids, self.cache_salt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +75,14 @@ class BlockStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, model_key: str, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        model_key: str,
+        enable_prefix_caching: bool = True,
+        tiers: KVTiers | None = None,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -75,6 +95,8 @@ class BlockManager:
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
         self.stats = BlockStats()
+        self.tiers = tiers if enable_prefix_caching else None
+        self.loads: list[LoadJob] = []  # tier loads under way; their blocks are referenced by them
 
     # ----------------------------------------------------------------- queries
     @property
@@ -130,6 +152,57 @@ class BlockManager:
             hits.append(block)
         return CachedPrefix(tuple(hits), len(hits) * self.block_size)
 
+    def find_in_tiers(self, seq: Sequence, cached: CachedPrefix) -> list[BlockMeta]:
+        """The blocks right after ``cached`` that a lower tier holds (leading run, tokens
+        verified), up to the last block before the sequence's last token."""
+        if self.tiers is None or seq.params.prompt_logprobs is not None:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        first = len(cached.blocks)
+        if first >= max_blocks:
+            return []
+        hashes = self.block_hashes(seq)
+        bs = self.block_size
+        wanted = [(hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs])) for i in range(first, max_blocks)]
+        return self.tiers.find(wanted)
+
+    def start_load(self, metas: list[BlockMeta], reserve: int = 0) -> LoadJob | None:
+        """Take free device blocks for ``metas`` (as many as are free beyond ``reserve``) and load
+        them from the tiers in the background. None when no block can be taken."""
+        assert self.tiers is not None
+        n = min(len(metas), len(self._free) - reserve)
+        if n <= 0:
+            return None
+        block_ids = []
+        for _ in range(n):
+            block = self._pop_free()
+            block.ref_count = 1
+            block_ids.append(block.block_id)
+        job = self.tiers.load(metas[:n], block_ids)
+        self.loads.append(job)
+        return job
+
+    def finish_loads(self) -> None:
+        """Register the blocks of every finished load in the prefix cache (so the waiting
+        sequence's lookup finds them) and drop the loads' references."""
+        if not self.loads:
+            return
+        for job in [j for j in self.loads if j.done.is_set()]:
+            self.loads.remove(job)
+            stored: list[BlockHash] = []
+            for i, (meta, block_id) in enumerate(zip(job.metas, job.block_ids)):
+                if i >= job.loaded or meta.block_hash in self._cached:
+                    continue  # not loaded; or computed meanwhile: the first copy stays
+                block = self.blocks[block_id]
+                block.block_hash, block.token_ids = meta.block_hash, meta.token_ids
+                block.parent_hash, block.cache_salt = meta.parent_hash, meta.cache_salt
+                self._cached[meta.block_hash] = block
+                stored.append(meta.block_hash)
+            if stored:
+                self.stats.events.append(BlockStored(tuple(stored), job.metas[0].parent_hash))
+            for block_id in reversed(job.block_ids):
+                self._release(block_id)
+
     # ------------------------------------------------------------- allocation
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: CachedPrefix = CachedPrefix()) -> bool:
         """Make ``seq.block_table`` cover its computed tokens, ``cached`` and ``num_new_tokens``.
@@ -175,6 +248,8 @@ class BlockManager:
             start = i * self.block_size
             block.block_hash = hashes[i]
             block.token_ids = tuple(seq.token_ids[start : start + self.block_size])
+            block.parent_hash = hashes[i - 1] if i > 0 else ROOT_PARENT_HASH
+            block.cache_salt = seq.cache_salt
             self._cached[hashes[i]] = block
             stored.append(hashes[i])
             first = i if first < 0 else first
@@ -215,23 +290,34 @@ class BlockManager:
             self._free[block_id] = block
             if block.block_hash is None:
                 self._free.move_to_end(block_id, last=False)  # nothing to keep: reuse first
+            elif self.tiers is not None:
+                self.tiers.offer(block_id, block.meta)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (only when no block is referenced)."""
+        """Forget every cached block, in every tier (only when no block is referenced)."""
         if len(self._free) != self.num_blocks:
             return False
         for block in self.blocks:
             block.block_hash, block.token_ids = None, ()
         self._cached.clear()
+        if self.tiers is not None:
+            self.tiers.clear()
+            self.tiers.take_events()  # superseded by the clear below
         self.stats.events.append(AllBlocksCleared())
         return True
 
     def take_events(self) -> list[KVEvent]:
         events, self.stats.events = self.stats.events, []
+        if self.tiers is not None:
+            events += self.tiers.take_events()
         return events
 
     def check_idle(self) -> None:
-        """Raise if accounting is off while no sequence holds blocks (a leak or double free)."""
+        """Raise if accounting is off while no sequence holds blocks (a leak or double free).
+        Tier loads still under way (an aborted request's) are waited for and settled first."""
+        if self.loads and self.tiers is not None:
+            self.tiers.wait_idle()
+            self.finish_loads()
         leaked = [b.block_id for b in self.blocks if b.ref_count != 0]
         if leaked or len(self._free) != self.num_blocks:
             raise AssertionError(
@@ -242,6 +328,8 @@ class BlockManager:
     def _pop_free(self) -> KVBlock:
         _, block = self._free.popitem(last=False)
         if block.block_hash is not None:
+            if self.tiers is not None:
+                self.tiers.evict(block.block_id, block.meta)
             del self._cached[block.block_hash]
             self.stats.events.append(BlockRemoved((block.block_hash,)))
             self.stats.evictions += 1

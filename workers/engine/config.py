@@ -62,6 +62,12 @@ class EngineConfig:
     communicator_memory_mib: int = COMMUNICATOR_MIB
     # enforce_eager=False on CUDA: the decode buckets' CUDA graphs (None: estimated from the model)
     cuda_graph_memory_gib: float | None = None
+    # KV tiers under the device pool (workers/engine/kv_tiers.py): prefix blocks evicted from it
+    # go to host memory (pinned on CUDA; on CPU a budget beside kv_cache_memory_gib) and to files
+    # under disk_kv_path, and are loaded back for a later request. 0: no such tier.
+    host_kv_gib: float = 0.0
+    disk_kv_gib: float = 0.0
+    disk_kv_path: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_dtype", KVCacheDType.parse(self.kv_cache_dtype))
@@ -98,6 +104,11 @@ class EngineConfig:
                 self.cuda_graph_memory_gib is None or self.cuda_graph_memory_gib >= 0,
                 "must be >= 0 (None: estimated)",
             ),
+            "host_kv_gib": (self.host_kv_gib >= 0, "must be >= 0 (0: no host tier)"),
+            "disk_kv_gib": (
+                self.disk_kv_gib >= 0 and (self.disk_kv_gib == 0 or bool(self.disk_kv_path)),
+                "must be >= 0 (0: no disk tier), and a disk tier needs disk_kv_path",
+            ),
             "backend": (self.backend in BACKENDS, f"must be one of {', '.join(BACKENDS)}"),
             "emulated_step_s": (
                 self.emulated_step_s is None or (len(self.emulated_step_s) == 3 and min(self.emulated_step_s) >= 0),
@@ -119,12 +130,23 @@ class EngineConfig:
             raise FileNotFoundError(f"model_dir {self.model_dir!r} is not a directory")
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
+        if self.has_kv_tiers and not self.enable_prefix_caching:
+            raise ValueError("host_kv_gib / disk_kv_gib keep prefix blocks: they need enable_prefix_caching")
+
+    @property
+    def has_kv_tiers(self) -> bool:
+        return self.host_kv_gib > 0 or self.disk_kv_gib > 0
 
     def _check_tensor_parallel(self) -> None:
         from workers.models.config import ModelConfig
         from workers.models.parallel import tensor_parallel_problem
 
         tp = self.tensor_parallel_size
+        if self.has_kv_tiers:
+            raise ValueError(
+                f"tensor_parallel_size={tp}: KV tiers (host_kv_gib, disk_kv_gib) are not built for "
+                "tensor-parallel replicas yet; drop them or use tensor_parallel_size=1"
+            )
         if not self.enforce_eager:
             raise ValueError(
                 f"tensor_parallel_size={tp} runs eager only: drop enforce_eager=False (--compile) "

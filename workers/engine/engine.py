@@ -30,6 +30,7 @@ from workers.engine.assemble import assemble, plan_context
 from workers.engine.block_manager import NULL_BLOCK, BlockManager, CachedPrefix, first_window_block
 from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer, find_stop_cut
+from workers.engine.kv_tiers import KVTiers
 from workers.engine.logits_processors import apply_logits_processors
 from workers.engine.sampler import sample
 from workers.engine.sampling_params import SamplingParams
@@ -150,7 +151,10 @@ class LLMEngine:
         self.kv = parts.kv
         self.kv_caches = self.kv.layers  # what the transfer layer moves blocks of (rank 0's heads under TP)
         num_blocks = self.kv.num_blocks
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, self.model_key, cfg.enable_prefix_caching)
+        self.kv_tiers = _make_tiers(cfg, self.kv, self.model_key)
+        self.block_manager = BlockManager(
+            num_blocks, cfg.block_size, self.model_key, cfg.enable_prefix_caching, self.kv_tiers
+        )
         # The scheduler owns the request table and every status change (RequestStatus).
         self.scheduler = Scheduler(
             self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, parts.plan.max_chunk
@@ -204,6 +208,8 @@ class LLMEngine:
         nothing to do for a single-rank engine."""
         if self.tensor_parallel:
             self.tensor_parallel.close()
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
 
     # ------------------------------------------------------------------ API
     @property
@@ -251,7 +257,26 @@ class LLMEngine:
             decode_steps=self.decode_steps,
             decode_step_s=self.decode_step_s,
             decode_rows_sq=self.decode_rows_sq,
+            **self._tier_stats(),
         )
+
+    def _tier_stats(self) -> dict:
+        if self.kv_tiers is None:
+            return {}
+        t = self.kv_tiers.stats
+        return {
+            "host_blocks": t.host_blocks,
+            "host_capacity": t.host_capacity,
+            "disk_blocks": t.disk_blocks,
+            "disk_capacity": t.disk_capacity,
+            "host_spills": t.host_spills,
+            "disk_spills": t.disk_spills,
+            "host_hits": t.host_hits,
+            "disk_hits": t.disk_hits,
+            "tier_loads": t.loads,
+            "tier_load_s": t.load_s,
+            "num_loading": len(self.scheduler.loading),
+        }
 
     def running_left(self) -> list[tuple[int, int]]:
         """Per running sequence: (tokens it may still produce, to max_tokens or the context's
@@ -513,6 +538,8 @@ class LLMEngine:
         """Schedule, run the model once, sample; return an output for every sequence that advanced."""
         out = self.scheduler.schedule()
         if not out.decodes and not out.prefills:
+            if self.scheduler.loading:  # only tier loads to wait for: not a busy loop
+                self.scheduler.loading[0].done.wait(0.005)
             return []
         started = time.monotonic()
         if self.tensor_parallel:
@@ -698,6 +725,35 @@ def _timing(seq: Sequence) -> dict[str, float]:
         "prefill_s": max(0.0, first - scheduled),
         "decode_s": max(0.0, now - first),
     }
+
+
+def _make_tiers(cfg: EngineConfig, kv, model_key: str) -> KVTiers | None:
+    """The host and disk tiers the config asks for, sized in whole blocks; refused up front when
+    host memory cannot hold the host tier."""
+    if not cfg.has_kv_tiers:
+        return None
+    first = kv.layers[0]
+    block_bytes = first[:, 0].numel() * first.element_size() * len(kv.layers)
+    host_blocks = int(cfg.host_kv_gib * 2**30 // block_bytes)
+    disk_blocks = int(cfg.disk_kv_gib * 2**30 // block_bytes)
+    if cfg.host_kv_gib and not host_blocks or cfg.disk_kv_gib and not disk_blocks:
+        raise ValueError(f"host_kv_gib / disk_kv_gib hold less than one KV block ({block_bytes} bytes)")
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if host_blocks * block_bytes > available:
+        raise ValueError(
+            f"host_kv_gib={cfg.host_kv_gib} does not fit: this machine has {available / 2**30:.1f} GiB "
+            "of memory available; give a smaller host tier"
+        )
+    tiers = KVTiers(kv.layers, kv.layout, model_key, host_blocks, disk_blocks, cfg.disk_kv_path)
+    logger.info(
+        "KV tiers: host %d blocks (%.2f GiB), disk %d blocks (%.2f GiB)%s",
+        host_blocks,
+        host_blocks * block_bytes / 2**30,
+        disk_blocks,
+        disk_blocks * block_bytes / 2**30,
+        f" in {tiers.directory}" if tiers.directory else "",
+    )
+    return tiers
 
 
 def _load_tokenizer(model_dir: str):

@@ -219,12 +219,16 @@ class Scheduler:
             break
 
         computing = self._blocks_being_computed(scheduled) if self.waiting else set()
+        self.block_manager.finish_loads()
         w = 0
         while w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[w]
             cached = self.block_manager.find_cached_prefix(seq)
             if self._shares_blocks_being_computed(seq, len(cached.blocks), computing):
                 w += 1  # admitted once they are cached; later requests may go first
+                continue
+            if self._loading_from_tiers(seq, cached):
+                w += 1  # admitted once its blocks are back in the device pool; the batch goes on
                 continue
             num_new = min(seq.num_tokens - cached.num_tokens, budget, self.max_chunk_tokens)
             if not self.block_manager.allocate_slots(seq, num_new, cached):
@@ -243,7 +247,32 @@ class Scheduler:
         prefills = [s for s in scheduled if not s.is_decode]
         return SchedulerOutput(decodes, prefills, preempted)
 
+    @property
+    def loading(self) -> list:
+        """Tier loads under way (``LoadJob``s)."""
+        return self.block_manager.loads
+
     # --------------------------------------------------------------- internal
+    def _loading_from_tiers(self, seq: Sequence, cached: CachedPrefix) -> bool:
+        """True while the sequence waits for a tier load: one starts, at its first admission
+        attempt, when a lower tier holds the blocks after its device-cached prefix and the
+        device pool can take them while leaving room for the rest of its prompt."""
+        job = seq.kv_load
+        if job is not None:
+            if not job.done.is_set() or job in self.block_manager.loads:
+                return True
+            seq.kv_load = None  # loaded and registered: ``cached`` found them
+            return False
+        if seq.tiers_looked:
+            return False
+        seq.tiers_looked = True
+        metas = self.block_manager.find_in_tiers(seq, cached)
+        if not metas:
+            return False
+        rest = -(-(seq.num_tokens - cached.num_tokens) // self.block_manager.block_size) - len(metas)
+        seq.kv_load = self.block_manager.start_load(metas, reserve=max(rest, 0))
+        return seq.kv_load is not None
+
     def _uncomputed_full_blocks(self, seq: Sequence) -> list[BlockHash]:
         """Hashes of the sequence's full blocks that are not computed yet: what its prefill
         will add to the prefix cache."""
@@ -277,6 +306,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.tiers_looked = False  # its blocks may have gone down meanwhile
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

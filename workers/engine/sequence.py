@@ -70,6 +70,10 @@ class Sequence:
     num_dropped_blocks: int = 0  # leading table entries released (sliding window): NULL_BLOCK
     num_cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
     num_preemptions: int = 0
+    # Waiting for blocks a lower KV tier is loading (``BlockManager.start_load``): a LoadJob.
+    # ``tiers_looked``: this admission attempt already looked in the tiers (one load per attempt).
+    kv_load: Any = None
+    tiers_looked: bool = False
     logprobs: list[TokenLogprob] = field(default_factory=list)
     # With ``params.prompt_logprobs``: entry i is prompt token i given tokens [0, i) (entry 0 is
     # None: nothing precedes it), filled chunk by chunk as the prompt is computed.

@@ -35,6 +35,20 @@ class EngineStats:
     decode_steps: int = 0
     decode_step_s: float = 0.0
     decode_rows_sq: int = 0
+    # KV tiers under the device pool (workers/engine/kv_tiers.py), all 0 without them: blocks held
+    # and capacity per tier; blocks copied down (spills) and loaded back (hits) per tier, and the
+    # loads' count and seconds, since the start; requests waiting for a load now
+    host_blocks: int = 0
+    host_capacity: int = 0
+    disk_blocks: int = 0
+    disk_capacity: int = 0
+    host_spills: int = 0
+    disk_spills: int = 0
+    host_hits: int = 0
+    disk_hits: int = 0
+    tier_loads: int = 0
+    tier_load_s: float = 0.0
+    num_loading: int = 0
 
     @property
     def usage(self) -> float:
