@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import ipaddress
+import os
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -52,6 +53,20 @@ class PoolArgs(BaseModel):
         default=4, ge=1, description="the most sequences a decode step runs on small_batch_threads"
     )
     num_gpus: float = Field(default=0.0, ge=0, description="GPUs per replica (1 on GPU clusters)")
+    host_kv_gib: float = Field(
+        default=0.0,
+        ge=0,
+        description="KV tier in host memory per replica: prefix blocks evicted from the KV cache wait here "
+        "(pinned on GPUs; on CPU beside kv_cache_memory_gib); 0: none",
+    )
+    disk_kv_gib: float = Field(
+        default=0.0, ge=0, description="KV tier on local disk per replica (files under disk_kv_path); 0: none"
+    )
+    disk_kv_path: str | None = Field(
+        default=None,
+        description="directory of the disk tier, on each node; a replica takes <path>/<model>/<pool>/rN, and a "
+        "restarted one finds what its predecessor wrote",
+    )
     resources: dict[str, float] = Field(
         default_factory=dict, description="custom resources per replica, e.g. {'prefill': 1} to pin a node type"
     )
@@ -546,6 +561,9 @@ class PDServeArgs(BaseModel):
             kv_transfer_peers=self.transfer_peers(role),
             communicator_memory_mib=self.communicator_memory_mib,
             cuda_graph_memory_gib=self.cuda_graph_memory_gib,
+            host_kv_gib=pool.host_kv_gib,
+            disk_kv_gib=pool.disk_kv_gib,
+            disk_kv_path=os.path.join(pool.disk_kv_path, role) if pool.disk_kv_path else None,
         )
 
 

@@ -222,13 +222,16 @@ def check_memory(args: PDServeArgs, capacity: Capacity, naming: Naming) -> None:
     kv = kv_bytes_per_rank(args)
     need = args.ingress_replicas * INGRESS_BYTES
     for name, pool in pools.items():
-        need += ranks[name] * (weights // pool.tensor_parallel_size + kv + PROCESS_OVERHEAD_BYTES)
+        host_tier = int(pool.host_kv_gib * 2**30)  # each replica's host KV tier, beside its cache
+        need += ranks[name] * (weights // pool.tensor_parallel_size + kv + PROCESS_OVERHEAD_BYTES) + host_tier * (
+            _replicas(pool)
+        )
     if need > capacity.memory_bytes:
         gib = 2**30
         raise LayoutError(
             f"the layout needs about {need / gib:.1f} GiB ({sum(ranks.values())} engine ranks, each with its "
             f"share of {weights / gib:.2f} GiB of weights, {kv / gib:.2f} GiB of KV and "
-            f"{PROCESS_OVERHEAD_BYTES / gib:.2f} GiB for the process) but {capacity.where} has "
+            f"{PROCESS_OVERHEAD_BYTES / gib:.2f} GiB for the process, plus host KV tiers) but {capacity.where} has "
             f"{capacity.memory_bytes / gib:.1f} GiB available: lower {naming.pool_flags(list(pools))} "
             f"or {naming.kv_memory}, {naming.elsewhere}"
         )

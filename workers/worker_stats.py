@@ -19,6 +19,22 @@ def percentiles(values, qs=(50, 99)) -> dict[str, float | None]:
     return {f"p{q}": ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))] for q in qs}
 
 
+# The engine's KV tier figures a worker reports (EngineStats; 0 without tiers).
+TIER_FIELDS = (
+    "host_blocks",
+    "host_capacity",
+    "disk_blocks",
+    "disk_capacity",
+    "host_spills",
+    "disk_spills",
+    "host_hits",
+    "disk_hits",
+    "tier_loads",
+    "tier_load_s",
+    "num_loading",
+)
+
+
 @dataclass
 class PairStats:
     """One peer of this worker (for a decode worker: a prefill worker it pulled KV from)."""
@@ -164,5 +180,6 @@ class WorkerStats:
             "prefix_queries": state.prefix_queries,
             "prefix_hits": state.prefix_hits,
             "cached_blocks": state.num_cached_blocks,
+            **{f: getattr(state, f) for f in TIER_FIELDS},
             "pairs": self.pairs(),
         }

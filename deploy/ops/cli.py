@@ -392,6 +392,16 @@ def _add_up_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     parser.add_argument(
+        "--host-kv-gib",
+        type=float,
+        default=0.0,
+        help="per replica: host memory for prefix blocks evicted from the KV cache (default 0: none)",
+    )
+    parser.add_argument(
+        "--disk-kv-gib", type=float, default=0.0, help="per replica: local disk for them (needs --disk-kv-path)"
+    )
+    parser.add_argument("--disk-kv-path", default=None, help="directory of the disk KV tier on each node")
+    parser.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
@@ -1000,6 +1010,9 @@ def up_app_args(args: argparse.Namespace, model: str, redis_url: str | None, gpu
         "prefill_threads": _prefill_threads_per_replica(args),
         "small_batch_threads": args.small_batch_threads,
         "small_batch_max_seqs": args.small_batch_max_seqs,
+        "host_kv_gib": args.host_kv_gib,
+        "disk_kv_gib": args.disk_kv_gib,
+        "disk_kv_path": args.disk_kv_path,
     }
 
     def pool_args(start: int, tp: int) -> PoolArgs:

@@ -95,6 +95,13 @@ _WORKER_COUNTERS = {
     ),
     "recomputed_prefills": ("pdserve_recomputed_prefills_total", "Prompts recomputed on decode", {}),
     "preemptions": ("pdserve_preemptions_total", "Sequences preempted for lack of KV blocks", {}),
+    # KV tiers under the KV cache (workers/engine/kv_tiers.py): one metric per quantity, a tag per tier
+    "host_spills": ("pdserve_kv_tier_spills_total", "KV blocks copied down into a tier", {"tier": "host"}),
+    "disk_spills": ("pdserve_kv_tier_spills_total", "KV blocks copied down into a tier", {"tier": "disk"}),
+    "host_hits": ("pdserve_kv_tier_hits_total", "KV blocks loaded back from a tier", {"tier": "host"}),
+    "disk_hits": ("pdserve_kv_tier_hits_total", "KV blocks loaded back from a tier", {"tier": "disk"}),
+    "tier_loads": ("pdserve_kv_tier_loads_total", "Loads of a request's blocks from the tiers", {}),
+    "tier_load_s": ("pdserve_kv_tier_load_seconds_total", "Seconds those loads took, summed", {}),
 }
 
 
@@ -107,8 +114,9 @@ class WorkerMetrics:
         self.waiting = _get(Gauge, "pdserve_num_requests_waiting", "Sequences waiting", tag_keys)
         self.queue_time = _hist("pdserve_request_queue_time_seconds", "Time from arrival to first schedule", tag_keys)
         self.transfer_seconds = _hist("pdserve_kv_transfer_seconds", "Duration of one KV transfer", tag_keys)
+        self.tier_blocks = _get(Gauge, "pdserve_kv_tier_blocks", "KV blocks a tier holds", ("tier", *tag_keys))
         self.counters = {
-            field: _get(Counter, name, desc or name, ("scope", *tag_keys) if extra else tag_keys)
+            field: _get(Counter, name, desc or name, (*extra, *tag_keys))
             for field, (name, desc, extra) in _WORKER_COUNTERS.items()
         }
         self._last: dict[str, float] = {}
@@ -123,6 +131,9 @@ class WorkerMetrics:
         self.kv_usage.set(snapshot["kv_usage"], tags=self.tags)
         self.running.set(snapshot["num_running"], tags=self.tags)
         self.waiting.set(snapshot["num_waiting"], tags=self.tags)
+        for tier in ("host", "disk"):
+            if snapshot.get(f"{tier}_capacity"):
+                self.tier_blocks.set(snapshot[f"{tier}_blocks"], tags={"tier": tier, **self.tags})
         for field, counter in self.counters.items():
             value = snapshot.get(field, 0)
             delta = value - self._last.get(field, 0)

@@ -45,6 +45,7 @@ REPLICA_COLUMNS = [
     ("moved", "MiB", 9, ">"),
     ("xfer fail", "", 9, ">"),
     ("recomp", "prompts", 8, ">"),
+    ("tiers", "host/disk", 11, ">"),
 ]
 
 PAIR_COLUMNS = [
@@ -77,7 +78,15 @@ def _replica_row(pool: str, r: dict) -> list[str]:
         f"{r['transfer_bytes'] / 2**20:.1f}",
         _failures(r["transfer_failures"], r.get("transfer_corrupt", 0)),
         str(r["recomputed_prefills"]),
+        _tiers(r),
     ]
+
+
+def _tiers(r: dict) -> str:
+    """Blocks held in the host and disk KV tiers ("-": the replica has none)."""
+    if not r.get("host_capacity") and not r.get("disk_capacity"):
+        return "-"
+    return f"{r.get('host_blocks', 0)}/{r.get('disk_blocks', 0)}"
 
 
 def _failures(failures: int, corrupt: int) -> str:

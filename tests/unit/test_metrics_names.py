@@ -21,6 +21,11 @@ DESIGN_METRICS = {
     "pdserve_preemptions_total",
     "pdserve_decode_migrations_total",
     "pdserve_decode_live_migrations_total",
+    "pdserve_kv_tier_blocks",
+    "pdserve_kv_tier_spills_total",
+    "pdserve_kv_tier_hits_total",
+    "pdserve_kv_tier_loads_total",
+    "pdserve_kv_tier_load_seconds_total",
 }
 
 

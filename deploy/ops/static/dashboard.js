@@ -139,13 +139,23 @@
               el("span", { class: "pct", testid: "kv-usage" }, fmtPct(pct)));
   }
 
+  // Blocks in the host and disk KV tiers, and blocks loaded back from them ("–": no tiers).
+  function tiersCell(r) {
+    if (!r.host_capacity && !r.disk_capacity) return el("td", { class: "num", testid: "kv-tiers" }, "–");
+    const title = `host ${fmtInt(r.host_blocks)} of ${fmtInt(r.host_capacity)} blocks, ` +
+      `disk ${fmtInt(r.disk_blocks)} of ${fmtInt(r.disk_capacity)}; spills ${fmtInt(r.host_spills)} / ` +
+      `${fmtInt(r.disk_spills)}; ${fmtInt(r.tier_loads)} loads, ${fmtMs(r.tier_loads ? r.tier_load_s / r.tier_loads : null)} each`;
+    return el("td", { class: "num", testid: "kv-tiers", title },
+      `${fmtInt(r.host_blocks)} / ${fmtInt(r.disk_blocks)} · hits ${fmtInt(r.host_hits)} / ${fmtInt(r.disk_hits)}`);
+  }
+
   function replicaRow(r) {
     const id = r.worker_id;
     if (!r.healthy) {
       return el("tr", { class: "down", testid: `replica-${id}`, "data-healthy": "false" },
         el("td", { class: "mono" }, id),
         el("td", {}, el("span", { class: "badge badge-bad", testid: "health" }, "down")),
-        el("td", { colspan: "11", class: "error-text" }, r.error || "no answer"));
+        el("td", { colspan: "12", class: "error-text" }, r.error || "no answer"));
     }
     const hit = r.prompt_tokens ? r.cached_prompt_tokens / r.prompt_tokens : null;
     const cell = (text, testid) => el("td", { class: "num", testid }, text);
@@ -162,7 +172,8 @@
       cell(fmtBytes(r.transfer_bytes), "transfer-bytes"),
       cell(fmtInt(r.transfer_failures), "transfer-failures"),
       cell(fmtInt(r.recomputed_prefills), "recomputed"),
-      cell(fmtInt(r.preemptions), "preemptions"));
+      cell(fmtInt(r.preemptions), "preemptions"),
+      tiersCell(r));
     if (r.index && r.index.registered === false) row.title = "not registered in the prefix index";
     return row;
   }
