@@ -15,7 +15,9 @@ from kvstore.config import IndexConfig
 from kvstore.hashing import HASH_NUM_BYTES, BlockHash
 from kvstore.keys import IndexKeys
 from kvstore.link import IndexAuthError, IndexUnavailableError, RedisLink
-from kvstore.record import WorkerRecord
+from kvstore.record import PrefixMatch, WorkerRecord
+
+__all__ = ["PURGE_BLOCKS_PER_CALL", "PrefixIndex", "PrefixMatch"]
 
 log = logging.getLogger(__name__)
 
@@ -55,20 +57,45 @@ class PrefixIndex:
 
     async def longest_prefix(self, block_hashes: Sequence[BlockHash], role: str | None = None) -> dict[str, int] | None:
         """For every live worker (of ``role`` if given): how many leading blocks of the chain
-        ``block_hashes`` it holds, 0 included. One round trip. None: no information (Redis away).
+        ``block_hashes`` it holds in any tier, 0 included. One round trip. None: no information
+        (Redis away).
         """
+        flat = await self._lookup(block_hashes, role, count_tiers=False)
+        if flat is None:
+            return None
+        return {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 4)}
+
+    async def prefix_matches(
+        self, block_hashes: Sequence[BlockHash], role: str | None = None
+    ) -> dict[str, PrefixMatch] | None:
+        """Like ``longest_prefix``, with how many of each worker's leading blocks are on host or
+        disk (best tier). One round trip. None: no information (Redis away)."""
+        flat = await self._lookup(block_hashes, role, count_tiers=True)
+        if flat is None:
+            return None
+        return {
+            flat[i]: PrefixMatch(int(flat[i + 1]), int(flat[i + 2]), int(flat[i + 3])) for i in range(0, len(flat), 4)
+        }
+
+    async def _lookup(self, block_hashes: Sequence[BlockHash], role: str | None, count_tiers: bool) -> list | None:
         chain = b"".join(block_hashes)
         if len(chain) != HASH_NUM_BYTES * len(block_hashes):  # the script reads fixed-width hashes
             raise ValueError(f"block hashes must be {HASH_NUM_BYTES} bytes each (kvstore.hashing)")
         keys = (self.keys.registry,)
-        args = (self.keys.worker_prefix, role or "", self.keys.blk_prefix, chain.hex(), self.keys.wblocks_prefix)
+        args = (
+            self.keys.worker_prefix,
+            role or "",
+            self.keys.blk_prefix,
+            chain.hex(),
+            self.keys.wblocks_prefix,
+            self.keys.wtier_prefix if count_tiers else "",
+        )
         try:
-            flat = await self.link.call(
+            return await self.link.call(
                 lambda: self._longest_prefix(keys=keys, args=args), self.config.lookup_timeout_s
             )
         except IndexUnavailableError:
             return None
-        return {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     async def live_workers(self, role: str | None = None) -> dict[str, WorkerRecord] | None:
         """Every worker with a live record (of ``role`` if given), or None if Redis is away."""

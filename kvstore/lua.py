@@ -6,18 +6,23 @@ shares the ``{m}`` hash tag with the declared keys, so all of them live in one C
 
 from __future__ import annotations
 
-# Longest cached prefix per live worker.
+# Longest cached prefix per live worker, and how much of it sits in the slower tiers.
 # KEYS[1] registry; ARGV[1] worker key prefix, ARGV[2] role or '', ARGV[3] blk key prefix,
 # ARGV[4] the chain's hashes as one hex string (32 hex digits per block, in chain order),
-# ARGV[5] wblocks key prefix. (Passing one string instead of 256 arguments matters: packing
-# arguments costs the Python client more than the whole lookup costs Redis.)
-# Returns {id1, n1, id2, n2, ...} for every live worker of the role: n = leading blocks it holds.
+# ARGV[5] wblocks key prefix, ARGV[6] wtier key prefix or '' to skip counting tiers. (Passing one
+# string instead of 256 arguments matters: packing arguments costs the Python client more than
+# the whole lookup costs Redis.)
+# Returns {id1, n1, host1, disk1, id2, ...} for every live worker of the role: n = leading blocks
+# it holds in any tier, host/disk = how many of those n have host/disk as their best tier (0 when
+# tiers are skipped).
 #
 # A worker is live iff its record exists. The chain's first block is read from its blk hash and
 # only entries whose generation equals the record's count; the rest of the chain is checked
 # per candidate with one SMISMEMBER on its wblocks set, which holds exactly the hashes whose blk
 # entry carries the worker's current generation (see APPLY_EVENTS and REGISTER). So a miss
 # costs one HGETALL, and a hit one call per worker holding the first block, not one per block.
+# Tiers cost one EXISTS per holder, and one HMGET per 1024 matched blocks only for a holder with
+# blocks off device; wtier is of the current generation like wblocks, so it needs no fencing.
 LONGEST_PREFIX = """
 local gen, order = {}, {}
 for _, id in ipairs(redis.call('HKEYS', KEYS[1])) do
@@ -66,19 +71,41 @@ if num_blocks > 0 and #order > 0 then
 end
 local out = {}
 for _, id in ipairs(order) do
+  local n, host, disk = held[id] or 0, 0, 0
+  local wtier = ARGV[6] .. id
+  if ARGV[6] ~= '' and n > 0 and redis.call('EXISTS', wtier) == 1 then
+    for from = 1, n, 1024 do
+      local to = math.min(from + 1023, n)
+      local fields = {}
+      for i = from, to do
+        fields[#fields + 1] = string.sub(hexes, 32 * i - 31, 32 * i)
+      end
+      local tiers = redis.call('HMGET', wtier, unpack(fields))
+      for k = 1, #fields do
+        if tiers[k] == '1' then
+          host = host + 1
+        elseif tiers[k] == '2' then
+          disk = disk + 1
+        end
+      end
+    end
+  end
   out[#out + 1] = id
-  out[#out + 1] = held[id] or 0
+  out[#out + 1] = n
+  out[#out + 1] = host
+  out[#out + 1] = disk
 end
 return out
 """
 
-# Apply a batch of one worker's block events, fenced on its generation: nothing is written
-# unless the worker record exists and carries ARGV[3]. This fencing is what keeps wblocks:<id>
-# equal to the set of blk entries of the id's current generation: an expired worker, or an old
-# process of a restarted worker, can no longer write.
-# KEYS[1] worker record, KEYS[2] wblocks set; ARGV[1] blk key prefix, ARGV[2] worker id,
-# ARGV[3] generation, then pairs (op, hexes): op '+' stored, '-' removed, 'clear' all cleared;
-# hexes = concatenated 32-digit hex hashes.
+# Apply a batch of one worker's best-tier transitions, fenced on its generation: nothing is
+# written unless the worker record exists and carries ARGV[3]. This fencing is what keeps
+# wblocks:<id> (and wtier:<id>) equal to the blk entries of the id's current generation: an
+# expired worker, or an old process of a restarted worker, can no longer write.
+# KEYS[1] worker record, KEYS[2] wblocks set, KEYS[3] wtier hash; ARGV[1] blk key prefix,
+# ARGV[2] worker id, ARGV[3] generation, then pairs (op, hexes): op '0', '1' or '2' held with that
+# best tier (device, host, disk), '-' held in no tier, 'clear' nothing held;
+# hexes = concatenated 32-digit hex hashes. Every op sets a state, so replaying a batch is harmless.
 # Returns 1 applied, 0 record gone (nothing written), 2 superseded by a newer start.
 APPLY_EVENTS = """
 local current = redis.call('HGET', KEYS[1], 'generation')
@@ -91,13 +118,14 @@ for i = 4, #ARGV, 2 do
     for _, h in ipairs(redis.call('SMEMBERS', KEYS[2])) do
       redis.call('HDEL', blk_prefix .. h, id)
     end
-    redis.call('DEL', KEYS[2])
+    redis.call('DEL', KEYS[2], KEYS[3])
   else
+    local held = op ~= '-'
     local hashes = {}
     for s = 1, #hexes, 32 do
       local h = string.sub(hexes, s, s + 31)
       hashes[#hashes + 1] = h
-      if op == '+' then
+      if held then
         redis.call('HSET', blk_prefix .. h, id, gen)
       else
         redis.call('HDEL', blk_prefix .. h, id)
@@ -105,7 +133,17 @@ for i = 4, #ARGV, 2 do
     end
     for from = 1, #hashes, 1024 do
       local to = math.min(from + 1023, #hashes)
-      redis.call(op == '+' and 'SADD' or 'SREM', KEYS[2], unpack(hashes, from, to))
+      redis.call(held and 'SADD' or 'SREM', KEYS[2], unpack(hashes, from, to))
+      if op == '1' or op == '2' then
+        local fields = {}
+        for k = from, to do
+          fields[#fields + 1] = hashes[k]
+          fields[#fields + 1] = op
+        end
+        redis.call('HSET', KEYS[3], unpack(fields))
+      else
+        redis.call('HDEL', KEYS[3], unpack(hashes, from, to))
+      end
     end
   end
 end
@@ -128,14 +166,14 @@ return out
 
 # (Re)register a worker: drop every blk entry this worker id ever published (earlier starts, or
 # this start before a resync), then write a fresh record with a TTL and enter it in the registry.
-# KEYS[1] registry, KEYS[2] worker record, KEYS[3] wblocks set;
+# KEYS[1] registry, KEYS[2] worker record, KEYS[3] wblocks set, KEYS[4] wtier hash;
 # ARGV[1] blk key prefix, ARGV[2] worker id, ARGV[3] generation, ARGV[4] ttl ms, ARGV[5..] fields.
 REGISTER = """
 local members = redis.call('SMEMBERS', KEYS[3])
 for _, h in ipairs(members) do
   redis.call('HDEL', ARGV[1] .. h, ARGV[2])
 end
-redis.call('DEL', KEYS[2], KEYS[3])
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
 redis.call('HSET', KEYS[2], unpack(ARGV, 5))
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
 redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
@@ -161,6 +199,8 @@ return 1
 # KEYS[1] registry; ARGV[1] key prefix 'pd:{m}:', ARGV[2] block budget.
 # Returns {more, id, generation, removed, done, id, ...}: removed counts blk entries deleted
 # (only those still holding the dead generation); done = 1 when the worker is fully purged.
+# The popped hashes leave wtier:<id> too: a dead worker's id has no newer start (its record
+# would exist), so its wtier is the dead generation's.
 PURGE_DEAD_WORKERS = """
 local prefix = ARGV[1]
 local budget = tonumber(ARGV[2])
@@ -183,9 +223,14 @@ for i = 1, #registry, 2 do
         removed = removed + 1
       end
     end
+    local wtier = prefix .. 'wtier:' .. id
+    for from = 1, #hashes, 1024 do
+      redis.call('HDEL', wtier, unpack(hashes, from, math.min(from + 1023, #hashes)))
+    end
     budget = budget - #hashes
     local done = redis.call('EXISTS', wblocks) == 0
     if done then
+      redis.call('DEL', wtier)
       redis.call('HDEL', KEYS[1], id)
     else
       out[1] = 1
@@ -202,14 +247,15 @@ return out
 
 # Orderly leave: drop the worker's entries, record and registry entry, unless a newer start of
 # the same worker id has already taken over. KEYS[1] registry, KEYS[2] worker record,
-# KEYS[3] wblocks set; ARGV[1] blk key prefix, ARGV[2] worker id, ARGV[3] generation.
+# KEYS[3] wblocks set, KEYS[4] wtier hash; ARGV[1] blk key prefix, ARGV[2] worker id,
+# ARGV[3] generation.
 # Returns 1 if deregistered, 0 if superseded (nothing touched).
 DEREGISTER = """
 if redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[3] then return 0 end
 for _, h in ipairs(redis.call('SMEMBERS', KEYS[3])) do
   redis.call('HDEL', ARGV[1] .. h, ARGV[2])
 end
-redis.call('DEL', KEYS[2], KEYS[3])
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
 redis.call('HDEL', KEYS[1], ARGV[2])
 return 1
 """

@@ -14,10 +14,15 @@ in-memory state under a short lock. Everything that talks to Redis runs in one b
 on the loop that called ``start`` (and in ``flush``/``stop``), serialized by an asyncio lock so
 batches reach Redis in submission order.
 
-Recovery: the publisher keeps the set of hashes the worker currently holds. Whenever what Redis
-has may differ from it — the worker record vanished (Redis restarted empty, or the record
-expired), the server's run id changed, or buffered events were dropped — it re-registers and
-republishes that whole set instead of replaying events.
+Tiers: a block may be held in several mediums at once (``kvstore.events.MEDIUMS``); the
+publisher keeps, per held hash, which mediums hold it, and sends Redis only changes of a hash's
+*best tier* (the first medium of MEDIUMS that holds it) or its leaving every tier. An event that
+changes no best tier (a host copy of a device block) costs Redis nothing.
+
+Recovery: the publisher keeps the hashes the worker currently holds, with their mediums. Whenever
+what Redis has may differ from it — the worker record vanished (Redis restarted empty, or the
+record expired), the server's run id changed, or buffered events were dropped — it re-registers
+and republishes that whole state, best tiers included, instead of replaying events.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from collections.abc import Iterable
 from kvstore import lua
 from kvstore.compat import IncompatibleWorkerError, PoolCompat
 from kvstore.config import IndexConfig, WorkerSpec
-from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvstore.events import MEDIUMS, AllBlocksCleared, BlockStored, KVEvent
 from kvstore.hashing import HASH_ALGORITHM_VERSION, BlockHash
 from kvstore.index import PrefixIndex
 from kvstore.keys import IndexKeys
@@ -45,6 +50,19 @@ from kvstore.record import WorkerLoad, WorkerRecord
 log = logging.getLogger(__name__)
 
 REPUBLISH_CHUNK = 2048  # hashes per script call when republishing (bounds Redis stalls)
+
+_MEDIUM_BIT = {medium: 1 << tier for tier, medium in enumerate(MEDIUMS)}
+_NOT_HELD = "-"
+_CLEAR = "clear"
+
+# (op of lua.APPLY_EVENTS, hashes): op is the best tier as a digit, _NOT_HELD or _CLEAR.
+_Transition = tuple[str, tuple[BlockHash, ...]]
+_Update = tuple[_Transition, ...]  # what one event changed: the queue's unit
+
+
+def _best_tier_op(mediums: int) -> str:
+    """The APPLY_EVENTS op for a bitmask of mediums: its lowest bit's tier, or not held."""
+    return str((mediums & -mediums).bit_length() - 1) if mediums else _NOT_HELD
 
 
 class IndexPublisher:
@@ -66,8 +84,9 @@ class IndexPublisher:
 
         # Shared with the engine thread, guarded by _lock.
         self._lock = threading.Lock()
-        self._queue: deque[KVEvent] = deque()
-        self._held: set[BlockHash] = set()
+        self._queue: deque[_Update] = deque()  # best-tier changes, in event order
+        self._held: dict[BlockHash, int] = {}  # hash -> bitmask of the mediums holding it (_MEDIUM_BIT)
+        self._unknown_mediums: set[str] = set()
         self._needs_resync = False  # events were dropped: Redis must be rebuilt from _held
         self._dropped_events = 0
         self._stopped = False
@@ -94,15 +113,20 @@ class IndexPublisher:
             if self._stopped:
                 return
             for event in events:
-                queued = True
-                if isinstance(event, BlockStored):
-                    self._held.update(event.block_hashes)
-                elif isinstance(event, BlockRemoved):
-                    self._held.difference_update(event.block_hashes)
-                elif isinstance(event, AllBlocksCleared):
+                if isinstance(event, AllBlocksCleared):
                     self._held.clear()
                     self._queue.clear()  # everything queued before is superseded
-                self._queue.append(event)
+                    self._queue.append(((_CLEAR, ()),))
+                    queued = True
+                    continue
+                bit = _MEDIUM_BIT.get(event.medium)
+                if bit is None:
+                    self._skip_unknown_medium(event.medium)
+                    continue
+                update = self._record(event.block_hashes, bit, isinstance(event, BlockStored))
+                if update:
+                    self._queue.append(update)
+                    queued = True
             overflow = len(self._queue) - self.config.max_buffered_events
             if overflow > 0:
                 self._drop_oldest(overflow)
@@ -126,8 +150,14 @@ class IndexPublisher:
         return self._registered
 
     def held_blocks(self) -> frozenset[BlockHash]:
+        """Hashes held in any tier."""
         with self._lock:
             return frozenset(self._held)
+
+    def held_tiers(self) -> dict[BlockHash, str]:
+        """Each held hash's best tier (a medium of MEDIUMS): what Redis is brought to."""
+        with self._lock:
+            return {h: MEDIUMS[int(_best_tier_op(mediums))] for h, mediums in self._held.items()}
 
     # ---- lifecycle, on the worker's event loop ---------------------------------------------
 
@@ -253,8 +283,10 @@ class IndexPublisher:
             compat.check_joins(PoolCompat.from_json(pool))
         run_id = await self.link.server_run_id()
         first = self._run_id is None
+        by_op: dict[str, list[BlockHash]] = {}
         with self._lock:
-            held = list(self._held)
+            for block_hash, mediums in self._held.items():
+                by_op.setdefault(_best_tier_op(mediums), []).append(block_hash)
             self._queue.clear()  # every queued event is already reflected in _held
             self._needs_resync = False
             load = self._load
@@ -276,15 +308,21 @@ class IndexPublisher:
         self._registered = False
         await self.link.call(
             lambda: self._register_script(
-                keys=[self.keys.registry, self.keys.worker(spec.worker_id), self.keys.wblocks(spec.worker_id)],
+                keys=[
+                    self.keys.registry,
+                    self.keys.worker(spec.worker_id),
+                    self.keys.wblocks(spec.worker_id),
+                    self.keys.wtier(spec.worker_id),
+                ],
                 args=[self.keys.blk_prefix, spec.worker_id, self.generation, self.config.ttl_ms, *fields],
             ),
             self.config.write_timeout_s,
         )
         self._registered = True  # the fenced republish below needs the record just written
         try:
-            for start in range(0, len(held), REPUBLISH_CHUNK):
-                await self._apply((BlockStored(tuple(held[start : start + REPUBLISH_CHUNK]), None),))
+            for op, hashes in by_op.items():
+                for start in range(0, len(hashes), REPUBLISH_CHUNK):
+                    await self._apply((((op, tuple(hashes[start : start + REPUBLISH_CHUNK])),),))
         except IndexUnavailableError:
             self._registered = False
             raise
@@ -302,7 +340,8 @@ class IndexPublisher:
                 self.generation,
             )
         else:
-            log.info("worker %s re-registered in the prefix index, %d blocks republished", spec.worker_id, len(held))
+            num_held = sum(len(hashes) for hashes in by_op.values())
+            log.info("worker %s re-registered in the prefix index, %d blocks republished", spec.worker_id, num_held)
 
     async def _heartbeat(self) -> None:
         load = self._load
@@ -343,22 +382,17 @@ class IndexPublisher:
                         self._drop_oldest(overflow)
                 raise
 
-    async def _apply(self, batch: Iterable[KVEvent]) -> None:
-        """Apply events in one fenced script call (raises IndexUnavailableError)."""
+    async def _apply(self, batch: Iterable[_Update]) -> None:
+        """Apply updates in one fenced script call (raises IndexUnavailableError)."""
         args: list[str] = [self.keys.blk_prefix, self.worker.worker_id, self.generation]
-        for event in batch:
-            if isinstance(event, AllBlocksCleared):
-                args += ("clear", "")
-            elif event.block_hashes:
-                op = "+" if isinstance(event, BlockStored) else "-"
-                args += (op, b"".join(event.block_hashes).hex())
+        for update in batch:
+            for op, hashes in update:
+                args += (op, b"".join(hashes).hex())
         if len(args) == 3:
             return
         worker_id = self.worker.worker_id
-        state = await self.link.call(
-            lambda: self._apply_script(keys=[self.keys.worker(worker_id), self.keys.wblocks(worker_id)], args=args),
-            self.config.write_timeout_s,
-        )
+        keys = [self.keys.worker(worker_id), self.keys.wblocks(worker_id), self.keys.wtier(worker_id)]
+        state = await self.link.call(lambda: self._apply_script(keys=keys, args=args), self.config.write_timeout_s)
         self._on_record_state(state)
 
     def _on_record_state(self, state: int) -> None:
@@ -383,7 +417,12 @@ class IndexPublisher:
         worker_id = self.worker.worker_id
         await self.link.call(
             lambda: self._deregister_script(
-                keys=[self.keys.registry, self.keys.worker(worker_id), self.keys.wblocks(worker_id)],
+                keys=[
+                    self.keys.registry,
+                    self.keys.worker(worker_id),
+                    self.keys.wblocks(worker_id),
+                    self.keys.wtier(worker_id),
+                ],
                 args=[self.keys.blk_prefix, worker_id, self.generation],
             ),
             self.config.write_timeout_s,
@@ -392,6 +431,38 @@ class IndexPublisher:
         log.info("worker %s left the prefix index", worker_id)
 
     # ---- helpers ----------------------------------------------------------------------------
+
+    def _record(self, block_hashes: tuple[BlockHash, ...], bit: int, stored: bool) -> _Update:
+        """Caller holds _lock. Add (stored) or remove one medium's bit for each hash in _held;
+        return the best-tier changes, grouped by op (each hash in one group, so their order
+        within the update does not matter)."""
+        changed: dict[str, list[BlockHash]] = {}
+        held = self._held
+        for block_hash in block_hashes:
+            old = held.get(block_hash, 0)
+            new = old | bit if stored else old & ~bit
+            if new == old:
+                continue
+            if new:
+                held[block_hash] = new
+            else:
+                del held[block_hash]
+            op = _best_tier_op(new)
+            if op != _best_tier_op(old):
+                changed.setdefault(op, []).append(block_hash)
+        return tuple((op, tuple(hashes)) for op, hashes in changed.items())
+
+    def _skip_unknown_medium(self, medium: str) -> None:
+        """Caller holds _lock. An event of a medium outside MEDIUMS is an engine bug: skipped,
+        logged once per medium, so the index never claims a tier nobody can load from."""
+        if medium not in self._unknown_mediums:
+            self._unknown_mediums.add(medium)
+            log.error(
+                "worker %s: block events for unknown medium %r (expected one of %s) are not indexed",
+                self.worker.worker_id,
+                medium,
+                ", ".join(MEDIUMS),
+            )
 
     def _drop_oldest(self, count: int) -> None:
         """Caller holds _lock. Dropped events are recovered by republishing the held set."""

@@ -15,6 +15,20 @@ class WorkerLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """How much of a prompt's prefix one worker holds: ``blocks`` leading blocks in any tier, of
+    which ``host`` and ``disk`` have that tier as their best (they must be loaded before use)."""
+
+    blocks: int
+    host: int = 0
+    disk: int = 0
+
+    @property
+    def device(self) -> int:
+        return self.blocks - self.host - self.disk
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerRecord:
     """One live worker as stored in ``pd:{m}:worker:<id>``."""
 

@@ -31,6 +31,8 @@ TIER_FIELDS = (
     "disk_hits",
     "tier_loads",
     "tier_load_s",
+    "host_load_s",
+    "disk_load_s",
     "num_loading",
 )
 

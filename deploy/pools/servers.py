@@ -149,7 +149,7 @@ class _WorkerServer:
             on_step=self._on_step,
         )
         engine = self.engine = self.loop.engine
-        self._load = {
+        self._load: dict[str, float] = {
             "free_blocks": engine.num_kv_blocks,
             "total_blocks": engine.num_kv_blocks,
             "num_running": 0,
@@ -215,6 +215,7 @@ class _WorkerServer:
             "num_running": state.num_running,
             "num_waiting": state.num_waiting,
         }
+        self._load.update(_tier_costs(state, engine.config.block_size, self.role))
         events = engine.take_events()
         worker = getattr(self, "worker", None)  # idle ticks can start before the worker is assigned
         if worker is not None:  # a decode worker's prompts waiting for KV room wait here too
@@ -224,7 +225,7 @@ class _WorkerServer:
         if self.publisher is not None:
             if events:
                 self.publisher.submit(events)
-            self.publisher.set_load(state.num_free_blocks, state.num_running, self._load["num_waiting"])
+            self.publisher.set_load(state.num_free_blocks, state.num_running, int(self._load["num_waiting"]))
         if (rebalancer := getattr(self, "rebalancer", None)) is not None:
             rebalancer.on_step(state.num_free_blocks, state.num_running)
 
@@ -470,3 +471,17 @@ class ColocatedServer(_WorkerServer):
     async def generate_local(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         async for chunk in self.outputs.stream(request.output_address, self.worker.generate_local(request)):
             yield chunk
+
+
+def _tier_costs(state, block_size: int, role: str) -> dict[str, float]:
+    """Per-block seconds this replica measured, for the prefill router's cost model
+    (``TierCosts.from_routing_stats``): loading a block from each KV tier, and (a prefill replica,
+    whose busy time is prompts) computing one. Absent until measured."""
+    costs = {}
+    if state.host_hits:
+        costs["host_load_block_s"] = state.host_load_s / state.host_hits
+    if state.disk_hits:
+        costs["disk_load_block_s"] = state.disk_load_s / state.disk_hits
+    if role == "prefill" and state.prefill_tokens_computed:
+        costs["prefill_block_s"] = state.busy_s / state.prefill_tokens_computed * block_size
+    return costs

@@ -6,23 +6,27 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
 
 import pytest
 import redis
 
+from deploy.pools.routers import PrefixAwareRouter
 from kvstore.compat import IncompatibleWorkerError
 from kvstore.config import IndexConfig, WorkerSpec
-from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvstore.events import DISK, HOST, AllBlocksCleared, BlockRemoved, BlockStored
 from kvstore.hashing import hash_prompt_blocks
 from kvstore.index import PrefixIndex
 from kvstore.keys import IndexKeys
 from kvstore.link import IndexAuthError
 from kvstore.publisher import IndexPublisher
+from kvstore.record import PrefixMatch
 from tests.redis_server import RedisServer, free_port
 
 MODEL = "tiny-llama"
 BLOCK = 16
 KEYS = IndexKeys(MODEL)
+HOST_TIER, DISK_TIER = "1", "2"  # wtier values (kvstore.keys)
 
 
 def make_config(url: str, **overrides: object) -> IndexConfig:
@@ -352,3 +356,158 @@ async def test_256_block_lookup_is_one_round_trip(redis_url: str) -> None:
     finally:
         await index.close()
         raw.close()
+
+
+# ---------------------------------------------------------------- tiers
+
+
+def wtier(hashes: list[bytes], tier: str) -> dict[str, str]:
+    return {h.hex(): tier for h in hashes}
+
+
+async def test_prefix_matches_count_each_workers_blocks_by_best_tier(redis_url: str) -> None:
+    config = make_config(redis_url)
+    a = await started(config, spec("a"), PROMPT[:8])
+    b = await started(config, spec("b"))
+    index = PrefixIndex(config)
+    raw = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        a.submit(
+            [
+                BlockStored(tuple(PROMPT[:8]), None, medium=HOST),  # host copies of device blocks
+                BlockRemoved(tuple(PROMPT[4:8])),  # evicted from device: the host copies answer
+                BlockStored(tuple(PROMPT[8:10]), PROMPT[7], medium=DISK),
+            ]
+        )
+        b.submit([BlockStored(tuple(PROMPT[:3]), None, medium=DISK)])
+        assert await a.flush() and await b.flush()
+        assert await index.prefix_matches(PROMPT) == {"a": PrefixMatch(10, host=4, disk=2), "b": PrefixMatch(3, disk=3)}
+        assert await index.longest_prefix(PROMPT) == {"a": 10, "b": 3}  # any tier
+        assert await index.prefix_matches(PROMPT[:6]) == {"a": PrefixMatch(6, host=2), "b": PrefixMatch(3, disk=3)}
+        assert raw.hgetall(KEYS.wtier("a")) == {
+            **wtier(PROMPT[4:8], HOST_TIER),
+            **wtier(PROMPT[8:10], DISK_TIER),
+        }
+        assert raw.hgetall(KEYS.wtier("b")) == wtier(PROMPT[:3], DISK_TIER)
+
+        a.submit([BlockRemoved(tuple(PROMPT[4:8]), medium=HOST)])  # now in no tier: a gap at block 4
+        a.submit([BlockStored(tuple(PROMPT[8:10]), PROMPT[7])])  # back on device: no longer in wtier
+        b.submit([AllBlocksCleared()])
+        assert await a.flush() and await b.flush()
+        assert await index.prefix_matches(PROMPT) == {"a": PrefixMatch(4), "b": PrefixMatch(0)}
+        assert blk_entries(raw, PROMPT[4]) == {}
+        assert raw.smembers(KEYS.wblocks("a")) == {h.hex() for h in PROMPT[:4] + PROMPT[8:10]}
+        assert raw.exists(KEYS.wtier("a"), KEYS.wtier("b"), KEYS.wblocks("b")) == 0
+        assert a.held_tiers() == {h: "device" for h in PROMPT[:4] + PROMPT[8:10]}
+    finally:
+        await a.stop()
+        await b.stop()
+        await index.close()
+        raw.close()
+    with redis.Redis.from_url(redis_url, decode_responses=True) as raw:
+        assert raw.keys(f"{KEYS.prefix}w*:*") == []  # orderly leave drops wblocks and wtier
+
+
+async def test_tiers_survive_a_redis_restart_and_a_new_start_drops_the_old_ones(make_redis_server) -> None:
+    server: RedisServer = make_redis_server()
+    config = make_config(server.url, ttl_s=1.0)
+    publisher = await started(config, spec("w"), PROMPT[:2])
+    publisher.submit([BlockStored(tuple(PROMPT[2:4]), PROMPT[1], medium=HOST)])
+    publisher.submit([BlockStored(tuple(PROMPT[4:6]), PROMPT[3], medium=DISK)])
+    assert await publisher.flush()
+    index = PrefixIndex(config)
+    expected = {"w": PrefixMatch(6, host=2, disk=2)}
+    try:
+        assert await index.prefix_matches(PROMPT) == expected
+        server.restart()  # empty: the publisher re-registers and republishes tiers from memory
+        await wait_until(lambda: _equals(index.prefix_matches(PROMPT), expected), 5.0)
+
+        await publisher.stop(deregister=False)  # crashed; a new start of the same id takes over
+        new = await started(config, spec("w"), PROMPT[:3])
+        assert await index.prefix_matches(PROMPT) == {"w": PrefixMatch(3)}
+        with redis.Redis.from_url(server.url, decode_responses=True) as raw:
+            assert raw.exists(KEYS.wtier("w")) == 0
+        await new.stop()
+    finally:
+        await index.close()
+
+
+async def test_purging_a_dead_worker_drops_its_tiers(redis_url: str) -> None:
+    config = make_config(redis_url, ttl_s=0.6)
+    killed = await started(config, spec("k"))
+    killed.submit([BlockStored(tuple(PROMPT[:5]), None, medium=DISK), BlockStored(tuple(PROMPT[:2]), None)])
+    assert await killed.flush()
+    index = PrefixIndex(config)
+    raw = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        assert raw.hgetall(KEYS.wtier("k")) == wtier(PROMPT[2:5], DISK_TIER)
+        await killed.stop(deregister=False)
+        await wait_until(lambda: _equals(index.prefix_matches(PROMPT), {}), timeout_s=3.0)
+        assert await index.purge_dead_workers() == ["k"]
+        assert raw.keys(f"{KEYS.prefix}*") == []
+    finally:
+        await index.close()
+        raw.close()
+
+
+async def test_prefix_matches_is_one_round_trip(redis_url: str) -> None:
+    config = make_config(redis_url, ttl_s=3.0)
+    long_prompt = chain(list(range(1100 * BLOCK)))
+    index = PrefixIndex(config)
+    raw = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        device = await started(config, spec("device"), long_prompt[:1100])
+        tiered = await started(config, spec("tiered"))
+        tiered.submit([BlockStored(tuple(long_prompt[:1050]), None, medium=HOST)])
+        tiered.submit([BlockStored(tuple(long_prompt[1000:1050]), long_prompt[999], medium=DISK)])
+        tiered.submit([BlockRemoved(tuple(long_prompt[1000:1050]), medium=HOST)])
+        tiered.submit([BlockStored(tuple(long_prompt[:10]), None)])
+        assert await tiered.flush()
+        for p in (device, tiered):
+            await p.stop(deregister=False)  # records stay live for ttl_s; no background traffic
+        before = raw.info("commandstats")
+        matches = await index.prefix_matches(long_prompt)
+        after = raw.info("commandstats")
+        assert matches == {"device": PrefixMatch(1100), "tiered": PrefixMatch(1050, host=990, disk=50)}
+        delta = {k: after[k]["calls"] - before.get(k, {"calls": 0})["calls"] for k in after}
+        # One EVALSHA; inside it, per holder one EXISTS on its wtier, and for the holder that has
+        # one, an HMGET per 1024 matched blocks.
+        assert delta["cmdstat_evalsha"] == 1
+        assert (delta["cmdstat_exists"], delta["cmdstat_hmget"]) == (2, 2 + 2)  # 2 records, 2 chunks
+    finally:
+        await index.close()
+        raw.close()
+
+
+class Replica:
+    """What the router reads of Serve's RunningReplica (hashed by identity, like Serve's)."""
+
+    def __init__(self, worker_id: str, **routing_stats: object) -> None:
+        self.replica_id = SimpleNamespace(unique_id=worker_id)
+        self.routing_stats = routing_stats
+
+
+async def test_the_prefill_router_weighs_tiers_against_queues(redis_url: str) -> None:
+    config = make_config(redis_url)
+    on_disk = await started(config, spec("on_disk"))
+    on_disk.submit([BlockStored(tuple(PROMPT), None, medium=DISK)])
+    assert await on_disk.flush()
+    on_device = await started(config, spec("on_device"), PROMPT)
+    router = PrefixAwareRouter.__new__(PrefixAwareRouter)  # the policy alone, without Serve's machinery
+    router.initialize_state(redis_url=redis_url, model_key=MODEL, min_match_blocks=2, imbalance_threshold=8)
+    request = SimpleNamespace(args=[SimpleNamespace(block_hashes=PROMPT)])
+
+    try:
+        # The device holder waits behind 6 requests (0.3 s); the disk holder loads 10 blocks (10 ms).
+        ranks = await router.choose_replicas([Replica("on_device", num_running=6), Replica("on_disk")], request)
+        assert [rank[0].replica_id.unique_id for rank in ranks] == ["on_disk", "on_device"]
+        # Its disk is slow (it says so): 10 x 50 ms to load is worse than the queue.
+        slow = Replica("on_disk", disk_load_block_s=0.05)
+        ranks = await router.choose_replicas([Replica("on_device", num_running=6), slow], request)
+        assert [rank[0].replica_id.unique_id for rank in ranks] == ["on_device", "on_disk"]
+        assert router.decisions == {"prefix": 2, "load": 0}
+    finally:
+        assert router._index is not None
+        await router._index.close()
+        await on_disk.stop()
+        await on_device.stop()

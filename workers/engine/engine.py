@@ -275,6 +275,8 @@ class LLMEngine:
             "disk_hits": t.disk_hits,
             "tier_loads": t.loads,
             "tier_load_s": t.load_s,
+            "host_load_s": t.host_load_s,
+            "disk_load_s": t.disk_load_s,
             "num_loading": len(self.scheduler.loading),
         }
 

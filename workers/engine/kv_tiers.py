@@ -87,6 +87,8 @@ class TierStats:
     disk_hits: int = 0  # blocks loaded back from disk
     loads: int = 0  # load jobs finished
     load_s: float = 0.0  # their seconds, summed
+    host_load_s: float = 0.0  # seconds spent loading blocks from host memory, summed
+    disk_load_s: float = 0.0  # from disk (read and verified)
     skipped_writes: int = 0  # blocks not written: the disk queue was full
     dropped_files: int = 0  # disk files that failed verification (start-up or load)
 
@@ -367,9 +369,11 @@ class KVTiers:
             with self._lock:
                 entry = self._host.get(meta.block_hash)
                 if entry is not None:
+                    began = time.monotonic()
                     self._host.move_to_end(meta.block_hash)
                     self._copy_in(self._host_data[entry[0]], block_id)  # type: ignore[index]
                     self.stats.host_hits += 1
+                    self.stats.host_load_s += time.monotonic() - began
                     job.loaded += 1
                     continue
                 disk = self._disk.get(meta.block_hash)
@@ -377,6 +381,7 @@ class KVTiers:
                     self._disk.move_to_end(meta.block_hash)
             if disk is None:
                 break  # dropped since ``find``: the rest is computed
+            began = time.monotonic()
             data = _read_file(disk.path, self.layout, self.block_shape, self.dtype, meta.block_hash)
             if data is None:
                 self._drop_bad_file(meta.block_hash, disk.path)
@@ -384,6 +389,7 @@ class KVTiers:
             self._copy_in(data, block_id)
             with self._lock:
                 self.stats.disk_hits += 1
+                self.stats.disk_load_s += time.monotonic() - began
             job.loaded += 1
         with self._lock:
             self.stats.loads += 1

@@ -48,6 +48,8 @@ class EngineStats:
     disk_hits: int = 0
     tier_loads: int = 0
     tier_load_s: float = 0.0
+    host_load_s: float = 0.0  # of those, seconds loading blocks from host memory and from disk
+    disk_load_s: float = 0.0
     num_loading: int = 0
 
     @property
