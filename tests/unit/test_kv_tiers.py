@@ -209,7 +209,7 @@ def test_block_manager_spills_on_free_loads_back_and_leaks_nothing():
         assert bm.find_cached_prefix(again).num_tokens == 0
         metas = bm.find_in_tiers(again, bm.find_cached_prefix(again))
         assert [m.block_hash for m in metas] == bm.block_hashes(again)[:3]
-        job = bm.start_load(metas)
+        job = bm.start_load(metas, bm.find_cached_prefix(again))
         assert job is not None and job.done.wait(10)
         bm.finish_loads()
         cached = bm.find_cached_prefix(again)
@@ -297,3 +297,36 @@ def test_tiers_are_refused_up_front_when_they_cannot_be(tiny_llama, tmp_path):
         LLMEngine(tiny_llama, num_kv_blocks=8, host_kv_gib=100000.0)
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         LLMEngine(tiny_llama, num_kv_blocks=8, host_kv_gib=0.01, enable_prefix_caching=False)
+
+
+def test_a_load_holds_the_device_cached_prefix_it_extends():
+    layers = _layers(4)
+    tiers = _tiers(layers, host=8)
+    bm = BlockManager(4, BLOCK, MODEL_KEY, tiers=tiers)
+    try:
+        first = _seq(range(4 * BLOCK + 1), "a")
+        assert bm.allocate_slots(first, first.num_tokens - 1)  # the 4 full blocks
+        first.num_computed_tokens = 4 * BLOCK
+        bm.cache_full_blocks(first)
+        table = list(first.block_table)
+        bm.free(first)  # all four cached and free; blocks 3, 2 first in line for reuse
+        tiers.wait_idle()
+        other = _seq(range(1000, 1000 + 2 * BLOCK), "b")
+        assert bm.allocate_slots(other, other.num_tokens)  # evicts the chain's last two blocks
+        other.num_computed_tokens = other.num_tokens
+        bm.cache_full_blocks(other)
+        bm.free(other)  # cached too, behind the chain's first two in line for reuse
+        again = _seq(range(4 * BLOCK + 1), "c")
+        cached = bm.find_cached_prefix(again)
+        assert [b.block_id for b in cached.blocks] == table[:2]
+        metas = bm.find_in_tiers(again, cached)
+        assert len(metas) == 2
+        job = bm.start_load(metas, cached)
+        # other's blocks, not the first in line: the cached two the load extends
+        assert job is not None and sorted(job.block_ids) == sorted(table[2:])
+        assert job.done.wait(10)
+        bm.finish_loads()
+        assert bm.find_cached_prefix(again).num_tokens == 4 * BLOCK
+        bm.check_idle()
+    finally:
+        tiers.close()

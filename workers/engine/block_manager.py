@@ -166,19 +166,27 @@ class BlockManager:
         wanted = [(hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs])) for i in range(first, max_blocks)]
         return self.tiers.find(wanted)
 
-    def start_load(self, metas: list[BlockMeta], reserve: int = 0) -> LoadJob | None:
+    def start_load(self, metas: list[BlockMeta], cached: CachedPrefix, reserve: int = 0) -> LoadJob | None:
         """Take free device blocks for ``metas`` (as many as are free beyond ``reserve``) and load
-        them from the tiers in the background. None when no block can be taken."""
+        them from the tiers in the background; the device-cached prefix before them (``cached``)
+        is held by the load too, so that taking blocks cannot evict it. None when no block can be
+        taken (nothing is held then)."""
         assert self.tiers is not None
-        n = min(len(metas), len(self._free) - reserve)
+        revived = sum(1 for b in cached.blocks if b.ref_count == 0)
+        n = min(len(metas), len(self._free) - revived - reserve)
         if n <= 0:
             return None
+        for block in cached.blocks:
+            if block.ref_count == 0:
+                del self._free[block.block_id]
+            block.ref_count += 1
         block_ids = []
         for _ in range(n):
             block = self._pop_free()
             block.ref_count = 1
             block_ids.append(block.block_id)
         job = self.tiers.load(metas[:n], block_ids)
+        job.held = [b.block_id for b in cached.blocks]
         self.loads.append(job)
         return job
 
@@ -200,7 +208,7 @@ class BlockManager:
                 stored.append(meta.block_hash)
             if stored:
                 self.stats.events.append(BlockStored(tuple(stored), job.metas[0].parent_hash))
-            for block_id in reversed(job.block_ids):
+            for block_id in reversed(job.held + job.block_ids):
                 self._release(block_id)
 
     # ------------------------------------------------------------- allocation

@@ -101,6 +101,7 @@ class LoadJob:
     block_ids: list[int]
     done: threading.Event = field(default_factory=threading.Event)
     loaded: int = 0  # leading blocks whose KV is in place (set by the tier thread)
+    held: list[int] = field(default_factory=list)  # device-cached blocks before them, kept meanwhile
     seconds: float = 0.0
 
 

@@ -265,12 +265,14 @@ class Scheduler:
             return False
         if seq.tiers_looked:
             return False
-        seq.tiers_looked = True
         metas = self.block_manager.find_in_tiers(seq, cached)
         if not metas:
+            seq.tiers_looked = True
             return False
         rest = -(-(seq.num_tokens - cached.num_tokens) // self.block_manager.block_size) - len(metas)
-        seq.kv_load = self.block_manager.start_load(metas, reserve=max(rest, 0))
+        seq.kv_load = self.block_manager.start_load(metas, cached, reserve=max(rest, 0))
+        # No room now: admission (which needs more blocks still) waits too; look again next step.
+        seq.tiers_looked = seq.kv_load is not None
         return seq.kv_load is not None
 
     def _uncomputed_full_blocks(self, seq: Sequence) -> list[BlockHash]:
