@@ -216,7 +216,9 @@ class _WorkerServer:
             "num_waiting": state.num_waiting,
         }
         self._load.update(_tier_costs(state, engine.config.block_size, self.role))
-        events = engine.take_events()
+        # Kept in the engine until the publisher exists: a restarted replica's disk tier
+        # announces its blocks before the first step.
+        events = engine.take_events() if self.publisher is not None or not self.args.redis_url else []
         worker = getattr(self, "worker", None)  # idle ticks can start before the worker is assigned
         if worker is not None:  # a decode worker's prompts waiting for KV room wait here too
             self._load["num_waiting"] += worker.stats.kv_waiting

@@ -330,3 +330,24 @@ def test_a_load_holds_the_device_cached_prefix_it_extends():
         bm.check_idle()
     finally:
         tiers.close()
+
+
+def test_a_request_aborted_while_its_blocks_load_leaves_none_held(tiny_llama, tmp_path):
+    prompt, *others = random_prompts((200, 300, 300), seed=5)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    engine = _engine(tiny_llama, tmp_path, host_kv_gib=0.01)
+    try:
+        engine.generate([prompt], params)
+        engine.generate(others, params)
+        engine.kv_tiers.wait_idle()
+        engine.add_request("back", prompt, params)
+        assert engine.step() == []  # its load started; it waits, nothing else runs
+        assert engine.stats().num_loading == 1
+        engine.abort("back")
+        assert engine.has_unfinished()  # the load's blocks still to settle
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.stats().num_free_blocks == engine.num_kv_blocks
+        engine.check_idle()
+    finally:
+        engine.close()

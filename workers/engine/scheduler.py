@@ -98,8 +98,9 @@ class Scheduler:
     # ----------------------------------------------------------------- queries
     @property
     def has_unfinished(self) -> bool:
-        """Anything for ``schedule`` to do: a request waiting or running."""
-        return bool(self.waiting or self.running)
+        """Anything for ``schedule`` to do: a request waiting or running, or a tier load whose
+        blocks ``schedule`` must settle (an aborted request's too)."""
+        return bool(self.waiting or self.running or self.block_manager.loads)
 
     def get(self, request_id: str, status: RequestStatus | None = None) -> Sequence | None:
         """The request, if it is in the engine (and in ``status``, when given)."""
