@@ -340,6 +340,7 @@ def test_a_request_aborted_while_its_blocks_load_leaves_none_held(tiny_llama, tm
         engine.generate([prompt], params)
         engine.generate(others, params)
         engine.kv_tiers.wait_idle()
+        engine.scheduler.idle_load_s = 0.0  # no waiting within the step: the load stays under way
         engine.add_request("back", prompt, params)
         assert engine.step() == []  # its load started; it waits, nothing else runs
         assert engine.stats().num_loading == 1
@@ -348,6 +349,24 @@ def test_a_request_aborted_while_its_blocks_load_leaves_none_held(tiny_llama, tm
         while engine.has_unfinished():
             engine.step()
         assert engine.stats().num_free_blocks == engine.num_kv_blocks
+        engine.check_idle()
+    finally:
+        engine.close()
+
+
+def test_a_short_load_joins_the_step_that_started_it(tiny_llama, tmp_path):
+    prompt, *others = random_prompts((200, 300, 300), seed=5)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    engine = _engine(tiny_llama, tmp_path, host_kv_gib=0.01)
+    try:
+        (cold,) = engine.generate([prompt], params)
+        engine.generate(others, params)
+        engine.kv_tiers.wait_idle()
+        engine.add_request("back", prompt, params)
+        (first,) = engine.step()  # loaded (the engine was idle: nobody waited) and prefilled at once
+        assert first.token_ids == cold.token_ids[:1] and engine.stats().host_hits == 12
+        while engine.has_unfinished():
+            engine.step()
         engine.check_idle()
     finally:
         engine.close()

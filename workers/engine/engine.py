@@ -43,6 +43,8 @@ from workers.models.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
 
+INLINE_LOAD_FRACTION = 0.25  # of the last step's time: the most a step waits for a tier load it starts
+
 
 @dataclass(frozen=True, slots=True)
 class KVReservation:
@@ -558,6 +560,8 @@ class LLMEngine:
             )
             time.sleep(max(0.0, started + lasts - time.monotonic()))
         took = time.monotonic() - started
+        # A tier load may hold the next step up to a fraction of this one's time.
+        self.scheduler.inline_load_s = INLINE_LOAD_FRACTION * took
         self.busy_seconds += took
         self.prefill_tokens_computed += prefill_tokens
         rows = len(out.decodes)

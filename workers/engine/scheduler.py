@@ -91,6 +91,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Seconds a step may wait for a tier load it starts (the engine sets it from its step
+        # time; 0: never, the request joins a later step).
+        self.inline_load_s = 0.0
+        self.idle_load_s = 1.0  # the same when no sequence is running: it delays nobody
         # Counted once per request, at its first admission (``_count_prefix_lookup``).
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found cached
@@ -231,6 +235,9 @@ class Scheduler:
             if self._loading_from_tiers(seq, cached):
                 w += 1  # admitted once its blocks are back in the device pool; the batch goes on
                 continue
+            if seq.kv_load is False:  # its load just ended within this step: the cache has it now
+                seq.kv_load = None
+                cached = self.block_manager.find_cached_prefix(seq)
             num_new = min(seq.num_tokens - cached.num_tokens, budget, self.max_chunk_tokens)
             if not self.block_manager.allocate_slots(seq, num_new, cached):
                 break
@@ -271,10 +278,20 @@ class Scheduler:
             seq.tiers_looked = True
             return False
         rest = -(-(seq.num_tokens - cached.num_tokens) // self.block_manager.block_size) - len(metas)
-        seq.kv_load = self.block_manager.start_load(metas, cached, reserve=max(rest, 0))
+        job = self.block_manager.start_load(metas, cached, reserve=max(rest, 0))
         # No room now: admission (which needs more blocks still) waits too; look again next step.
-        seq.tiers_looked = seq.kv_load is not None
-        return seq.kv_load is not None
+        seq.tiers_looked = job is not None
+        if job is None:
+            return False
+        # A short load is waited for here, so the request joins this step rather than the next:
+        # the batch loses at most ``inline_load_s``, the request a whole step.
+        allowance = self.inline_load_s if self.running else self.idle_load_s  # idle: nobody waits for it
+        if allowance > 0 and job.done.wait(allowance):
+            self.block_manager.finish_loads()
+            seq.kv_load = False  # loaded: the caller looks the cache up again
+            return False
+        seq.kv_load = job
+        return True
 
     def _uncomputed_full_blocks(self, seq: Sequence) -> list[BlockHash]:
         """Hashes of the sequence's full blocks that are not computed yet: what its prefill

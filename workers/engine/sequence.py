@@ -70,7 +70,8 @@ class Sequence:
     num_dropped_blocks: int = 0  # leading table entries released (sliding window): NULL_BLOCK
     num_cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
     num_preemptions: int = 0
-    # Waiting for blocks a lower KV tier is loading (``BlockManager.start_load``): a LoadJob.
+    # Waiting for blocks a lower KV tier is loading (``BlockManager.start_load``): a LoadJob
+    # (False for the moment between a load that ended within the step and the cache look-up).
     # ``tiers_looked``: this admission attempt already looked in the tiers (one load per attempt).
     kv_load: Any = None
     tiers_looked: bool = False
