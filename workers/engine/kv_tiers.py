@@ -259,14 +259,27 @@ class KVTiers:
         self._jobs.put((priority, next(self._seq), job))
 
     def _run(self) -> None:
+        held_back = None  # a job taken while gathering spills, run next
         while True:
-            _, _, job = self._jobs.get()
+            item = held_back or self._jobs.get()
+            held_back = None
+            job = item[2]
             if job is None:
                 return
+            batch = [job]
+            while job[0] == "spill":  # the spills queued now go in one batch (one copy per layer)
+                try:
+                    nxt = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt[2] is None or nxt[2][0] != "spill":
+                    held_back = nxt
+                    break
+                batch.append(nxt[2])
             try:
                 kind = job[0]
                 if kind == "spill":
-                    self._spill(job[1], job[2])
+                    self._spill([(b[1], b[2]) for b in batch])
                 elif kind == "write":
                     self._write(job[1], job[2])
                 else:
@@ -277,18 +290,52 @@ class KVTiers:
                     job[1].done.set()
             finally:
                 with self._idle:
-                    self._pending -= 1
+                    self._pending -= len(batch)
                     if self._pending == 0:
                         self._idle.notify_all()
 
-    def _spill(self, block_id: int, meta: BlockMeta) -> None:
+    def _spill(self, blocks: list[tuple[int, BlockMeta]]) -> None:
+        writes = []
         with self._lock:
-            if self._offered.get(block_id) != meta.block_hash:
-                return  # evicted meanwhile (``evict`` made the copy) or revived and re-offered
-            del self._offered[block_id]
-            payload = self._capture(block_id, meta)
-        if payload is not None:
+            # evicted meanwhile (``evict`` made the copy) or revived and offered again: skipped
+            blocks = [(b, m) for b, m in blocks if self._offered.get(b) == m.block_hash]
+            for block_id, _ in blocks:
+                del self._offered[block_id]
+            host = self._host_data
+            if host is not None:
+                todo = [(b, m) for b, m in dict((m.block_hash, (b, m)) for b, m in blocks).values()]
+                todo = [(b, m) for b, m in todo if m.block_hash not in self._host][: self.stats.host_capacity]
+                slots = []
+                for _ in todo:
+                    if not self._host_free:
+                        self._drop_host_lru()
+                    slots.append(self._host_free.pop())
+                if todo:
+                    self._copy_out_many([b for b, _ in todo], slots)
+                for (_, meta), slot in zip(todo, slots):
+                    self._host[meta.block_hash] = (slot, meta)
+                    self._events.append(BlockStored((meta.block_hash,), meta.parent_hash, HOST))
+                self.stats.host_spills += len(todo)
+                self._count()
+            for block_id, meta in blocks:
+                payload = self._capture(block_id, meta)  # host copies made above: only disk bytes now
+                if payload is not None:
+                    writes.append((payload, meta))
+        for payload, meta in writes:
             self._write(payload, meta)
+
+    def _copy_out_many(self, block_ids: list[int], slots: list[int]) -> None:
+        """Lock held: device blocks ``block_ids`` into host slots ``slots``, one gather per layer."""
+        host = self._host_data
+        assert host is not None
+        src = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        dst = torch.tensor(slots, dtype=torch.long)
+        with self._on_stream():
+            for layer, cache in enumerate(self.layers):
+                rows = torch.index_select(cache, 1, src).transpose(0, 1)  # [n, 2, rows, heads, dim]
+                host[:, layer].index_copy_(0, dst, rows.to("cpu", non_blocking=self._stream is not None))
+            if self._stream is not None:
+                self._stream.synchronize()
 
     def _capture(self, block_id: int, meta: BlockMeta) -> torch.Tensor | None:
         """Lock held: copy the device block into a host slot if there is a host tier and the
@@ -329,6 +376,18 @@ class KVTiers:
             if self._stream is not None:
                 self._stream.synchronize()
 
+    def _copy_in_many(self, per_layer: list[torch.Tensor], slots: list[int], block_ids: list[int]) -> None:
+        """``per_layer[l]``: host slots' layer ``l`` (``[slots, 2, rows, heads, dim]``); copy slots
+        ``slots`` into device blocks ``block_ids``, one gather and one scatter per layer."""
+        src = torch.tensor(slots, dtype=torch.long)
+        dst = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        with self._on_stream():
+            for cache, data in zip(self.layers, per_layer):
+                rows = torch.index_select(data, 0, src).transpose(0, 1)  # [2, n, rows, heads, dim]
+                cache.index_copy_(1, dst, rows.to(self.device, non_blocking=self._stream is not None))
+            if self._stream is not None:
+                self._stream.synchronize()
+
     def _on_stream(self):
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
@@ -366,17 +425,25 @@ class KVTiers:
 
     def _load(self, job: LoadJob) -> None:
         started = time.monotonic()
-        for meta, block_id in zip(job.metas, job.block_ids):
-            with self._lock:
+        pairs = list(zip(job.metas, job.block_ids))
+        with self._lock:  # the leading run in host memory: one batched copy per layer
+            slots = []
+            for meta, _ in pairs:
                 entry = self._host.get(meta.block_hash)
-                if entry is not None:
-                    began = time.monotonic()
-                    self._host.move_to_end(meta.block_hash)
-                    self._copy_in(self._host_data[entry[0]], block_id)  # type: ignore[index]
-                    self.stats.host_hits += 1
-                    self.stats.host_load_s += time.monotonic() - began
-                    job.loaded += 1
-                    continue
+                if entry is None:
+                    break
+                self._host.move_to_end(meta.block_hash)
+                slots.append(entry[0])
+            if slots:
+                host = self._host_data
+                assert host is not None
+                per_layer = [host[:, layer] for layer in range(len(self.layers))]
+                self._copy_in_many(per_layer, slots, job.block_ids[: len(slots)])
+                self.stats.host_hits += len(slots)
+                self.stats.host_load_s += time.monotonic() - started
+                job.loaded = len(slots)
+        for meta, block_id in pairs[len(slots) :]:  # then disk, block by block
+            with self._lock:
                 disk = self._disk.get(meta.block_hash)
                 if disk is not None:
                     self._disk.move_to_end(meta.block_hash)
