@@ -370,3 +370,25 @@ def test_a_short_load_joins_the_step_that_started_it(tiny_llama, tmp_path):
         engine.check_idle()
     finally:
         engine.close()
+
+
+def test_evicting_a_block_the_thread_is_copying_waits_for_the_copy():
+    import threading
+
+    layers = _layers(4)
+    tiers = _tiers(layers, host=4)
+    meta = _meta(0)
+    try:
+        with tiers._lock:
+            tiers._copying.add(1)  # as the tier thread marks a batch it copies outside the lock
+        evicting = threading.Thread(target=tiers.evict, args=(1, meta))
+        evicting.start()
+        evicting.join(0.3)
+        assert evicting.is_alive()  # the device block must not be handed out mid-copy
+        with tiers._lock:
+            tiers._copying.clear()
+            tiers._copied.notify_all()
+        evicting.join(5)
+        assert not evicting.is_alive() and tiers.held()[HOST] == [meta.block_hash]
+    finally:
+        tiers.close()

@@ -149,6 +149,11 @@ class KVTiers:
         self._disk: OrderedDict[BlockHash, _DiskEntry] = OrderedDict()
         self._writing: set[BlockHash] = set()  # disk writes queued or under way
         self._offered: dict[int, BlockHash] = {}  # device block -> hash, offered and not yet evicted
+        # Copies made outside the lock: device blocks being read (``evict`` waits for them) and
+        # host slots being read (never dropped meanwhile).
+        self._copying: set[int] = set()
+        self._reading: set[int] = set()
+        self._copied = threading.Condition(self._lock)
         self._dir: Path | None = None
         self._dir_lock = None
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -182,6 +187,8 @@ class KVTiers:
         """The device pool reuses ``block_id`` (which holds ``meta``'s KV) now: make sure a lower
         tier has its copy before the caller overwrites it."""
         with self._lock:
+            while block_id in self._copying:  # the thread is reading it right now
+                self._copied.wait()
             self._offered.pop(block_id, None)
             payload = self._capture(block_id, meta)
         if payload is not None:
@@ -301,31 +308,47 @@ class KVTiers:
             blocks = [(b, m) for b, m in blocks if self._offered.get(b) == m.block_hash]
             for block_id, _ in blocks:
                 del self._offered[block_id]
-            host = self._host_data
-            if host is not None:
-                todo = [(b, m) for b, m in dict((m.block_hash, (b, m)) for b, m in blocks).values()]
-                todo = [(b, m) for b, m in todo if m.block_hash not in self._host][: self.stats.host_capacity]
-                slots = []
+            todo: list[tuple[int, BlockMeta]] = []
+            slots: list[int] = []
+            if self._host_data is not None:
+                unique = dict((m.block_hash, (b, m)) for b, m in blocks).values()
+                todo = [(b, m) for b, m in unique if m.block_hash not in self._host]
                 for _ in todo:
-                    if not self._host_free:
-                        self._drop_host_lru()
+                    if not self._host_free and not self._drop_host_lru():
+                        break
                     slots.append(self._host_free.pop())
-                if todo:
-                    self._copy_out_many([b for b, _ in todo], slots)
-                for (_, meta), slot in zip(todo, slots):
-                    self._host[meta.block_hash] = (slot, meta)
-                    self._events.append(BlockStored((meta.block_hash,), meta.parent_hash, HOST))
-                self.stats.host_spills += len(todo)
-                self._count()
+                todo = todo[: len(slots)]
+                self._copying.update(b for b, _ in todo)
+        copied = False
+        if todo:  # outside the lock: the engine thread's offers and look-ups do not wait for it
+            try:
+                self._copy_out_many([b for b, _ in todo], slots)
+                copied = True
+            finally:
+                with self._lock:  # registered before ``evict`` may look for them
+                    if copied:
+                        for (_, meta), slot in zip(todo, slots):
+                            self._host[meta.block_hash] = (slot, meta)
+                            self._events.append(BlockStored((meta.block_hash,), meta.parent_hash, HOST))
+                        self.stats.host_spills += len(todo)
+                        self._count()
+                    else:
+                        self._host_free.extend(slots)
+                    self._copying.clear()
+                    self._copied.notify_all()
+        with self._lock:
             for block_id, meta in blocks:
-                payload = self._capture(block_id, meta)  # host copies made above: only disk bytes now
+                if self._host_data is not None and meta.block_hash not in self._host:
+                    continue  # no host slot was free: ``evict`` copies it when the block is reused
+                payload = self._capture(block_id, meta)  # in host now: the disk's bytes, if any
                 if payload is not None:
                     writes.append((payload, meta))
         for payload, meta in writes:
             self._write(payload, meta)
 
     def _copy_out_many(self, block_ids: list[int], slots: list[int]) -> None:
-        """Lock held: device blocks ``block_ids`` into host slots ``slots``, one gather per layer."""
+        """Device blocks ``block_ids`` (in ``_copying``) into host slots ``slots`` (taken, not yet
+        in the table), one gather per layer."""
         host = self._host_data
         assert host is not None
         src = torch.tensor(block_ids, dtype=torch.long, device=self.device)
@@ -341,9 +364,7 @@ class KVTiers:
         """Lock held: copy the device block into a host slot if there is a host tier and the
         block is not there yet; returns the bytes to write to disk, if the disk tier wants them."""
         block_hash = meta.block_hash
-        if self._host_data is not None and block_hash not in self._host:
-            if not self._host_free:
-                self._drop_host_lru()
+        if self._host_data is not None and block_hash not in self._host and (self._host_free or self._drop_host_lru()):
             slot = self._host_free.pop()
             self._copy_out(block_id, self._host_data[slot])
             self._host[block_hash] = (slot, meta)
@@ -356,7 +377,7 @@ class KVTiers:
             self.stats.skipped_writes += 1
             return None
         self._writing.add(block_hash)
-        if self._host_data is not None:
+        if self._host_data is not None and block_hash in self._host:
             return self._host_data[self._host[block_hash][0]].clone()
         out = torch.empty(self.block_shape, dtype=self.dtype)
         self._copy_out(block_id, out)
@@ -391,10 +412,15 @@ class KVTiers:
     def _on_stream(self):
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
-    def _drop_host_lru(self) -> None:
-        block_hash, (slot, _) = self._host.popitem(last=False)
-        self._host_free.append(slot)
-        self._events.append(BlockRemoved((block_hash,), HOST))
+    def _drop_host_lru(self) -> bool:
+        """Lock held: free the least recently used host slot not being read; False if none."""
+        for block_hash, (slot, _) in self._host.items():
+            if slot not in self._reading:
+                del self._host[block_hash]
+                self._host_free.append(slot)
+                self._events.append(BlockRemoved((block_hash,), HOST))
+                return True
+        return False
 
     def _touch(self, block_hash: BlockHash) -> None:
         if block_hash in self._host:
@@ -434,14 +460,19 @@ class KVTiers:
                     break
                 self._host.move_to_end(meta.block_hash)
                 slots.append(entry[0])
-            if slots:
-                host = self._host_data
-                assert host is not None
-                per_layer = [host[:, layer] for layer in range(len(self.layers))]
-                self._copy_in_many(per_layer, slots, job.block_ids[: len(slots)])
+            self._reading.update(slots)
+        if slots:  # outside the lock (its slots are not dropped meanwhile)
+            host = self._host_data
+            assert host is not None
+            try:
+                self._copy_in_many([host[:, layer] for layer in range(len(self.layers))], slots, job.block_ids)
+            finally:
+                with self._lock:
+                    self._reading.difference_update(slots)
+            with self._lock:
                 self.stats.host_hits += len(slots)
                 self.stats.host_load_s += time.monotonic() - started
-                job.loaded = len(slots)
+            job.loaded = len(slots)
         for meta, block_id in pairs[len(slots) :]:  # then disk, block by block
             with self._lock:
                 disk = self._disk.get(meta.block_hash)
