@@ -10,7 +10,8 @@ tiers), each run with tiers off, a host tier, and a disk tier only, in the same 
   ``--device-room`` of them (plus the running requests' own tokens). Each request is a
   tenant's system prompt plus ``--user-len`` fresh tokens, the tenant drawn from a Zipf law
   (``--zipf``); ``--concurrency`` requests in flight, each generating ``--max-tokens`` tokens
-  (ignore_eos). Reported: TTFT p50/p99 (add_request to the first token), output tokens/s, and
+  (ignore_eos); or, with ``--rate``, Poisson arrivals at that rate (open loop: the same offered
+  load for every setting, TTFT from each arrival). Reported: TTFT p50/p99, output tokens/s, and
   prompt tokens served from a tier or the device cache.
 - **returning conversations**: ``--users`` conversations of ``--history-len`` tokens each run
   one turn, one after another (so each evicts earlier ones from the device pool), then each user
@@ -60,8 +61,9 @@ def _engine(model: str, num_blocks: int, setting: str, tier_gib: float, tmp: str
     )
 
 
-def _run(engine, requests: list[list[int]], max_tokens: int, concurrency: int) -> dict:
-    """Closed loop: ``concurrency`` requests in flight; TTFT per request, output tokens/s."""
+def _run(engine, requests: list[list[int]], max_tokens: int, concurrency: int, rate: float | None = None) -> dict:
+    """Closed loop (``concurrency`` requests in flight), or open loop with ``rate`` (Poisson
+    arrivals a second, TTFT counted from the arrival); TTFT per request, output tokens/s."""
     from workers.engine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -71,12 +73,21 @@ def _run(engine, requests: list[list[int]], max_tokens: int, concurrency: int) -
     cached: dict[str, int] = {}
     out_tokens = 0
     t0 = time.monotonic()
+    arrivals = random.Random(1)
+    due = t0
     while pending or engine.has_unfinished():
-        while pending and len(started) - len(cached) < concurrency:
+        while pending and (
+            (rate is None and len(started) - len(cached) < concurrency)
+            or (rate is not None and time.monotonic() >= due)
+        ):
             i, prompt = pending.pop(0)
             rid = f"r{i}"
             engine.add_request(rid, prompt, params)
-            started[rid] = time.monotonic()
+            started[rid] = due if rate is not None else time.monotonic()
+            if rate is not None:
+                due += arrivals.expovariate(rate)
+        if rate is not None and not engine.has_unfinished() and pending:
+            time.sleep(max(0.0, due - time.monotonic()))
         for out in engine.step():
             out_tokens += len(out.new_token_ids)
             if out.request_id not in ttft and out.token_ids:
@@ -115,7 +126,7 @@ def many_tenants(args, model: str, tmp: str) -> dict[str, dict]:
             _run(engine, [systems[t] + [7] for t in warm_order], 1, 1)
             if engine.kv_tiers is not None:
                 engine.kv_tiers.wait_idle()
-            results[setting] = _run(engine, requests, args.max_tokens, args.concurrency)
+            results[setting] = _run(engine, requests, args.max_tokens, args.concurrency, args.rate)
             results[setting]["stats"] = engine.stats()
         finally:
             engine.close()
@@ -173,7 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device-room", type=int, default=8, help="system prompts the device pool holds")
     ap.add_argument("--user-len", type=int, default=32)
     ap.add_argument("--requests", type=int, default=96)
-    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=4, help="closed loop: requests in flight")
+    ap.add_argument("--rate", type=float, default=None, help="open loop instead: requests a second (Poisson)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--zipf", type=float, default=1.0)
     ap.add_argument("--users", type=int, default=8)
