@@ -228,6 +228,15 @@ def _engine(model_dir, tmp_path, **tiers) -> LLMEngine:
     return LLMEngine(model_dir, num_kv_blocks=24, block_size=16, max_num_batched_tokens=512, **tiers)
 
 
+def _pushed_out(engine: LLMEngine, prompt, others, params):
+    """Run ``prompt`` cold, then ``others`` (600 tokens through the 384-token pool: the prompt's
+    blocks leave it for the tiers); the cold output."""
+    (cold,) = engine.generate([prompt], params)
+    engine.generate(others, params)
+    engine.kv_tiers.wait_idle()
+    return cold
+
+
 def test_engine_serves_an_evicted_prefix_from_host_and_from_disk_exactly(tiny_llama, tmp_path):
     prompt, *others = random_prompts((200, 300, 300), seed=7)
     expected = hf_greedy(tiny_llama, tuple(prompt), 8)
@@ -235,10 +244,8 @@ def test_engine_serves_an_evicted_prefix_from_host_and_from_disk_exactly(tiny_ll
     for tiers in ({"host_kv_gib": 0.01}, {"disk_kv_gib": 0.01, "disk_kv_path": str(tmp_path / "d")}):
         engine = _engine(tiny_llama, tmp_path, **tiers)
         try:
-            (cold,) = engine.generate([prompt], params)
+            cold = _pushed_out(engine, prompt, others, params)
             assert cold.token_ids == expected and cold.num_cached_tokens == 0
-            engine.generate(others, params)  # 600 tokens through a 384-token pool: the prompt's blocks go
-            engine.kv_tiers.wait_idle()
             assert engine.block_manager.find_cached_prefix(_seq(prompt)).num_tokens == 0
             (warm,) = engine.generate([prompt], params)
             assert warm.token_ids == expected
@@ -279,9 +286,7 @@ def test_quantized_cache_blocks_come_back_with_their_scales(tiny_llama, tmp_path
     plain.close()
     engine = _engine(tiny_llama, tmp_path, kv_cache_dtype="int8", host_kv_gib=0.01)
     try:
-        engine.generate([prompt], params)
-        engine.generate(others, params)
-        engine.kv_tiers.wait_idle()
+        _pushed_out(engine, prompt, others, params)
         (warm,) = engine.generate([prompt], params)
         assert warm.num_cached_tokens == 192 and warm.token_ids == expected.token_ids
     finally:
@@ -337,9 +342,7 @@ def test_a_request_aborted_while_its_blocks_load_leaves_none_held(tiny_llama, tm
     params = SamplingParams(max_tokens=2, temperature=0.0)
     engine = _engine(tiny_llama, tmp_path, host_kv_gib=0.01)
     try:
-        engine.generate([prompt], params)
-        engine.generate(others, params)
-        engine.kv_tiers.wait_idle()
+        _pushed_out(engine, prompt, others, params)
         engine.scheduler.idle_load_s = 0.0  # no waiting within the step: the load stays under way
         engine.add_request("back", prompt, params)
         assert engine.step() == []  # its load started; it waits, nothing else runs
@@ -359,9 +362,7 @@ def test_a_short_load_joins_the_step_that_started_it(tiny_llama, tmp_path):
     params = SamplingParams(max_tokens=2, temperature=0.0)
     engine = _engine(tiny_llama, tmp_path, host_kv_gib=0.01)
     try:
-        (cold,) = engine.generate([prompt], params)
-        engine.generate(others, params)
-        engine.kv_tiers.wait_idle()
+        cold = _pushed_out(engine, prompt, others, params)
         engine.add_request("back", prompt, params)
         (first,) = engine.step()  # loaded (the engine was idle: nobody waited) and prefilled at once
         assert first.token_ids == cold.token_ids[:1] and engine.stats().host_hits == 12
