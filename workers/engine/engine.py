@@ -30,7 +30,7 @@ from workers.engine.assemble import assemble, plan_context
 from workers.engine.block_manager import NULL_BLOCK, BlockManager, CachedPrefix, first_window_block
 from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer, find_stop_cut
-from workers.engine.kv_tiers import KVTiers
+from workers.engine.kv_tiers import KVTiers, block_nbytes
 from workers.engine.logits_processors import apply_logits_processors
 from workers.engine.sampler import sample
 from workers.engine.sampling_params import SamplingParams
@@ -738,8 +738,7 @@ def _make_tiers(cfg: EngineConfig, kv, model_key: str) -> KVTiers | None:
     host memory cannot hold the host tier."""
     if not cfg.has_kv_tiers:
         return None
-    first = kv.layers[0]
-    block_bytes = first[:, 0].numel() * first.element_size() * len(kv.layers)
+    block_bytes = block_nbytes(kv.layers)
     host_blocks = int(cfg.host_kv_gib * 2**30 // block_bytes)
     disk_blocks = int(cfg.disk_kv_gib * 2**30 // block_bytes)
     if cfg.host_kv_gib and not host_blocks or cfg.disk_kv_gib and not disk_blocks:

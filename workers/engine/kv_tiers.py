@@ -134,7 +134,6 @@ class KVTiers:
         self.device = first.device
         self.block_shape = (len(self.layers), *first[:, 0].shape)  # [layers, 2, rows, heads, dim]
         self.dtype = first.dtype
-        self.block_bytes = first[:, 0].numel() * first.element_size() * len(self.layers)
         self.stats = TierStats(host_capacity=host_blocks, disk_capacity=disk_blocks)
         self._lock = threading.Lock()
         self._events: list[KVEvent] = []
@@ -530,6 +529,12 @@ class KVTiers:
     def _count(self) -> None:
         self.stats.host_blocks = len(self._host)
         self.stats.disk_blocks = len(self._disk)
+
+
+def block_nbytes(kv_layers: Seq[torch.Tensor]) -> int:
+    """Bytes one block takes over every layer, K and V (a tier slot, a file's payload)."""
+    first = kv_layers[0]
+    return first[:, 0].numel() * first.element_size() * len(kv_layers)
 
 
 # ------------------------------------------------------------------ disk files
